@@ -1,0 +1,156 @@
+"""Typed surface of the Rust engine (`bsr_io._core`).
+
+The engine owns one anonymous, page-aligned mapping cut into `window` slots of
+`slot_bytes` each. A slot is lent out as a `Slot` object; bytes move between
+slots and files by io_uring (or a pread/pwrite pool) with O_DIRECT where the
+filesystem allows it. A slot returns to the free ring only when its `Slot`
+object is garbage collected: every numpy array or torch tensor viewing it keeps
+it alive, so a slot is never refilled while a view exists.
+"""
+
+from collections.abc import Buffer
+from os import PathLike
+
+class BsrIoError(OSError):
+    """Root of engine errors; `errno` is set where the kernel gave one."""
+
+class AlignmentError(BsrIoError):
+    """O_DIRECT refused an offset, length or address (EINVAL)."""
+
+class ShortReadError(BsrIoError):
+    """The file ended before the requested range did."""
+
+class EngineClosedError(BsrIoError):
+    """The engine was closed; no further I/O is accepted."""
+
+class BackendUnavailable(BsrIoError):
+    """The requested backend cannot run on this kernel or under these limits."""
+
+class NoFreeSlot(BsrIoError):
+    """All `window` slots are leased or in flight (errno EAGAIN)."""
+
+class File:
+    """An open file used by the engine (O_DIRECT unless the filesystem refused it)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def size(self) -> int:
+        """Size in bytes at open time, updated by writes through the engine."""
+    @property
+    def direct(self) -> bool:
+        """True when opened with O_DIRECT; False when the filesystem refused it."""
+    @property
+    def writable(self) -> bool: ...
+    @property
+    def alignment(self) -> int:
+        """Offset/length alignment required by this file (STATX_DIOALIGN or fallback)."""
+    def fileno(self) -> int: ...
+    def sync(self) -> None:
+        """fdatasync the file."""
+    def truncate(self, size: int) -> None: ...
+    def close(self) -> None:
+        """Close now; later I/O on this file raises. Also closed when collected."""
+
+class Slot:
+    """One staging slot, lent to Python. Supports the buffer protocol (writable).
+
+    `len(slot)` is the number of valid bytes (what the last read filled, or what
+    the caller set with `set_length`), at most `capacity`.
+    """
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def address(self) -> int:
+        """Address of the slot's first byte (for CUDA registration checks)."""
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def set_length(self, length: int) -> None:
+        """Declare how many bytes are valid (for writes filled from Python)."""
+    def checksum(self, offset: int = 0, length: int | None = None) -> int:
+        """xxh3-64 of slot bytes [offset, offset+length), GIL released."""
+    def fill_from(self, data: Buffer, offset: int = 0) -> None:
+        """Copy bytes into the slot at `offset` (GIL released)."""
+
+class Pending:
+    """An in-flight read or write. The slot is owned by the operation until done."""
+
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> Slot:
+        """Block (GIL released) until complete; returns the slot. Raises the I/O error
+        if the operation failed (the slot is then returned to the ring), TimeoutError
+        when `timeout` passes first (the operation keeps its slot until it completes)."""
+
+class Engine:
+    def __init__(
+        self,
+        window: int,
+        slot_bytes: int,
+        *,
+        queue_depth: int = 32,
+        request_bytes: int = 1 << 20,
+        backend: str | None = None,
+    ) -> None:
+        """`backend`: None/"auto" (or env BSR_IO_BACKEND), "io_uring" (fixed buffers
+        and registered files where allowed), "io_uring_plain", "pread".
+        Raises ValueError for window < 1, slot_bytes == 0, queue_depth < 1,
+        request_bytes not a positive multiple of 4096; BackendUnavailable when an
+        explicitly requested backend cannot start."""
+    @property
+    def backend(self) -> str:
+        """"io_uring" or "pread": the path actually taken."""
+    @property
+    def features(self) -> dict[str, bool | int | str]:
+        """What the probe found: fixed_buffers, registered_files, mlock, hugepages,
+        queue_depth, request_bytes, and `notes` (why something was skipped)."""
+    @property
+    def window(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int:
+        """Slot size after rounding up to the alignment (4096)."""
+    @property
+    def arena_address(self) -> int: ...
+    @property
+    def arena_bytes(self) -> int: ...
+    def open(
+        self, path: str | PathLike[str], *, write: bool = False, create: bool = False,
+        direct: bool = True,
+    ) -> File:
+        """Open for the engine. Falls back to buffered I/O (File.direct False) where
+        O_DIRECT is refused. create=True creates with mode 0600 (implies write)."""
+    def lease(self) -> Slot:
+        """Take a free slot to fill from Python (save path). Raises NoFreeSlot."""
+    def submit_read(self, file: File, offset: int, length: int) -> Pending:
+        """Read exactly `length` bytes at `offset` into a free slot. Raises NoFreeSlot
+        when none is free, ValueError for negative offset / length 0 / length above
+        slot_bytes. The pending result raises ShortReadError if the file is shorter."""
+    def read(self, file: File, offset: int, length: int) -> Slot:
+        """submit_read + wait."""
+    def submit_write(
+        self, slot: Slot, file: File, offset: int, length: int | None = None
+    ) -> Pending:
+        """Write slot bytes [0, length) (default len(slot)) at `offset`. On an O_DIRECT
+        file an unaligned length is padded with zeros to the alignment and the file is
+        truncated back to offset+length if that is its new end. The slot stays leased
+        by the caller; it cannot be released until the write completes."""
+    def write(self, slot: Slot, file: File, offset: int, length: int | None = None) -> int: ...
+    def free_slots(self) -> int: ...
+    def live_bytes(self) -> int:
+        """Staging bytes now leased or in flight (slot_bytes per such slot)."""
+    def peak_bytes(self) -> int:
+        """Highest live_bytes since construction or reset_peak()."""
+    def reset_peak(self) -> None: ...
+    def close(self) -> None:
+        """Stop accepting I/O (waits for in-flight operations). The mapping lives on
+        until the last Slot is collected."""
+    def __enter__(self) -> Engine: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+def xxh3_64(data: Buffer) -> int:
+    """xxh3-64 of any contiguous buffer, GIL released."""
+
+def dio_alignment(path: str | PathLike[str]) -> tuple[int, int]:
+    """(memory alignment, offset alignment) for O_DIRECT on `path`'s filesystem."""
