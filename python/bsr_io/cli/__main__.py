@@ -1,0 +1,5 @@
+import sys
+
+from bsr_io.cli import main
+
+sys.exit(main())
