@@ -359,3 +359,30 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+class Engines:
+    """Builds engines with unique instance ids and destroys them all at `close()`."""
+
+    def __init__(self, shape: Shape | None = None) -> None:
+        self.shape = shape or Shape()
+        self._ids: list[str] = []
+
+    def __call__(self, l1_chunks: int, disk=None, settings: dict | None = None, metadata=None):
+        cfg = dict(settings or {})
+        if disk is not None:
+            cfg.setdefault("local_disk", f"file://{disk}")
+            cfg.setdefault("max_local_disk_size", 1.0)
+        iid = f"bsr-{os.getpid()}-{len(self._ids)}-{time.monotonic_ns()}"
+        engine = build_engine(
+            iid,
+            self.shape,
+            make_config(self.shape, l1_chunks * self.shape.chunk_bytes, cfg),
+            metadata,
+        )
+        self._ids.append(iid)
+        return engine
+
+    def close(self) -> None:
+        while self._ids:
+            destroy_engine(self._ids.pop())
