@@ -12,13 +12,17 @@ from bsr_io._core import (
     Engine,
     EngineClosedError,
     File,
+    FileMissingError,
+    FilePermissionError,
     NoFreeSlot,
+    NoSpaceError,
     Pending,
     ShortReadError,
     Slot,
     dio_alignment,
     xxh3_64,
 )
+from bsr_io.engine import as_numpy, as_tensor, register_cuda, unregister_cuda
 
 __version__ = "0.1.0"
 
@@ -29,11 +33,18 @@ __all__ = [
     "Engine",
     "EngineClosedError",
     "File",
+    "FileMissingError",
+    "FilePermissionError",
     "NoFreeSlot",
+    "NoSpaceError",
     "Pending",
     "ShortReadError",
     "Slot",
     "__version__",
+    "as_numpy",
+    "as_tensor",
     "dio_alignment",
+    "register_cuda",
+    "unregister_cuda",
     "xxh3_64",
 ]

@@ -29,6 +29,15 @@ class BackendUnavailable(BsrIoError):
 class NoFreeSlot(BsrIoError):
     """All `window` slots are leased or in flight (errno EAGAIN)."""
 
+class NoSpaceError(BsrIoError):
+    """The device is full (errno ENOSPC)."""
+
+class FileMissingError(BsrIoError, FileNotFoundError):
+    """The file does not exist (errno ENOENT)."""
+
+class FilePermissionError(BsrIoError, PermissionError):
+    """Access to the file was refused (errno EACCES or EPERM)."""
+
 class File:
     """An open file used by the engine (O_DIRECT unless the filesystem refused it)."""
 
@@ -51,12 +60,16 @@ class File:
     def truncate(self, size: int) -> None: ...
     def close(self) -> None:
         """Close now; later I/O on this file raises. Also closed when collected."""
+    def __enter__(self) -> File: ...
+    def __exit__(self, *exc: object) -> None: ...
 
 class Slot:
     """One staging slot, lent to Python. Supports the buffer protocol (writable).
 
     `len(slot)` is the number of valid bytes (what the last read filled, or what
-    the caller set with `set_length`), at most `capacity`.
+    the caller set with `set_length`), at most `capacity`. A slot from `lease()`
+    starts with `len(slot) == capacity`. The buffer export covers `len(slot)` bytes
+    and keeps this Slot alive (`view.obj` is the Slot).
     """
 
     @property
@@ -101,7 +114,7 @@ class Engine:
         explicitly requested backend cannot start."""
     @property
     def backend(self) -> str:
-        """"io_uring" or "pread": the path actually taken."""
+        """ "io_uring" or "pread": the path actually taken."""
     @property
     def features(self) -> dict[str, bool | int | str]:
         """What the probe found: fixed_buffers, registered_files, mlock, hugepages,
@@ -116,7 +129,11 @@ class Engine:
     @property
     def arena_bytes(self) -> int: ...
     def open(
-        self, path: str | PathLike[str], *, write: bool = False, create: bool = False,
+        self,
+        path: str | PathLike[str],
+        *,
+        write: bool = False,
+        create: bool = False,
         direct: bool = True,
     ) -> File:
         """Open for the engine. Falls back to buffered I/O (File.direct False) where
@@ -146,6 +163,8 @@ class Engine:
     def close(self) -> None:
         """Stop accepting I/O (waits for in-flight operations). The mapping lives on
         until the last Slot is collected."""
+    @property
+    def closed(self) -> bool: ...
     def __enter__(self) -> Engine: ...
     def __exit__(self, *exc: object) -> None: ...
 

@@ -1,0 +1,92 @@
+"""Zero-copy numpy and torch views of engine slots, and CUDA host registration.
+
+Every view made here holds a reference to the `Slot` (numpy through the buffer
+export, whose `obj` is the Slot; torch through the object it was built from), so a
+slot is never refilled while a view of it is alive.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from bsr_io._core import Engine, Slot
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["as_numpy", "as_tensor", "register_cuda", "unregister_cuda"]
+
+
+def _count(nbytes: int, itemsize: int, what: str) -> int:
+    if nbytes % itemsize:
+        raise ValueError(f"{what}: {nbytes} bytes is not a whole number of {itemsize}-byte items")
+    return nbytes // itemsize
+
+
+def as_numpy(slot: Slot, dtype: Any = np.uint8, count: int | None = None) -> np.ndarray:
+    """A writable 1-D array over the slot's valid bytes (or its first `count` items)."""
+    dt = np.dtype(dtype)
+    available = _count(len(slot), dt.itemsize, "as_numpy") if count is None else count
+    if available < 0 or available * dt.itemsize > len(slot):
+        raise ValueError(f"count {count} of {dt} does not fit the slot's {len(slot)} bytes")
+    return np.frombuffer(slot, dtype=dt, count=available)
+
+
+def as_tensor(
+    slot: Slot, dtype: torch.dtype | None = None, length: int | None = None
+) -> torch.Tensor:
+    """A 1-D CPU tensor over the slot's first `length` bytes (default `len(slot)`).
+
+    `torch.frombuffer` keeps a reference to the object it is given (here the Slot)
+    for as long as the tensor's storage lives, so the slot stays leased.
+    """
+    import torch
+
+    dt = torch.uint8 if dtype is None else dtype
+    nbytes = len(slot) if length is None else length
+    if nbytes < 0 or nbytes > len(slot):
+        raise ValueError(f"length {length} is outside the slot's {len(slot)} valid bytes")
+    itemsize = torch.empty((), dtype=dt).element_size()
+    count = _count(nbytes, itemsize, "as_tensor")
+    if count == 0:
+        return torch.empty(0, dtype=dt)
+    return torch.frombuffer(slot, dtype=dt, count=count)
+
+
+# Engines registered with CUDA, keyed by arena address, so unregister is idempotent.
+_cuda_registered: dict[int, int] = {}
+
+
+def register_cuda(engine: Engine) -> bool:
+    """Pin the engine's arena for asynchronous host-to-device copies.
+
+    Returns False (and does nothing) when CUDA is not available.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    addr, nbytes = engine.arena_address, engine.arena_bytes
+    if addr in _cuda_registered:
+        return True
+    err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1)  # 1: cudaHostRegisterPortable
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {addr:#x} failed: error {code}")
+    _cuda_registered[addr] = nbytes
+    return True
+
+
+def unregister_cuda(engine: Engine) -> None:
+    """Undo `register_cuda` (a no-op when the arena was not registered)."""
+    addr = engine.arena_address
+    if _cuda_registered.pop(addr, None) is None:
+        return
+    import torch
+
+    err = torch.cuda.cudart().cudaHostUnregister(addr)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        raise RuntimeError(f"cudaHostUnregister at {addr:#x} failed: error {code}")

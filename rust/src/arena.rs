@@ -1,0 +1,347 @@
+//! The staging arena: one anonymous mapping cut into W slots, the free ring, and the
+//! exact live/peak accounting of staging bytes (the restoration working set).
+
+use std::collections::VecDeque;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::align::round_up;
+use crate::error::{Error, Result};
+
+pub const PAGE: u64 = 4096;
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Free ring and counters, under one lock so `live` and `peak` are exact.
+#[derive(Debug)]
+struct Ledger {
+    free: VecDeque<usize>,
+    live_slots: usize,
+    peak_slots: usize,
+}
+
+/// What the arena could and could not do when it was set up.
+#[derive(Debug, Clone, Default)]
+pub struct ArenaFeatures {
+    pub mlock: bool,
+    pub hugepages: bool,
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug)]
+pub struct Arena {
+    base: NonNull<u8>,
+    map_bytes: usize,
+    slot_bytes: usize,
+    window: usize,
+    ledger: Mutex<Ledger>,
+    pub features: ArenaFeatures,
+}
+
+// SAFETY: the mapping is owned by the Arena and only unmapped in its Drop; slots are
+// handed out exclusively through the ledger, so sharing the base pointer is sound.
+unsafe impl Send for Arena {}
+// SAFETY: as above; all mutable state is behind the ledger's Mutex.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// Map `window` slots of `slot_bytes` (rounded up to 4096).
+    pub fn new(window: usize, slot_bytes: usize) -> Result<Arc<Arena>> {
+        if window < 1 {
+            return Err(Error::invalid(format!(
+                "window must be at least 1, got {window}"
+            )));
+        }
+        if slot_bytes == 0 {
+            return Err(Error::invalid("slot_bytes must be positive, got 0"));
+        }
+        let slot_bytes = round_up(slot_bytes as u64, PAGE) as usize;
+        let map_bytes = slot_bytes
+            .checked_mul(window)
+            .ok_or_else(|| Error::invalid("window * slot_bytes overflows"))?;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::last_os("mmap staging arena", None));
+        }
+        let base = NonNull::new(ptr.cast::<u8>()).expect("mmap returned NULL");
+        let mut features = ArenaFeatures::default();
+        if map_bytes % HUGE_PAGE == 0 {
+            // SAFETY: advice on the mapping we just created and own.
+            let rc = unsafe { libc::madvise(ptr, map_bytes, libc::MADV_HUGEPAGE) };
+            features.hugepages = rc == 0;
+            if rc != 0 {
+                features.notes.push("madvise(MADV_HUGEPAGE) refused".into());
+            }
+        } else {
+            features
+                .notes
+                .push("arena is not a multiple of 2 MiB: no huge pages".into());
+        }
+        // Populate after the huge page advice so faults can use 2 MiB pages.
+        populate(base, map_bytes);
+        // SAFETY: locks pages of our own mapping; failure is reported, not fatal.
+        let rc = unsafe { libc::mlock(ptr, map_bytes) };
+        features.mlock = rc == 0;
+        if rc != 0 {
+            let errno = crate::error::last_errno();
+            features.notes.push(format!(
+                "mlock refused ({}): staging pages may be swapped",
+                crate::error::describe_errno(errno)
+            ));
+        }
+        Ok(Arc::new(Arena {
+            base,
+            map_bytes,
+            slot_bytes,
+            window,
+            ledger: Mutex::new(Ledger {
+                free: (0..window).collect(),
+                live_slots: 0,
+                peak_slots: 0,
+            }),
+            features,
+        }))
+    }
+
+    fn ledger(&self) -> MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    pub fn base_addr(&self) -> usize {
+        self.base.as_ptr() as usize
+    }
+
+    pub fn map_bytes(&self) -> usize {
+        self.map_bytes
+    }
+
+    /// Address of slot `index`.
+    pub fn slot_addr(&self, index: usize) -> usize {
+        assert!(index < self.window, "slot index {index} out of range");
+        self.base_addr() + index * self.slot_bytes
+    }
+
+    /// Take a free slot (it counts as live until the lease drops).
+    pub fn try_lease(self: &Arc<Self>) -> Result<SlotLease> {
+        let mut l = self.ledger();
+        let index = l.free.pop_front().ok_or(Error::NoFreeSlot {
+            window: self.window,
+        })?;
+        l.live_slots += 1;
+        l.peak_slots = l.peak_slots.max(l.live_slots);
+        drop(l);
+        Ok(SlotLease {
+            arena: Arc::clone(self),
+            index,
+            len: AtomicUsize::new(self.slot_bytes),
+        })
+    }
+
+    fn release(&self, index: usize) {
+        let mut l = self.ledger();
+        debug_assert!(!l.free.contains(&index), "slot {index} released twice");
+        l.free.push_back(index);
+        l.live_slots -= 1;
+    }
+
+    pub fn free_slots(&self) -> usize {
+        self.ledger().free.len()
+    }
+
+    pub fn live_bytes(&self) -> usize {
+        self.ledger().live_slots * self.slot_bytes
+    }
+
+    pub fn peak_bytes(&self) -> usize {
+        self.ledger().peak_slots * self.slot_bytes
+    }
+
+    /// Restart the peak from what is live now.
+    pub fn reset_peak(&self) {
+        let mut l = self.ledger();
+        l.peak_slots = l.live_slots;
+    }
+}
+
+/// Fault every page in now so the first read does not pay for it.
+fn populate(base: NonNull<u8>, bytes: usize) {
+    // SAFETY: populating our own private mapping, writable by construction.
+    let rc = unsafe { libc::madvise(base.as_ptr().cast(), bytes, libc::MADV_POPULATE_WRITE) };
+    if rc != 0 {
+        for off in (0..bytes).step_by(PAGE as usize) {
+            // SAFETY: `off < bytes`, inside the mapping we own; nothing else uses it yet.
+            unsafe { base.as_ptr().add(off).write_volatile(0) };
+        }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: the last Arc is gone, so no lease, slot view or in-flight request
+        // (each of which holds an Arc) can still point into the mapping.
+        unsafe { libc::munmap(self.base.as_ptr().cast(), self.map_bytes) };
+    }
+}
+
+/// Exclusive use of one slot; returns it to the free ring when dropped. In-flight
+/// operations and Python `Slot` objects share it through an `Arc`, so the slot is
+/// freed only when the last of them is gone.
+#[derive(Debug)]
+pub struct SlotLease {
+    arena: Arc<Arena>,
+    index: usize,
+    len: AtomicUsize,
+}
+
+impl SlotLease {
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.arena.slot_bytes
+    }
+
+    pub fn addr(&self) -> usize {
+        self.arena.slot_addr(self.index)
+    }
+
+    /// Valid bytes.
+    pub fn len(&self) -> usize {
+        self.len.load(Ordering::Acquire)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn set_len(&self, len: usize) -> Result<()> {
+        if len > self.capacity() {
+            return Err(Error::invalid(format!(
+                "length {len} exceeds the slot capacity {}",
+                self.capacity()
+            )));
+        }
+        self.len.store(len, Ordering::Release);
+        Ok(())
+    }
+
+    /// Bytes `[offset, offset+len)` of the slot.
+    ///
+    /// # Safety
+    /// The caller must make sure no write into that range (by the kernel or another
+    /// thread) runs while the returned slice lives.
+    pub unsafe fn bytes(&self, offset: usize, len: usize) -> Result<&[u8]> {
+        self.check_range(offset, len)?;
+        // SAFETY: in bounds (checked), the lease keeps the mapping alive; exclusivity of
+        // access is the caller's promise.
+        Ok(unsafe { std::slice::from_raw_parts((self.addr() + offset) as *const u8, len) })
+    }
+
+    /// Copy `src` into the slot at `offset`.
+    pub fn copy_in(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_range(offset, src.len())?;
+        // SAFETY: in bounds; the slot is leased to us, so no other lease targets it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                (self.addr() + offset) as *mut u8,
+                src.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Zero bytes `[from, to)` (padding of an unaligned O_DIRECT write).
+    pub fn zero(&self, from: usize, to: usize) -> Result<()> {
+        self.check_range(from, to.saturating_sub(from))?;
+        // SAFETY: in bounds; the slot is leased to us.
+        unsafe { std::ptr::write_bytes((self.addr() + from) as *mut u8, 0, to - from) };
+        Ok(())
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.capacity() => Ok(()),
+            _ => Err(Error::invalid(format!(
+                "range [{offset}, {offset}+{len}) is outside the slot (capacity {})",
+                self.capacity()
+            ))),
+        }
+    }
+}
+
+impl Drop for SlotLease {
+    fn drop(&mut self) {
+        self.arena.release(self.index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lease_accounting_is_exact() {
+        let a = Arena::new(3, 5000).unwrap();
+        assert_eq!(a.slot_bytes(), 8192);
+        assert_eq!(a.free_slots(), 3);
+        let s1 = a.try_lease().unwrap();
+        let s2 = a.try_lease().unwrap();
+        let s3 = a.try_lease().unwrap();
+        assert!(matches!(
+            a.try_lease(),
+            Err(Error::NoFreeSlot { window: 3 })
+        ));
+        assert_eq!(a.live_bytes(), 3 * 8192);
+        drop(s2);
+        assert_eq!(a.live_bytes(), 2 * 8192);
+        assert_eq!(a.peak_bytes(), 3 * 8192);
+        a.reset_peak();
+        assert_eq!(a.peak_bytes(), 2 * 8192);
+        assert_ne!(s1.addr(), s3.addr());
+        assert_eq!(s1.addr() % 4096, 0);
+    }
+
+    #[test]
+    fn bad_sizes() {
+        assert!(matches!(
+            Arena::new(0, 4096),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(Arena::new(1, 0), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn copy_and_bounds() {
+        let a = Arena::new(1, 4096).unwrap();
+        let s = a.try_lease().unwrap();
+        s.copy_in(10, b"abc").unwrap();
+        // SAFETY: nothing else touches this slot in the test.
+        assert_eq!(unsafe { s.bytes(10, 3) }.unwrap(), b"abc");
+        assert!(s.copy_in(4095, b"ab").is_err());
+        assert!(s.set_len(4097).is_err());
+    }
+}

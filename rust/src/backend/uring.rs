@@ -1,0 +1,398 @@
+//! io_uring backend. One dedicated thread owns the ring: it takes operations from a
+//! channel, splits them into requests, keeps at most `queue_depth` in flight, reaps
+//! completions and resubmits short transfers. Setup degrades step by step: fixed buffers
+//! and registered files, then plain reads and writes on raw descriptors.
+
+use std::collections::VecDeque;
+use std::os::fd::RawFd;
+use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use io_uring::{opcode, squeue, types, IoUring};
+
+use super::{OpState, Request};
+use crate::arena::Arena;
+use crate::error::{describe_errno, Error, Result};
+use crate::file::{EngineFile, Registration};
+
+/// The kernel's limits on registered buffers.
+const MAX_FIXED_BUFFERS: usize = 1 << 14;
+const MAX_FIXED_BUFFER_BYTES: usize = 1 << 30;
+/// Slots in the sparse file table.
+const FILE_TABLE: u32 = 1024;
+
+#[derive(Debug, Clone)]
+pub struct UringConfig {
+    pub queue_depth: u32,
+    pub request_bytes: u64,
+    /// Try fixed buffers and registered files (false: plain io_uring).
+    pub register: bool,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct UringInfo {
+    pub fixed_buffers: bool,
+    pub registered_files: bool,
+    pub notes: Vec<String>,
+}
+
+enum Command {
+    Op(Arc<OpState>),
+    Register(RawFd, SyncSender<Option<u32>>),
+    Unregister(u32),
+    Shutdown,
+}
+
+pub struct UringDriver {
+    tx: Sender<Command>,
+    thread: Option<JoinHandle<()>>,
+    request_bytes: u64,
+    pub info: UringInfo,
+}
+
+/// Why io_uring could not start: (errno, what failed).
+pub type SetupError = (i32, String);
+
+impl UringDriver {
+    pub fn start(cfg: UringConfig, arena: Arc<Arena>) -> std::result::Result<Self, SetupError> {
+        let (tx, rx) = mpsc::channel();
+        let (setup_tx, setup_rx) = mpsc::sync_channel(1);
+        let request_bytes = cfg.request_bytes;
+        let thread = std::thread::Builder::new()
+            .name("bsr-io-uring".into())
+            .spawn(move || {
+                // The ring is created on the thread that will be its only submitter.
+                match RingLoop::setup(&cfg, arena) {
+                    Ok((ring_loop, info)) => {
+                        let _ = setup_tx.send(Ok(info));
+                        ring_loop.run(rx);
+                    }
+                    Err(e) => {
+                        let _ = setup_tx.send(Err(e));
+                    }
+                }
+            })
+            .map_err(|e| {
+                (
+                    e.raw_os_error().unwrap_or(0),
+                    format!("spawn I/O thread: {e}"),
+                )
+            })?;
+        match setup_rx.recv() {
+            Ok(Ok(info)) => Ok(UringDriver {
+                tx,
+                thread: Some(thread),
+                request_bytes,
+                info,
+            }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = thread.join();
+                Err((libc::EIO, "io_uring thread died during setup".into()))
+            }
+        }
+    }
+
+    pub fn submit(&self, op: Arc<OpState>) -> Result<()> {
+        self.tx
+            .send(Command::Op(op))
+            .map_err(|mpsc::SendError(cmd)| {
+                if let Command::Op(op) = cmd {
+                    op.fail_now(Error::Closed("engine"));
+                }
+                Error::Closed("engine")
+            })
+    }
+
+    pub fn request_bytes(&self) -> u64 {
+        self.request_bytes
+    }
+
+    /// Put the file in the ring's file table (when there is one and it has room).
+    pub fn register_file(&self, file: &EngineFile) {
+        if !self.info.registered_files {
+            return;
+        }
+        let (reply_tx, reply_rx) = mpsc::sync_channel(1);
+        if self
+            .tx
+            .send(Command::Register(file.fd(), reply_tx))
+            .is_err()
+        {
+            return;
+        }
+        if let Ok(Some(index)) = reply_rx.recv() {
+            let tx = self.tx.clone();
+            file.set_registration(Registration {
+                index,
+                release: Box::new(move |i| {
+                    // The ring may be gone already; its table went with it.
+                    let _ = tx.send(Command::Unregister(i));
+                }),
+            });
+        }
+    }
+
+    /// Finish every queued and in-flight operation, then stop the thread.
+    pub fn shutdown(&mut self) {
+        let _ = self.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for UringDriver {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// State of the I/O thread. Field order matters: the ring (and with it the kernel's
+/// pins on the arena) is dropped before the arena reference.
+struct RingLoop {
+    ring: IoUring,
+    slab: Vec<Option<Request>>,
+    free_ids: Vec<usize>,
+    queue: VecDeque<Request>,
+    in_flight: usize,
+    queue_depth: usize,
+    request_bytes: u64,
+    fixed_buffers: bool,
+    file_table: Vec<bool>,
+    reaped: Vec<(u64, i32)>,
+    _arena: Arc<Arena>,
+}
+
+fn errno_of(e: &std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
+
+impl RingLoop {
+    fn setup(
+        cfg: &UringConfig,
+        arena: Arc<Arena>,
+    ) -> std::result::Result<(RingLoop, UringInfo), SetupError> {
+        let mut info = UringInfo::default();
+        let entries = cfg.queue_depth.next_power_of_two();
+        let ring = match IoUring::builder()
+            .setup_single_issuer()
+            .setup_coop_taskrun()
+            .build(entries)
+        {
+            Ok(r) => r,
+            Err(e) => {
+                info.notes.push(format!(
+                    "io_uring SINGLE_ISSUER|COOP_TASKRUN refused ({}), plain setup",
+                    describe_errno(errno_of(&e))
+                ));
+                IoUring::new(entries).map_err(|e| (errno_of(&e), format!("io_uring_setup: {e}")))?
+            }
+        };
+        if cfg.register {
+            info.fixed_buffers = register_slots(&ring, &arena, &mut info.notes);
+            match ring.submitter().register_files_sparse(FILE_TABLE) {
+                Ok(()) => info.registered_files = true,
+                Err(e) => info.notes.push(format!(
+                    "registered files refused ({}): raw descriptors",
+                    describe_errno(errno_of(&e))
+                )),
+            }
+        }
+        let ring_loop = RingLoop {
+            ring,
+            slab: Vec::with_capacity(cfg.queue_depth as usize),
+            free_ids: Vec::new(),
+            queue: VecDeque::new(),
+            in_flight: 0,
+            queue_depth: cfg.queue_depth as usize,
+            request_bytes: cfg.request_bytes,
+            fixed_buffers: info.fixed_buffers,
+            file_table: vec![
+                false;
+                if info.registered_files {
+                    FILE_TABLE as usize
+                } else {
+                    0
+                }
+            ],
+            reaped: Vec::with_capacity(cfg.queue_depth as usize),
+            _arena: arena,
+        };
+        Ok((ring_loop, info))
+    }
+
+    fn run(mut self, rx: Receiver<Command>) {
+        let mut closing = false;
+        loop {
+            if self.in_flight == 0 && self.queue.is_empty() {
+                if closing {
+                    break;
+                }
+                match rx.recv() {
+                    Ok(cmd) => closing |= self.handle(cmd),
+                    Err(_) => break,
+                }
+            }
+            while let Ok(cmd) = rx.try_recv() {
+                closing |= self.handle(cmd);
+            }
+            self.fill();
+            if self.in_flight > 0 {
+                self.submit_and_reap();
+            }
+        }
+    }
+
+    /// Returns true on shutdown.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Op(op) => {
+                let reqs = op.requests(self.request_bytes);
+                self.queue.extend(reqs);
+            }
+            Command::Register(fd, reply) => {
+                let _ = reply.send(self.register_fd(fd));
+            }
+            Command::Unregister(index) => {
+                if let Some(used) = self.file_table.get_mut(index as usize) {
+                    let _ = self.ring.submitter().register_files_update(index, &[-1]);
+                    *used = false;
+                }
+            }
+            Command::Shutdown => return true,
+        }
+        false
+    }
+
+    fn register_fd(&mut self, fd: RawFd) -> Option<u32> {
+        let index = self.file_table.iter().position(|used| !used)?;
+        let index_u32 = index as u32;
+        match self
+            .ring
+            .submitter()
+            .register_files_update(index_u32, &[fd])
+        {
+            Ok(_) => {
+                self.file_table[index] = true;
+                Some(index_u32)
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Queue requests up to the queue depth.
+    fn fill(&mut self) {
+        while self.in_flight < self.queue_depth {
+            let Some(req) = self.queue.pop_front() else {
+                break;
+            };
+            let id = self.free_ids.pop().unwrap_or_else(|| {
+                self.slab.push(None);
+                self.slab.len() - 1
+            });
+            let entry = self.entry(&req, id as u64);
+            // SAFETY: the entry points into a slot owned by `req`'s op (its lease keeps
+            // the arena mapped); `req` is parked in the slab until its completion is
+            // reaped, so the memory outlives the kernel's use of it.
+            if unsafe { self.ring.submission().push(&entry) }.is_err() {
+                // Submission queue full: send what is there first.
+                self.free_ids.push(id);
+                self.queue.push_front(req);
+                break;
+            }
+            self.slab[id] = Some(req);
+            self.in_flight += 1;
+        }
+    }
+
+    fn entry(&self, req: &Request, user_data: u64) -> squeue::Entry {
+        let ptr = req.addr() as *mut u8;
+        let len = req.remaining() as u32;
+        let off = req.file_offset();
+        let read = req.is_read();
+        let buf_index = req.op.slot_index as u16;
+        macro_rules! build {
+            ($fd:expr) => {
+                match (read, self.fixed_buffers) {
+                    (true, true) => opcode::ReadFixed::new($fd, ptr, len, buf_index)
+                        .offset(off)
+                        .build(),
+                    (true, false) => opcode::Read::new($fd, ptr, len).offset(off).build(),
+                    (false, true) => opcode::WriteFixed::new($fd, ptr, len, buf_index)
+                        .offset(off)
+                        .build(),
+                    (false, false) => opcode::Write::new($fd, ptr, len).offset(off).build(),
+                }
+            };
+        }
+        let e = match req.op.file.registered_index() {
+            Some(i) => build!(types::Fixed(i)),
+            None => build!(types::Fd(req.op.file.fd())),
+        };
+        e.user_data(user_data)
+    }
+
+    fn submit_and_reap(&mut self) {
+        if let Err(e) = self.ring.submit_and_wait(1) {
+            match errno_of(&e) {
+                libc::EINTR | libc::EAGAIN | libc::EBUSY => {}
+                _ => std::thread::sleep(std::time::Duration::from_millis(1)),
+            }
+        }
+        self.reaped.clear();
+        self.reaped
+            .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+        for i in 0..self.reaped.len() {
+            let (id, res) = self.reaped[i];
+            let id = id as usize;
+            let Some(req) = self.slab.get_mut(id).and_then(Option::take) else {
+                continue;
+            };
+            self.free_ids.push(id);
+            self.in_flight -= 1;
+            let res = if res < 0 { Err(-res) } else { Ok(res as u64) };
+            if let Some(again) = req.account(res) {
+                self.queue.push_front(again);
+            }
+        }
+    }
+}
+
+/// Register each slot as one fixed buffer. Returns whether it worked; says why not.
+fn register_slots(ring: &IoUring, arena: &Arena, notes: &mut Vec<String>) -> bool {
+    if arena.window() > MAX_FIXED_BUFFERS || arena.slot_bytes() > MAX_FIXED_BUFFER_BYTES {
+        notes.push(format!(
+            "fixed buffers skipped: at most {MAX_FIXED_BUFFERS} buffers of 1 GiB each"
+        ));
+        return false;
+    }
+    let iovecs: Vec<libc::iovec> = (0..arena.window())
+        .map(|i| libc::iovec {
+            iov_base: arena.slot_addr(i) as *mut libc::c_void,
+            iov_len: arena.slot_bytes(),
+        })
+        .collect();
+    // SAFETY: the iovecs cover the arena's mapping, which the I/O thread keeps alive
+    // (it holds an Arc<Arena>) for longer than the ring that pins it.
+    match unsafe { ring.submitter().register_buffers(&iovecs) } {
+        Ok(()) => true,
+        Err(e) => {
+            let errno = errno_of(&e);
+            let why = if errno == libc::ENOMEM {
+                " (RLIMIT_MEMLOCK too low to pin the arena)"
+            } else {
+                ""
+            };
+            notes.push(format!(
+                "fixed buffers refused: {}{why}; plain reads and writes",
+                describe_errno(errno)
+            ));
+            false
+        }
+    }
+}

@@ -1,0 +1,505 @@
+//! The engine: a window of staging slots, a backend that moves bytes between slots and
+//! files, leasing, and the checks on every request before it reaches the kernel.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::align::{is_aligned, round_up};
+use crate::arena::{Arena, SlotLease, PAGE};
+use crate::backend::pread::PreadPool;
+use crate::backend::uring::{UringConfig, UringDriver};
+use crate::backend::{OpKind, OpState};
+use crate::error::{describe_errno, Error, Result};
+use crate::file::{EngineFile, OpenOptions};
+
+/// Which backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// io_uring with everything the kernel allows, else the pread pool.
+    Auto,
+    /// io_uring (fixed buffers and registered files where allowed); no fallback.
+    Uring,
+    /// io_uring without fixed buffers or registered files.
+    UringPlain,
+    /// The pread/pwrite thread pool.
+    Pread,
+}
+
+impl BackendChoice {
+    /// Parse a backend name (`None` or "auto" is Auto).
+    pub fn parse(name: Option<&str>) -> Result<BackendChoice> {
+        match name.map(str::trim) {
+            None | Some("") | Some("auto") => Ok(BackendChoice::Auto),
+            Some("io_uring") => Ok(BackendChoice::Uring),
+            Some("io_uring_plain") => Ok(BackendChoice::UringPlain),
+            Some("pread") => Ok(BackendChoice::Pread),
+            Some(other) => Err(Error::invalid(format!(
+                "unknown backend {other:?}: use auto, io_uring, io_uring_plain or pread"
+            ))),
+        }
+    }
+
+    /// The explicit choice, else `BSR_IO_BACKEND`, else Auto.
+    pub fn resolve(name: Option<&str>) -> Result<BackendChoice> {
+        match name {
+            Some(n) if n != "auto" => Self::parse(Some(n)),
+            _ => Self::parse(std::env::var("BSR_IO_BACKEND").ok().as_deref()),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub window: usize,
+    pub slot_bytes: usize,
+    pub queue_depth: usize,
+    pub request_bytes: usize,
+    pub backend: BackendChoice,
+}
+
+impl EngineConfig {
+    pub fn new(window: usize, slot_bytes: usize) -> Self {
+        EngineConfig {
+            window,
+            slot_bytes,
+            queue_depth: 32,
+            request_bytes: 1 << 20,
+            backend: BackendChoice::Auto,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.window < 1 {
+            return Err(Error::invalid(format!(
+                "window must be at least 1, got {}",
+                self.window
+            )));
+        }
+        if self.slot_bytes == 0 {
+            return Err(Error::invalid("slot_bytes must be positive, got 0"));
+        }
+        if self.queue_depth < 1 || self.queue_depth > 4096 {
+            return Err(Error::invalid(format!(
+                "queue_depth must be in 1..=4096, got {}",
+                self.queue_depth
+            )));
+        }
+        let rb = self.request_bytes as u64;
+        if rb == 0 || !is_aligned(rb, PAGE) || rb > 1 << 30 {
+            return Err(Error::invalid(format!(
+                "request_bytes must be a positive multiple of 4096 up to 1 GiB, got {rb}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// What the probe found and which path the engine took.
+#[derive(Debug, Clone)]
+pub struct Features {
+    pub backend: &'static str,
+    pub fixed_buffers: bool,
+    pub registered_files: bool,
+    pub mlock: bool,
+    pub hugepages: bool,
+    pub queue_depth: usize,
+    pub request_bytes: usize,
+    pub notes: Vec<String>,
+}
+
+enum Driver {
+    Uring(UringDriver),
+    Pread(PreadPool),
+}
+
+impl Driver {
+    fn submit(&self, op: Arc<OpState>) -> Result<()> {
+        match self {
+            Driver::Uring(d) => d.submit(op),
+            Driver::Pread(p) => {
+                p.submit(op);
+                Ok(())
+            }
+        }
+    }
+}
+
+pub struct Engine {
+    arena: Arc<Arena>,
+    driver: Mutex<Option<Driver>>,
+    features: Features,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("arena", &self.arena)
+            .field("features", &self.features)
+            .finish()
+    }
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Result<Engine> {
+        cfg.validate()?;
+        let arena = Arena::new(cfg.window, cfg.slot_bytes)?;
+        let mut notes = arena.features.notes.clone();
+        let uring = |register: bool| {
+            UringDriver::start(
+                UringConfig {
+                    queue_depth: cfg.queue_depth as u32,
+                    request_bytes: cfg.request_bytes as u64,
+                    register,
+                },
+                Arc::clone(&arena),
+            )
+        };
+        let pread = || PreadPool::start(cfg.queue_depth.min(8), cfg.request_bytes as u64);
+        let unavailable =
+            |backend: &'static str, (errno, reason): (i32, String)| Error::BackendUnavailable {
+                backend,
+                errno,
+                reason,
+            };
+        let driver = match cfg.backend {
+            BackendChoice::Pread => Driver::Pread(pread()?),
+            BackendChoice::Uring => {
+                Driver::Uring(uring(true).map_err(|e| unavailable("io_uring", e))?)
+            }
+            BackendChoice::UringPlain => {
+                Driver::Uring(uring(false).map_err(|e| unavailable("io_uring_plain", e))?)
+            }
+            BackendChoice::Auto => match uring(true) {
+                Ok(d) => Driver::Uring(d),
+                Err((errno, reason)) => {
+                    notes.push(format!(
+                        "io_uring unavailable ({reason}: {}): pread pool",
+                        describe_errno(errno)
+                    ));
+                    Driver::Pread(pread()?)
+                }
+            },
+        };
+        let (backend, fixed_buffers, registered_files) = match &driver {
+            Driver::Uring(d) => {
+                notes.extend(d.info.notes.iter().cloned());
+                ("io_uring", d.info.fixed_buffers, d.info.registered_files)
+            }
+            Driver::Pread(_) => ("pread", false, false),
+        };
+        let features = Features {
+            backend,
+            fixed_buffers,
+            registered_files,
+            mlock: arena.features.mlock,
+            hugepages: arena.features.hugepages,
+            queue_depth: cfg.queue_depth,
+            request_bytes: cfg.request_bytes,
+            notes,
+        };
+        Ok(Engine {
+            arena,
+            driver: Mutex::new(Some(driver)),
+            features,
+        })
+    }
+
+    fn driver(&self) -> MutexGuard<'_, Option<Driver>> {
+        self.driver.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn features(&self) -> &Features {
+        &self.features
+    }
+
+    pub fn arena(&self) -> &Arc<Arena> {
+        &self.arena
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.driver().is_none()
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.is_closed() {
+            Err(Error::Closed("engine"))
+        } else {
+            Ok(())
+        }
+    }
+
+    pub fn open(&self, path: &str, opts: OpenOptions) -> Result<Arc<EngineFile>> {
+        self.check_open()?;
+        let file = EngineFile::open(path, opts)?;
+        if let Some(Driver::Uring(d)) = self.driver().as_ref() {
+            d.register_file(&file);
+        }
+        Ok(Arc::new(file))
+    }
+
+    /// A free slot for the caller to fill (save path).
+    pub fn lease(&self) -> Result<Arc<SlotLease>> {
+        self.check_open()?;
+        Ok(Arc::new(self.arena.try_lease()?))
+    }
+
+    fn submit(&self, op: Arc<OpState>) -> Result<Arc<OpState>> {
+        let guard = self.driver();
+        let Some(driver) = guard.as_ref() else {
+            return Err(Error::Closed("engine"));
+        };
+        driver.submit(Arc::clone(&op))?;
+        Ok(op)
+    }
+
+    /// Read exactly `length` bytes at `offset` into a free slot.
+    pub fn submit_read(
+        &self,
+        file: &Arc<EngineFile>,
+        offset: u64,
+        length: u64,
+    ) -> Result<Arc<OpState>> {
+        self.check_open()?;
+        file.check_open()?;
+        let capacity = self.arena.slot_bytes() as u64;
+        if length == 0 {
+            return Err(Error::invalid("length must be positive, got 0"));
+        }
+        if length > capacity {
+            return Err(Error::invalid(format!(
+                "length {length} exceeds slot_bytes {capacity}"
+            )));
+        }
+        let align = file.alignment();
+        if !is_aligned(offset, align) {
+            return Err(Error::Alignment(format!(
+                "offset {offset} is not a multiple of {align}, the O_DIRECT alignment of {}",
+                file.path()
+            )));
+        }
+        let extent = round_up(length, align);
+        if extent > capacity {
+            return Err(Error::Alignment(format!(
+                "length {length} rounded up to the alignment {align} exceeds slot_bytes {capacity}"
+            )));
+        }
+        let lease = Arc::new(self.arena.try_lease()?);
+        let op = OpState::new(
+            OpKind::Read,
+            Arc::clone(file),
+            offset,
+            length,
+            extent,
+            lease,
+        );
+        self.submit(op)
+    }
+
+    /// Write slot bytes `[0, length)` at `offset`; pad to the alignment with zeros on
+    /// O_DIRECT files and trim the file back afterwards.
+    pub fn submit_write(
+        &self,
+        slot: &Arc<SlotLease>,
+        file: &Arc<EngineFile>,
+        offset: u64,
+        length: Option<u64>,
+    ) -> Result<Arc<OpState>> {
+        self.check_open()?;
+        file.check_open()?;
+        if !Arc::ptr_eq(slot.arena(), &self.arena) {
+            return Err(Error::invalid("the slot belongs to another engine"));
+        }
+        if !file.writable() {
+            return Err(Error::invalid(format!(
+                "{} was opened read-only; open it with write=True",
+                file.path()
+            )));
+        }
+        let capacity = slot.capacity() as u64;
+        let length = length.unwrap_or(slot.len() as u64);
+        if length == 0 {
+            return Err(Error::invalid("length must be positive, got 0"));
+        }
+        if length > capacity {
+            return Err(Error::invalid(format!(
+                "length {length} exceeds the slot capacity {capacity}"
+            )));
+        }
+        let align = file.alignment();
+        if !is_aligned(offset, align) {
+            return Err(Error::Alignment(format!(
+                "offset {offset} is not a multiple of {align}, the O_DIRECT alignment of {}",
+                file.path()
+            )));
+        }
+        let extent = round_up(length, align);
+        if extent > capacity {
+            return Err(Error::Alignment(format!(
+                "length {length} padded to the alignment {align} exceeds the slot capacity {capacity}"
+            )));
+        }
+        slot.zero(length as usize, extent as usize)?;
+        file.extend_to(offset + length);
+        let op = OpState::new(
+            OpKind::Write,
+            Arc::clone(file),
+            offset,
+            length,
+            extent,
+            Arc::clone(slot),
+        );
+        self.submit(op)
+    }
+
+    /// Stop accepting I/O; waits for what is in flight. Slots stay valid until their
+    /// leases drop.
+    pub fn close(&self) {
+        let driver = self.driver().take();
+        match driver {
+            Some(Driver::Uring(mut d)) => d.shutdown(),
+            Some(Driver::Pread(mut p)) => p.shutdown(),
+            None => {}
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn backends() -> Vec<BackendChoice> {
+        let mut v = vec![BackendChoice::Pread];
+        // Skip, not fail, where the kernel refuses io_uring.
+        if Engine::new(EngineConfig {
+            backend: BackendChoice::Uring,
+            ..EngineConfig::new(1, 4096)
+        })
+        .is_ok()
+        {
+            v.push(BackendChoice::Uring);
+            v.push(BackendChoice::UringPlain);
+        }
+        v
+    }
+
+    fn pattern(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 7 % 251) as u8).collect()
+    }
+
+    #[test]
+    fn read_tail_and_short_on_every_backend() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        let data = pattern(3 * 65536 + 1234);
+        std::fs::File::create(&path)
+            .unwrap()
+            .write_all(&data)
+            .unwrap();
+        let path = path.to_str().unwrap();
+        for b in backends() {
+            let e = Engine::new(EngineConfig {
+                backend: b,
+                request_bytes: 65536,
+                queue_depth: 4,
+                ..EngineConfig::new(2, 4 * 65536)
+            })
+            .unwrap();
+            let f = e
+                .open(
+                    path,
+                    OpenOptions {
+                        direct: true,
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+            // Whole file, unaligned tail included.
+            let op = e.submit_read(&f, 0, data.len() as u64).unwrap();
+            assert_eq!(op.wait(None).unwrap(), data.len() as u64, "{b:?}");
+            let lease = op.take_lease().unwrap();
+            // SAFETY: the read completed; nothing else writes this slot.
+            assert_eq!(unsafe { lease.bytes(0, data.len()) }.unwrap(), &data[..]);
+            assert_eq!(e.arena().live_bytes(), e.arena().slot_bytes());
+            drop(lease);
+            assert_eq!(e.arena().live_bytes(), 0);
+            // Past the end: short.
+            let op = e.submit_read(&f, 65536, 4 * 65536).unwrap();
+            match op.wait(None) {
+                Err(Error::ShortRead { got, .. }) => assert_eq!(got, data.len() as u64 - 65536),
+                other => panic!("{b:?}: expected a short read, got {other:?}"),
+            }
+            drop(op);
+            assert_eq!(e.arena().free_slots(), 2);
+            if f.direct() {
+                assert!(matches!(
+                    e.submit_read(&f, 100, 10),
+                    Err(Error::Alignment(_))
+                ));
+            }
+            e.close();
+            assert!(matches!(
+                e.submit_read(&f, 0, 10),
+                Err(Error::Closed("engine"))
+            ));
+        }
+    }
+
+    #[test]
+    fn write_pads_and_trims() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("out");
+        let path = path.to_str().unwrap();
+        for b in backends() {
+            let _ = std::fs::remove_file(path);
+            let e = Engine::new(EngineConfig {
+                backend: b,
+                ..EngineConfig::new(2, 1 << 20)
+            })
+            .unwrap();
+            let f = e
+                .open(
+                    path,
+                    OpenOptions {
+                        create: true,
+                        direct: true,
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+            let data = pattern(300_001);
+            let slot = e.lease().unwrap();
+            slot.copy_in(0, &data).unwrap();
+            let op = e
+                .submit_write(&slot, &f, 0, Some(data.len() as u64))
+                .unwrap();
+            assert_eq!(op.wait(None).unwrap(), data.len() as u64);
+            assert_eq!(std::fs::read(path).unwrap(), data, "{b:?}");
+            assert_eq!(f.size(), data.len() as u64);
+        }
+    }
+
+    #[test]
+    fn bad_config() {
+        for cfg in [
+            EngineConfig::new(0, 4096),
+            EngineConfig::new(1, 0),
+            EngineConfig {
+                queue_depth: 0,
+                ..EngineConfig::new(1, 4096)
+            },
+            EngineConfig {
+                request_bytes: 1000,
+                ..EngineConfig::new(1, 4096)
+            },
+        ] {
+            assert!(matches!(Engine::new(cfg), Err(Error::InvalidArgument(_))));
+        }
+        assert!(BackendChoice::parse(Some("nope")).is_err());
+    }
+}

@@ -1,0 +1,145 @@
+//! One error type for the engine. Every variant knows its errno so the binding can
+//! raise an `OSError` subclass with `errno` set.
+
+use std::fmt;
+
+/// What went wrong, with enough context to say so in one line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Error {
+    /// A system call failed; `errno` is what the kernel returned.
+    Os {
+        op: &'static str,
+        path: Option<String>,
+        errno: i32,
+    },
+    /// O_DIRECT constraints not met (offset, length or address not aligned).
+    Alignment(String),
+    /// The file ended before the requested range did.
+    ShortRead {
+        path: String,
+        offset: u64,
+        wanted: u64,
+        got: u64,
+    },
+    /// The engine (or the file) was closed.
+    Closed(&'static str),
+    /// A backend that was asked for explicitly cannot run.
+    BackendUnavailable {
+        backend: &'static str,
+        errno: i32,
+        reason: String,
+    },
+    /// Every slot of the window is leased or in flight.
+    NoFreeSlot { window: usize },
+    /// A caller passed something invalid; the message says what.
+    InvalidArgument(String),
+    /// A wait ran past its timeout.
+    Timeout,
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub fn os(op: &'static str, path: Option<&str>, errno: i32) -> Self {
+        Error::Os {
+            op,
+            path: path.map(str::to_owned),
+            errno,
+        }
+    }
+
+    /// The error of the last failed libc call on this thread.
+    pub fn last_os(op: &'static str, path: Option<&str>) -> Self {
+        Self::os(op, path, last_errno())
+    }
+
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        Error::InvalidArgument(msg.into())
+    }
+
+    /// errno carried to Python (`None` for pure argument errors).
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            Error::Os { errno, .. } => Some(*errno),
+            Error::Alignment(_) => Some(libc::EINVAL),
+            Error::ShortRead { .. } => Some(libc::ENODATA),
+            Error::Closed("file") => Some(libc::EBADF),
+            Error::Closed(_) => Some(libc::ESHUTDOWN),
+            Error::BackendUnavailable { errno, .. } => Some(*errno),
+            Error::NoFreeSlot { .. } => Some(libc::EAGAIN),
+            Error::InvalidArgument(_) => None,
+            Error::Timeout => Some(libc::ETIMEDOUT),
+        }
+    }
+
+    /// The file path the error is about, when there is one.
+    pub fn path(&self) -> Option<&str> {
+        match self {
+            Error::Os { path, .. } => path.as_deref(),
+            Error::ShortRead { path, .. } => Some(path),
+            _ => None,
+        }
+    }
+}
+
+pub fn last_errno() -> i32 {
+    std::io::Error::last_os_error()
+        .raw_os_error()
+        .unwrap_or(libc::EIO)
+}
+
+/// `strerror` text for an errno, via std's table.
+pub fn describe_errno(errno: i32) -> String {
+    let text = std::io::Error::from_raw_os_error(errno).to_string();
+    // std appends " (os error N)"; Python adds its own "[Errno N]".
+    match text.find(" (os error") {
+        Some(cut) => text[..cut].to_owned(),
+        None => text,
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Os { op, errno, .. } => write!(f, "{op} failed: {}", describe_errno(*errno)),
+            Error::Alignment(msg) => write!(f, "{msg}"),
+            Error::ShortRead {
+                path,
+                offset,
+                wanted,
+                got,
+            } => write!(
+                f,
+                "short read on {path}: wanted {wanted} bytes at offset {offset}, \
+                 the file ended after {got}"
+            ),
+            Error::Closed(what) => write!(f, "the {what} is closed"),
+            Error::BackendUnavailable {
+                backend, reason, ..
+            } => write!(f, "backend {backend:?} is unavailable: {reason}"),
+            Error::NoFreeSlot { window } => write!(
+                f,
+                "all {window} slots are leased or in flight; drop a Slot (and its views) first"
+            ),
+            Error::InvalidArgument(msg) => write!(f, "{msg}"),
+            Error::Timeout => write!(f, "timed out waiting for the operation"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errno_kept_and_message_readable() {
+        let e = Error::os("open", Some("/x"), libc::ENOENT);
+        assert_eq!(e.errno(), Some(libc::ENOENT));
+        assert_eq!(e.path(), Some("/x"));
+        assert_eq!(e.to_string(), "open failed: No such file or directory");
+        assert_eq!(Error::NoFreeSlot { window: 2 }.errno(), Some(libc::EAGAIN));
+        assert_eq!(Error::invalid("bad").errno(), None);
+    }
+}

@@ -1,0 +1,255 @@
+//! Files the engine reads and writes: opened O_DIRECT where the filesystem allows it,
+//! buffered otherwise, with the alignment they need and the size writes leave behind.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use crate::align::{self, DioAlign};
+use crate::error::{last_errno, Error, Result};
+
+/// How to open.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OpenOptions {
+    pub write: bool,
+    pub create: bool,
+    pub direct: bool,
+}
+
+/// Undo of a registration in an io_uring file table, run when the file is dropped.
+pub struct Registration {
+    pub index: u32,
+    pub release: Box<dyn Fn(u32) + Send + Sync>,
+}
+
+pub struct EngineFile {
+    fd: OwnedFd,
+    path: String,
+    direct: bool,
+    writable: bool,
+    align: DioAlign,
+    /// Logical size: at open, then the furthest end written through the engine.
+    size: AtomicU64,
+    closed: AtomicBool,
+    registration: OnceLock<Registration>,
+}
+
+impl std::fmt::Debug for EngineFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EngineFile")
+            .field("path", &self.path)
+            .field("fd", &self.fd.as_raw_fd())
+            .field("direct", &self.direct)
+            .finish()
+    }
+}
+
+fn open_raw(c: &CString, flags: i32) -> std::result::Result<OwnedFd, i32> {
+    // SAFETY: `c` is a NUL-terminated path we own; open returns a new descriptor or -1.
+    let fd = unsafe { libc::open(c.as_ptr(), flags, 0o600 as libc::c_uint) };
+    if fd < 0 {
+        Err(last_errno())
+    } else {
+        // SAFETY: `fd` was just returned by open and is owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+impl EngineFile {
+    pub fn open(path: &str, opts: OpenOptions) -> Result<EngineFile> {
+        let c = CString::new(path).map_err(|_| Error::invalid("path contains a NUL byte"))?;
+        let write = opts.write || opts.create;
+        let mut flags = libc::O_CLOEXEC | if write { libc::O_RDWR } else { libc::O_RDONLY };
+        if opts.create {
+            flags |= libc::O_CREAT;
+        }
+        let mut direct = opts.direct;
+        let fd = match open_raw(&c, flags | if direct { libc::O_DIRECT } else { 0 }) {
+            Ok(fd) => fd,
+            // Filesystems without direct I/O (some tmpfs, overlay) refuse with EINVAL.
+            Err(libc::EINVAL) if direct => {
+                direct = false;
+                open_raw(&c, flags).map_err(|e| Error::os("open", Some(path), e))?
+            }
+            Err(e) => return Err(Error::os("open", Some(path), e)),
+        };
+        // SAFETY: stat is plain data, zero is valid; fstat writes into our local.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: `fd` is open and owned here; `st` is a live local.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(Error::last_os("fstat", Some(path)));
+        }
+        if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+            return Err(Error::os("open", Some(path), libc::EISDIR));
+        }
+        let align = align::probe_fd(fd.as_raw_fd())?;
+        Ok(EngineFile {
+            fd,
+            path: path.to_owned(),
+            direct,
+            writable: write,
+            align,
+            size: AtomicU64::new(st.st_size as u64),
+            closed: AtomicBool::new(false),
+            registration: OnceLock::new(),
+        })
+    }
+
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    pub fn writable(&self) -> bool {
+        self.writable
+    }
+
+    /// Offset/length alignment for I/O on this file (1 when buffered).
+    pub fn alignment(&self) -> u64 {
+        if self.direct {
+            self.align.offset.max(1)
+        } else {
+            1
+        }
+    }
+
+    /// Alignment of memory addresses for O_DIRECT (slots are page-aligned anyway).
+    pub fn mem_alignment(&self) -> u64 {
+        if self.direct {
+            self.align.mem.max(1)
+        } else {
+            1
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.size.load(Ordering::Acquire)
+    }
+
+    /// Record that bytes up to `end` exist now (a write was submitted).
+    pub fn extend_to(&self, end: u64) {
+        self.size.fetch_max(end, Ordering::AcqRel);
+    }
+
+    /// Cut O_DIRECT padding: shrink the file to its logical size if a padded write made
+    /// it longer.
+    pub fn trim_padding(&self) -> Result<()> {
+        let logical = self.size();
+        // SAFETY: stat is plain data, zero is valid.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: our own open descriptor and a live local.
+        if unsafe { libc::fstat(self.fd(), &mut st) } != 0 {
+            return Err(Error::last_os("fstat", Some(&self.path)));
+        }
+        if st.st_size as u64 > logical {
+            self.ftruncate(logical)?;
+        }
+        Ok(())
+    }
+
+    fn ftruncate(&self, size: u64) -> Result<()> {
+        // SAFETY: our own open descriptor.
+        if unsafe { libc::ftruncate(self.fd(), size as libc::off_t) } != 0 {
+            return Err(Error::last_os("ftruncate", Some(&self.path)));
+        }
+        Ok(())
+    }
+
+    pub fn truncate(&self, size: u64) -> Result<()> {
+        self.check_open()?;
+        if !self.writable {
+            return Err(Error::os("truncate", Some(&self.path), libc::EBADF));
+        }
+        self.ftruncate(size)?;
+        self.size.store(size, Ordering::Release);
+        Ok(())
+    }
+
+    pub fn sync(&self) -> Result<()> {
+        self.check_open()?;
+        // SAFETY: our own open descriptor.
+        if unsafe { libc::fdatasync(self.fd()) } != 0 {
+            return Err(Error::last_os("fdatasync", Some(&self.path)));
+        }
+        Ok(())
+    }
+
+    /// No further I/O is accepted; the descriptor closes when the last user drops.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    pub fn check_open(&self) -> Result<()> {
+        if self.is_closed() {
+            Err(Error::Closed("file"))
+        } else {
+            Ok(())
+        }
+    }
+
+    pub fn set_registration(&self, reg: Registration) {
+        let _ = self.registration.set(reg);
+    }
+
+    /// Index in the io_uring file table, when registered.
+    pub fn registered_index(&self) -> Option<u32> {
+        self.registration.get().map(|r| r.index)
+    }
+}
+
+impl Drop for EngineFile {
+    fn drop(&mut self) {
+        if let Some(reg) = self.registration.get() {
+            (reg.release)(reg.index);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn open_missing_keeps_errno() {
+        let e = EngineFile::open("/no/such/file", OpenOptions::default()).unwrap_err();
+        assert_eq!(e.errno(), Some(libc::ENOENT));
+    }
+
+    #[test]
+    fn create_direct_and_truncate() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let p = p.to_str().unwrap();
+        let f = EngineFile::open(
+            p,
+            OpenOptions {
+                create: true,
+                direct: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert!(f.writable());
+        assert_eq!(f.size(), 0);
+        assert!(f.alignment().is_power_of_two());
+        f.truncate(10000).unwrap();
+        assert_eq!(std::fs::metadata(p).unwrap().len(), 10000);
+        f.close();
+        assert!(matches!(f.sync(), Err(Error::Closed("file"))));
+        let st = std::fs::metadata(p).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(st.permissions().mode() & 0o777, 0o600);
+    }
+}
