@@ -1,0 +1,83 @@
+"""What bsr-io needs to know about a transformers model and its KV cache.
+
+Kept apart from the restore logic because this is the part that follows
+transformers releases: 5.x passes the cache as `cache=` and keeps tensors on
+`cache.layers[i].keys`; 4.x used `past_key_values=` and `cache.key_cache[i]`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from functools import cache as memoize
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """KV geometry of a decoder: what one token of one layer stores."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def attention_shape(config) -> AttentionShape:
+    """Read the KV geometry from a model config, refusing caches that are not dense.
+
+    Sliding-window and linear-attention layers keep a rolling or recurrent state,
+    not one K/V row per prefix token, so chunks of them cannot be restored by position.
+    """
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    layer_types = getattr(text, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other or _uses_sliding_window(text):
+        kinds = ", ".join(other) or "sliding_attention"
+        raise ValueError(
+            f"{type(config).__name__} has {kinds} layers; bsr-io restores dense full-attention "
+            "caches only (set sliding_window=None / use_sliding_window=False)"
+        )
+    return AttentionShape(text.num_hidden_layers, kv_heads, head_dim)
+
+
+def _uses_sliding_window(text) -> bool:
+    if getattr(text, "use_sliding_window", True) is False:
+        return False
+    return getattr(text, "sliding_window", None) is not None
+
+
+@memoize
+def _cache_kwarg(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def forward(model, input_ids: torch.Tensor, cache):
+    """Run `model` on `input_ids` after `cache`; returns (logits, cache)."""
+    kwargs = {_cache_kwarg(type(model)): cache, "use_cache": True}
+    out = model(input_ids=input_ids, **kwargs)
+    new_cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    return out.logits, new_cache
+
+
+def kv_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values), each [batch, kv_heads, seq, head_dim]."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(zip(cache.key_cache, cache.value_cache, strict=True))
+
+
+def new_cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+    """A DynamicCache for `model`, holding `kv` (per layer keys, values) if given."""
+    from transformers import DynamicCache
+
+    if kv is None:
+        return DynamicCache(config=model.config)
+    try:
+        return DynamicCache(ddp_cache_data=kv, config=model.config)
+    except TypeError:  # transformers 4.x: no config argument
+        return DynamicCache.from_legacy_cache(tuple(kv))

@@ -1,0 +1,51 @@
+"""Small transformers models built from configs with seeded random weights.
+
+Real model implementations (nothing here reimplements attention), small enough
+for CPU tests and benchmarks, and nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# family -> (config class, model class, extra config fields)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+}
+
+
+def tiny_model(
+    family: str = "llama",
+    *,
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 256,
+    max_tokens: int = 4096,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """An eval-mode causal LM of `family` with weights drawn from `seed`."""
+    import transformers
+
+    try:
+        config_name, model_name, extra = FAMILIES[family]
+    except KeyError:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}") from None
+    config = getattr(transformers, config_name)(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_tokens,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    return model.to(dtype).eval()

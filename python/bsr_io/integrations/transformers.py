@@ -1,0 +1,212 @@
+"""Save and restore Hugging Face transformers KV caches through bsr-io.
+
+A prefix's cache is stored as chunks of `chunk_tokens` tokens. Each layer's keys
+and values are separate allocator groups, token-major `[tokens, kv_heads, head_dim]`:
+that is one strided copy per group per chunk into the `[1, heads, seq, dim]`
+tensors transformers keeps, and it lets K and V differ in shape (as in MLA).
+
+Restore is all-or-nothing (the Restorer's commit). Whatever is not restored (a
+zero outcome, a short hit, or the tail that is not a whole chunk) is recomputed
+by `prefill`, which runs the model in chunk-aligned pieces. When the original
+cache was built by the same `prefill`, the restored continuation is the same
+computation as the original one, so its logits are bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from bsr_io.integrations.hf_compat import attention_shape, forward, kv_tensors, new_cache
+from bsr_io.layout import AllocatorGroup, KVLayout
+
+
+def head_shard(num_kv_heads: int, rank: int, world_size: int) -> slice:
+    """The KV heads rank `rank` holds: [r*h/ws, (r+1)*h/ws)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    if num_kv_heads % world_size:
+        raise ValueError(
+            f"{num_kv_heads} KV heads cannot be split evenly across {world_size} ranks"
+        )
+    per = num_kv_heads // world_size
+    return slice(rank * per, (rank + 1) * per)
+
+
+def kv_layout(
+    config,
+    *,
+    chunk_tokens: int,
+    dtype: torch.dtype,
+    rank: int = 0,
+    world_size: int = 1,
+) -> KVLayout:
+    """One rank's chunk layout for a model config: groups layer{i}.k and layer{i}.v.
+
+    `dtype` is the cache's (the model's) dtype. A dense cache has no blocks, so a
+    group's block is the whole chunk.
+    """
+    shape = attention_shape(config)
+    shard = head_shard(shape.num_kv_heads, rank, world_size)
+    token_shape = (shard.stop - shard.start, shape.head_dim)
+    groups = tuple(
+        AllocatorGroup(f"layer{i}.{kind}", dtype, token_shape, chunk_tokens)
+        for i in range(shape.num_layers)
+        for kind in ("k", "v")
+    )
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    name = f"hf-{getattr(text, 'model_type', 'decoder')}-tp{world_size}"
+    return KVLayout(name, groups, chunk_tokens)
+
+
+class CacheDestination:
+    """A Destination over per-layer `[1, heads, seq, dim]` key/value tensors.
+
+    Only this rank's head shard is read or written; `tensors` alternate keys and
+    values per layer, in the layout's group order.
+    """
+
+    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], heads: slice):
+        if len(tensors) != len(layout.groups):
+            raise ValueError(f"{len(tensors)} cache tensors for {len(layout.groups)} groups")
+        self.layout = layout
+        self._views = [t[0, heads] for t in tensors]  # [heads_r, seq, dim], no copy
+        self._offsets = layout.group_offsets()
+        self.tokens = min(v.shape[1] for v in self._views)
+        self.capacity_chunks = self.tokens // layout.chunk_tokens
+        for g, v in zip(layout.groups, self._views, strict=True):
+            if v.dtype != g.dtype or (v.shape[0], v.shape[2]) != tuple(g.token_shape):
+                raise ValueError(
+                    f"group {g.name} is {tuple(g.token_shape)} {g.dtype}, cache tensor is "
+                    f"{tuple(v.shape)} {v.dtype}"
+                )
+
+    @classmethod
+    def from_cache(cls, layout: KVLayout, cache, heads: slice) -> CacheDestination:
+        tensors = [t for kv in kv_tensors(cache) for t in kv]
+        return cls(layout, tensors, heads)
+
+    def _chunk_views(self, chunk_index: int, payload: torch.Tensor):
+        ct = self.layout.chunk_tokens
+        t0 = chunk_index * ct
+        if chunk_index < 0 or t0 + ct > self.tokens:
+            raise IndexError(f"chunk {chunk_index} is past the cache's {self.tokens} tokens")
+        for view, (off, length) in zip(self._views, self._offsets, strict=True):
+            heads, _, dim = view.shape
+            src = payload[off : off + length].view(view.dtype).view(ct, heads, dim)
+            yield view[:, t0 : t0 + ct].transpose(0, 1), src
+
+    def install(self, chunk_index: int, payload: torch.Tensor):
+        cuda = bool(self._views) and self._views[0].is_cuda
+        for cache_part, chunk_part in self._chunk_views(chunk_index, payload):
+            # From a CUDA-registered slot this is an asynchronous DMA copy.
+            cache_part.copy_(chunk_part, non_blocking=cuda)
+        if not cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event  # the window keeps the slot until this fence passes
+
+    def extract(self, chunk_index: int, out: torch.Tensor) -> None:
+        for cache_part, chunk_part in self._chunk_views(chunk_index, out):
+            chunk_part.copy_(cache_part)
+
+    def synchronize(self) -> None:
+        if self._views and self._views[0].is_cuda:
+            torch.cuda.synchronize(self._views[0].device)
+
+
+def prefill(model, token_ids: torch.Tensor, cache=None, *, chunk_tokens: int):
+    """Extend `cache` with `token_ids[cached:]`, one chunk-aligned piece per forward.
+
+    Pieces end on multiples of `chunk_tokens` so that a recompute after a restore
+    repeats exactly the forwards of the original prefill. Returns (cache, logits of
+    the last token, or None when nothing was left to compute).
+    """
+    ids = token_ids.reshape(1, -1)
+    if cache is None:
+        cache = new_cache(model)
+    pos = cache.get_seq_length()
+    logits = None
+    with torch.no_grad():
+        while pos < ids.shape[1]:
+            end = min((pos // chunk_tokens + 1) * chunk_tokens, ids.shape[1])
+            logits, cache = forward(model, ids[:, pos:end], cache)
+            pos = end
+    return cache, None if logits is None else logits[:, -1]
+
+
+def save_prefix(restorer, token_ids: torch.Tensor, cache) -> int:
+    """Store this rank's head shard of every whole chunk `cache` holds of `token_ids`.
+
+    Returns the number of chunks written (chunks already stored are skipped).
+    """
+    heads = head_shard(_kv_heads(cache), restorer.rank, restorer.world_size)
+    dest = CacheDestination.from_cache(restorer.layout, cache, heads)
+    return restorer.save(_ids(token_ids)[: dest.tokens], dest)
+
+
+def restore_prefix(restorer, model, token_ids: torch.Tensor, plan=None):
+    """A cache for `model` holding `token_ids`: restored where the store has it, else recomputed.
+
+    Returns (cache, RestoreResult). `plan` is the restorer's probe of `token_ids`
+    when the caller has one. Only a complete outcome reaches the cache; with
+    world_size > 1 the ranks then exchange head shards so that each holds the
+    whole cache for its (unsharded) model.
+    """
+    layout = restorer.layout
+    if plan is None:
+        plan = restorer.probe(_ids(token_ids))
+    shape = attention_shape(model.config)
+    heads = head_shard(shape.num_kv_heads, restorer.rank, restorer.world_size)
+    param = next(model.parameters())
+    dtype = layout.groups[0].dtype
+    tensors = [
+        torch.empty(
+            1, shape.num_kv_heads, plan.hit_tokens, shape.head_dim, dtype=dtype, device=param.device
+        )
+        for _ in layout.groups
+    ]
+    result = restorer.restore(plan, CacheDestination(layout, tensors, heads))
+    kv = None
+    if result.outcome == "complete" and result.committed_tokens > 0:
+        if restorer.world_size > 1:
+            tensors = [_gather_heads(t, heads, restorer.group) for t in tensors]
+        kv = list(zip(tensors[0::2], tensors[1::2], strict=True))
+    cache, _ = prefill(model, token_ids, new_cache(model, kv), chunk_tokens=layout.chunk_tokens)
+    return cache, result
+
+
+def continue_greedy(model, cache, input_ids: torch.Tensor, steps: int):
+    """Feed `input_ids` after `cache`, then `steps - 1` greedy tokens one at a time.
+
+    Returns (greedy tokens, logits of every forward concatenated over positions).
+    """
+    tokens: list[int] = []
+    logits_all = []
+    ids = input_ids.reshape(1, -1)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits, cache = forward(model, ids, cache)
+            logits_all.append(logits[0])
+            tokens.append(int(logits[0, -1].argmax()))
+            ids = torch.tensor([[tokens[-1]]], device=ids.device)
+    return tokens, torch.cat(logits_all)
+
+
+def _gather_heads(t: torch.Tensor, heads: slice, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    shard = t[:, heads].contiguous()
+    parts = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, shard, group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _kv_heads(cache) -> int:
+    return kv_tensors(cache)[0][0].shape[1]
+
+
+def _ids(token_ids) -> list[int]:
+    return token_ids.reshape(-1).tolist() if torch.is_tensor(token_ids) else list(token_ids)
