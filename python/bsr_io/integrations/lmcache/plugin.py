@@ -1,0 +1,265 @@
+"""`BsrStoragePlugin`: LMCache 0.5.6 storage plugin serving chunks from bsr-io's SSD tier.
+
+Loaded by LMCache's `storage_plugin_launcher` from config (see `config.py`). Chunks
+are bsr-io records (header, checksum, atomic publish) in an `SSDTier`, read and
+written by the Rust engine with O_DIRECT and io_uring. Reads go through a separate
+engine of W slots, pipelined W deep, and are copied into LMCache L1 memory objects
+allocated with `busy_loop=False`, so a get can fail but never spins.
+
+Rules kept toward LMCache's retrieve:
+- `batched_get_blocking` returns a contiguous prefix of filled objects and None from
+  the first failure on; an object is returned only after its bytes were read and
+  verified; nothing raises (errors become None and are logged).
+- The record payload is the memory object's bytes as LMCache lays them out
+  (`KV_2LTD`); the bsr-io layout here only sizes and fingerprints the records.
+
+When `bsr.bounded_retrieve` is on (the default) the plugin also routes its engine's
+`retrieve` through `retrieve.BoundedRetriever` (W chunks staged at a time, all or
+nothing): the engine is found as the `LMCacheEngine` whose config object this plugin
+was built with.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from bsr_io._core import Engine
+from bsr_io.errors import ChunkError
+from bsr_io.integrations.lmcache import retrieve
+from bsr_io.integrations.lmcache.config import Settings
+from bsr_io.keys import ChunkKey
+from bsr_io.layout import AllocatorGroup, KVLayout
+from bsr_io.tiers.ssd import SSDTier
+
+logger = logging.getLogger(__name__)
+
+
+def layout_from_metadata(metadata) -> KVLayout:
+    """bsr-io layout with one group per LMCache KV group, sized like LMCache's chunks."""
+    ct = metadata.chunk_size
+    groups = []
+    for i, (shape, dtype) in enumerate(
+        zip(metadata.get_shapes(ct), metadata.get_dtypes(), strict=True)
+    ):
+        kv, layers, tokens, hidden = (int(d) for d in shape)
+        assert tokens == ct
+        groups.append(AllocatorGroup(f"lmcache{i}", dtype, (kv, layers, hidden), ct))
+    return KVLayout("lmcache-kv2ltd", tuple(groups), ct)
+
+
+class BsrStoragePlugin(StoragePluginInterface):
+    def __init__(self, dst_device="cpu", config=None, metadata=None, local_cpu_backend=None,
+                 loop=None):  # fmt: skip
+        super().__init__(dst_device, config, metadata, local_cpu_backend, loop)
+        if config is None or metadata is None:
+            raise ValueError("BsrStoragePlugin needs LMCache's config and metadata")
+        if local_cpu_backend is None:
+            raise ValueError(
+                "BsrStoragePlugin stages reads in LMCache's L1: set max_local_cpu_size > 0"
+            )
+        if config.enable_async_loading or config.use_layerwise:
+            raise ValueError(
+                "BsrStoragePlugin serves LMCache's synchronous retrieve only "
+                "(enable_async_loading and use_layerwise must be off)"
+            )
+        self.settings = Settings.from_extra_config(config.extra_config)
+        self.layout = layout_from_metadata(metadata)
+        self._fingerprint = self.layout.fingerprint()
+        self._shapes = metadata.get_shapes(metadata.chunk_size)
+        self._dtypes = metadata.get_dtypes()
+        self._fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
+        s = self.settings
+        backend = None if s.io_backend == "auto" else s.io_backend
+        cb = self.layout.chunk_bytes
+        self.read_engine = Engine(s.window, cb, queue_depth=s.queue_depth, backend=backend)
+        self.write_engine = Engine(1, cb, queue_depth=s.queue_depth, backend=backend)
+        self.tier = SSDTier(s.path, s.capacity, self.write_engine, layout=self.layout)
+        self._pending: set[CacheEngineKey] = set()
+        self._pending_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="bsr-io-put", daemon=True)
+        self._writer.start()
+        self.retriever = self._install_bounded_retrieve() if s.bounded_retrieve else None
+        logger.info(
+            "bsr-io plugin: tier %s (%d records), W=%d, engine backend %s, bounded retrieve %s",
+            s.path, len(self.tier.keys()), s.window, self.read_engine.backend,
+            "on" if self.retriever else "off",
+        )  # fmt: skip
+
+    def __str__(self) -> str:
+        return "BsrStoragePlugin"
+
+    # -- keys ---------------------------------------------------------------------------
+    def chunk_key(self, key: CacheEngineKey) -> ChunkKey:
+        """bsr-io key for an LMCache key: its string form (model, ranks, hash, dtype,
+        tags) hashed to 64 bits, so every field LMCache distinguishes keeps records apart."""
+        digest = hashlib.blake2b(key.to_string().encode(), digest_size=8, person=b"bsr-lmc")
+        return ChunkKey(
+            key.model_name, key.world_size, key.worker_id, self._fingerprint,
+            int.from_bytes(digest.digest(), "little"),
+        )  # fmt: skip
+
+    # -- discovery ----------------------------------------------------------------------
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        try:
+            return self.tier.contains(self.chunk_key(key))
+        except Exception:
+            logger.exception("bsr-io plugin: contains failed")
+            return False
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        n = 0
+        for key in keys:
+            if not self.contains(key, pin):
+                break
+            n += 1
+        return n
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._pending_lock:
+            return key in self._pending
+
+    # Records are files; lookup pins have nothing to hold in memory. Capacity eviction
+    # is LRU in the tier, and a restore that loses a chunk to it gets zero reuse.
+    def pin(self, key: CacheEngineKey) -> bool:
+        return self.contains(key)
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        return self.contains(key)
+
+    # -- reads --------------------------------------------------------------------------
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        return self.batched_get_blocking([key])[0]
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        out: list[MemoryObj | None] = []
+        inflight: list = []  # PendingChunk per key, submitted in order, at most W ahead
+        try:
+            nxt, limit = 0, len(keys)
+            for i in range(len(keys)):
+                while nxt < limit and len(inflight) < self.settings.window:
+                    try:
+                        inflight.append(self.tier.submit_read(self.chunk_key(keys[nxt]),
+                                                              self.read_engine))  # fmt: skip
+                        nxt += 1
+                    except ChunkError as exc:  # chunks before this one may still load
+                        logger.warning("bsr-io plugin: %s", exc)
+                        limit = nxt
+                if i >= limit:
+                    break
+                slot = inflight.pop(0).wait()
+                obj = self.local_cpu_backend.allocate(
+                    self._shapes, self._dtypes, self._fmt, eviction=True, busy_loop=False
+                )
+                if obj is None:
+                    logger.warning("bsr-io plugin: L1 has no room to stage chunk %d of %d",
+                                   i, len(keys))  # fmt: skip
+                    break
+                try:
+                    dst = memoryview(obj.byte_array).cast("B")
+                    if dst.nbytes != len(slot):
+                        raise ValueError(f"record is {len(slot)} bytes, L1 object {dst.nbytes}")
+                    dst[:] = memoryview(slot)[: dst.nbytes]
+                except Exception:
+                    obj.ref_count_down()
+                    raise
+                del slot  # the slot returns to the engine's ring
+                out.append(obj)
+        except ChunkError as exc:
+            logger.warning("bsr-io plugin: %s", exc)
+        except Exception:
+            logger.exception("bsr-io plugin: read failed")
+        finally:
+            for p in inflight:  # let abandoned reads finish so their slots come back
+                try:
+                    p.wait()
+                except Exception:
+                    pass
+        return out + [None] * (len(keys) - len(out))
+
+    # -- writes -------------------------------------------------------------------------
+    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj],
+                                transfer_spec=None, on_complete_callback=None) -> None:  # fmt: skip
+        for key, obj in zip(keys, objs, strict=False):
+            if obj.get_size() != self.layout.chunk_bytes:
+                continue  # a partial last chunk: bsr-io keeps whole chunks only
+            with self._pending_lock:
+                if key in self._pending:
+                    continue
+                self._pending.add(key)
+            obj.ref_count_up()  # LMCache drops its reference when this call returns
+            self._queue.put((key, obj, on_complete_callback))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            key, obj, callback = item
+            try:
+                self.tier.write(self.chunk_key(key), obj.byte_array, self.layout)
+                if callback is not None:
+                    callback(key)
+            except Exception:
+                logger.exception("bsr-io plugin: could not store %s", key.to_string())
+            finally:
+                obj.ref_count_down()
+                with self._pending_lock:
+                    self._pending.discard(key)
+
+    def flush(self, timeout_s: float = 60.0) -> None:
+        """Wait until queued writes are on disk."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._pending_lock:
+                if not self._pending:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError("bsr-io plugin: writes did not finish in time")
+            time.sleep(0.005)
+
+    # -- management ---------------------------------------------------------------------
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        try:
+            return self.tier.remove(self.chunk_key(key))
+        except Exception:
+            logger.exception("bsr-io plugin: remove failed")
+            return False
+
+    def get_allocator_backend(self):
+        return self.local_cpu_backend  # puts then hand us LMCache's L1 objects, no copy
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout=60)
+        self.tier.close()
+        self.read_engine.close()
+        self.write_engine.close()
+
+    def _install_bounded_retrieve(self):
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        engines = [e for e in LMCacheEngineBuilder._instances.values() if e.config is self.config]
+        if len(engines) != 1:
+            logger.warning("bsr-io plugin: no LMCache engine owns this config; "
+                           "bounded retrieve not installed")  # fmt: skip
+            return None
+        agreement = None
+        if self.settings.agreement == "world":
+            from bsr_io.commit import Agreement
+
+            agreement = Agreement.from_process_group(None, self.settings.timeout_s)
+        try:
+            return retrieve.install(engines[0], self.settings.window, agreement)
+        except ValueError as exc:
+            logger.warning("bsr-io plugin: %s", exc)
+            return None
