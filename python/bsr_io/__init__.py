@@ -48,3 +48,44 @@ __all__ = [
     "unregister_cuda",
     "xxh3_64",
 ]
+
+# Chunk store: keys, layouts, records, tiers.
+from bsr_io.errors import (  # noqa: E402
+    CapacityError,
+    ChunkCorrupt,
+    ChunkError,
+    ChunkMissing,
+    ChunkReadError,
+    ChunkWriteError,
+    LayoutError,
+    TierDown,
+)
+from bsr_io.keys import ChunkKey, chunk_keys, prefix_hashes  # noqa: E402
+from bsr_io.layout import AllocatorGroup, KVLayout, preset  # noqa: E402
+from bsr_io.store import Store, fill_state, open_store, synthetic_chunk  # noqa: E402
+from bsr_io.tiers import LowerTier, MemoryTier, SSDTier, Tier  # noqa: E402
+
+__all__ += [
+    "AllocatorGroup",
+    "CapacityError",
+    "ChunkCorrupt",
+    "ChunkError",
+    "ChunkKey",
+    "ChunkMissing",
+    "ChunkReadError",
+    "ChunkWriteError",
+    "KVLayout",
+    "LayoutError",
+    "LowerTier",
+    "MemoryTier",
+    "SSDTier",
+    "Store",
+    "Tier",
+    "TierDown",
+    "chunk_keys",
+    "fill_state",
+    "open_store",
+    "prefix_hashes",
+    "preset",
+    "synthetic_chunk",
+]

@@ -1,0 +1,69 @@
+"""Errors raised by the chunk store and its tiers.
+
+A `ChunkError` always names the chunk key, the tier and the underlying cause, so a
+restore can report which chunk failed where and fall back (lower tier or recompute)
+without parsing messages.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bsr_io.keys import ChunkKey
+
+
+class ChunkError(Exception):
+    """A chunk could not be read from or written to a tier."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: ChunkKey | None = None,
+        tier: str | None = None,
+        cause: BaseException | str | None = None,
+    ) -> None:
+        self.key = key
+        self.tier = tier
+        self.cause = cause
+        where = []
+        if tier is not None:
+            where.append(f"tier {tier}")
+        if key is not None:
+            where.append(f"chunk {key.short()}")
+        text = f"{message} ({', '.join(where)})" if where else message
+        if cause is not None:
+            text = f"{text}: {cause}"
+        super().__init__(text)
+
+
+class ChunkMissing(ChunkError):
+    """The tier does not hold the chunk (never written, evicted, or removed meanwhile)."""
+
+
+class ChunkCorrupt(ChunkError):
+    """The stored record failed verification (checksum, key, layout or length)."""
+
+
+class ChunkReadError(ChunkError):
+    """An I/O error while reading a record that the tier does hold."""
+
+
+class ChunkWriteError(ChunkError):
+    """A record could not be stored (no space, no permission, I/O error).
+
+    Nothing was published: earlier records are untouched.
+    """
+
+
+class TierDown(ChunkError):
+    """The whole tier is unavailable (directory gone, unmounted, unreadable)."""
+
+
+class CapacityError(ValueError):
+    """A capacity or staging size too small for one chunk, or otherwise impossible."""
+
+
+class LayoutError(ValueError):
+    """A tensor or payload does not match the KV layout (dtype, shape, size)."""

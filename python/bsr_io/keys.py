@@ -1,0 +1,148 @@
+"""Prefix hashing and chunk keys.
+
+Tokens are cut into chunks of `chunk_tokens`; chunk i's hash chains chunk i-1's hash
+with chunk i's token ids, so a chunk key names the whole prefix up to its end. The
+hash is blake2b over a canonical encoding (little-endian int64 token ids), the same
+in every process and on every host. A partial last chunk has no key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from bsr_io.layout import KVLayout
+
+_HASH_DOMAIN = b"bsr-io/prefix/v1"
+_FINGERPRINT_RE = re.compile(r"^[0-9a-f]{32}$")
+MAX_MODEL_BYTES = 1024
+
+
+def _token_array(token_ids: Any) -> np.ndarray:
+    if hasattr(token_ids, "detach"):  # torch tensor, possibly on a GPU
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got shape {tuple(arr.shape)}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+    return arr.astype("<i8", copy=False)
+
+
+def prefix_hashes(token_ids: Any, chunk_tokens: int) -> list[int]:
+    """Chained 64-bit hashes of each full chunk of `token_ids` (list, numpy or torch)."""
+    if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    tokens = _token_array(token_ids)
+    hashes: list[int] = []
+    prev = b"\0" * 8
+    for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
+        h = hashlib.blake2b(digest_size=8, person=b"bsr-prefix")
+        h.update(_HASH_DOMAIN)
+        h.update(prev)
+        h.update(tokens[start : start + chunk_tokens].tobytes())
+        prev = h.digest()
+        hashes.append(int.from_bytes(prev, "little"))
+    return hashes
+
+
+def model_digest(model: str) -> str:
+    """16 hex chars naming a model in paths; the raw name never becomes a path component."""
+    return hashlib.blake2b(model.encode("utf-8"), digest_size=8, person=b"bsr-model").hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """Names one chunk record: model, world size, rank, layout and prefix hash.
+
+    Two ranks, two models or two layouts never share a key, so they never share a record.
+    """
+
+    model: str
+    world_size: int
+    rank: int
+    layout_fingerprint: str
+    chunk_hash: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if len(self.model.encode("utf-8")) > MAX_MODEL_BYTES:
+            raise ValueError(f"model name longer than {MAX_MODEL_BYTES} bytes")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
+        if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank!r}")
+        if not isinstance(self.layout_fingerprint, str) or not _FINGERPRINT_RE.match(
+            self.layout_fingerprint
+        ):
+            raise ValueError(
+                "layout_fingerprint must be 32 lowercase hex chars (KVLayout.fingerprint()), "
+                f"got {self.layout_fingerprint!r}"
+            )
+        if not isinstance(self.chunk_hash, int) or not 0 <= self.chunk_hash < 1 << 64:
+            raise ValueError(f"chunk_hash must be an unsigned 64-bit int, got {self.chunk_hash!r}")
+
+    def to_bytes(self) -> bytes:
+        """Canonical encoding (the form stored in record headers)."""
+        model = self.model.encode("utf-8")
+        return (
+            struct.pack("<H", len(model))
+            + model
+            + struct.pack("<II", self.world_size, self.rank)
+            + bytes.fromhex(self.layout_fingerprint)
+            + struct.pack("<Q", self.chunk_hash)
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ChunkKey:
+        """Inverse of `to_bytes`; ValueError if `data` is not exactly one encoded key."""
+        try:
+            (n,) = struct.unpack_from("<H", data, 0)
+            model = bytes(data[2 : 2 + n]).decode("utf-8")
+            world_size, rank = struct.unpack_from("<II", data, 2 + n)
+            fp = bytes(data[10 + n : 26 + n]).hex()
+            (chunk_hash,) = struct.unpack_from("<Q", data, 26 + n)
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise ValueError(f"not an encoded chunk key: {exc}") from None
+        if len(data) != 34 + n:
+            raise ValueError(f"encoded chunk key has {len(data) - 34 - n} trailing bytes")
+        return cls(model, world_size, rank, fp, chunk_hash)
+
+    def hex(self) -> str:
+        """32 hex chars identifying the key (a digest of `to_bytes`)."""
+        return hashlib.blake2b(self.to_bytes(), digest_size=16, person=b"bsr-key").hexdigest()
+
+    def namespace(self) -> str:
+        """Directory name for this key's model, layout and rank: hex and digits only."""
+        return (
+            f"{model_digest(self.model)}-{self.layout_fingerprint}-w{self.world_size}r{self.rank}"
+        )
+
+    def file_stem(self) -> str:
+        """File name (without suffix) for this key's record inside its namespace."""
+        return f"{self.chunk_hash:016x}"
+
+    def short(self) -> str:
+        return f"{self.model}/w{self.world_size}r{self.rank}/{self.chunk_hash:016x}"
+
+
+def chunk_keys(
+    token_ids: Any,
+    layout: KVLayout,
+    model: str,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[ChunkKey]:
+    """Keys of every full chunk of `token_ids` for one rank of `layout`."""
+    fp = layout.fingerprint()
+    return [
+        ChunkKey(model, world_size, rank, fp, h)
+        for h in prefix_hashes(token_ids, layout.chunk_tokens)
+    ]

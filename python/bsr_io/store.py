@@ -1,0 +1,190 @@
+"""A store: tiers in order (fastest first) behind the tier interface.
+
+Discovery asks each tier in order; a chunk's source is the first tier that holds it.
+A read that fails verification in one tier is invalidated there and served by the
+next tier that holds the chunk. Writes go to the first tier, or to all of them when
+written through.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from bsr_io._core import Engine, Slot
+from bsr_io.errors import ChunkError, ChunkMissing, TierDown
+from bsr_io.keys import ChunkKey, chunk_keys
+from bsr_io.layout import KVLayout
+from bsr_io.tiers.base import Payload, PendingChunk, Tier
+from bsr_io.tiers.lower import LowerTier
+from bsr_io.tiers.memory import MemoryTier
+from bsr_io.tiers.ssd import SSDTier
+
+
+class Store(Tier):
+    def __init__(self, tiers: Sequence[Tier], name: str = "store") -> None:
+        super().__init__(name)
+        self.tiers: list[Tier] = list(tiers)
+        if not self.tiers:
+            raise ValueError("a store needs at least one tier")
+        names = [t.name for t in self.tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tier {name!r}; tiers: {[t.name for t in self.tiers]}")
+
+    def _source(self, key: ChunkKey, group: str | None, start: int = 0) -> int | None:
+        for i in range(start, len(self.tiers)):
+            try:
+                if self.tiers[i].contains(key, group):
+                    return i
+            except TierDown:
+                continue  # a tier that is down holds nothing for discovery
+        return None
+
+    def contains(self, key: ChunkKey, group: str | None = None) -> bool:
+        return self._source(key, group) is not None
+
+    def source_of(self, keys: Sequence[ChunkKey], group: str | None = None) -> list[int]:
+        """Tier index of the first tier holding each leading key; stops at the first key
+        no tier holds. Metadata only."""
+        out = []
+        for key in keys:
+            src = self._source(key, group)
+            if src is None:
+                break
+            out.append(src)
+        return out
+
+    def probe(self, keys: Sequence[ChunkKey], group: str | None = None) -> int:
+        return len(self.source_of(keys, group))
+
+    def read_into(self, key: ChunkKey, engine: Engine) -> Slot:
+        errors: list[ChunkError] = []
+        start = 0
+        while (src := self._source(key, None, start)) is not None:
+            tier = self.tiers[src]
+            try:
+                slot = tier.read_into(key, engine)
+                self._count(hits=1, reads=1, bytes_read=len(slot))
+                return slot
+            except ChunkError as exc:
+                errors.append(exc)
+            start = src + 1
+        self._count(misses=1)
+        if errors:
+            last = errors[-1]
+            raise type(last)(
+                "no tier could deliver a verified copy: " + "; ".join(map(str, errors)),
+                key=key,
+                tier=self.name,
+            )
+        raise ChunkMissing("in no tier", key=key, tier=self.name)
+
+    def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
+        """Reads through `read_into` (tier fallback needs the first result first)."""
+        return PendingChunk.ready(key, self.read_into(key, engine))
+
+    def write(
+        self, key: ChunkKey, payload: Payload, layout: KVLayout, through: bool = True
+    ) -> bool:
+        """Write to the first tier, or to every tier when `through`. True if any tier
+        stored a new record."""
+        wrote = False
+        for tier in self.tiers if through else self.tiers[:1]:
+            wrote = tier.write(key, payload, layout) or wrote
+        return wrote
+
+    def remove(self, key: ChunkKey) -> bool:
+        removed = False
+        for tier in self.tiers:
+            removed = tier.remove(key) or removed
+        return removed
+
+    def invalidate(self, key: ChunkKey, reason: str) -> None:
+        for tier in self.tiers:
+            tier.invalidate(key, reason)
+
+    def keys(self) -> list[ChunkKey]:
+        seen: dict[ChunkKey, None] = {}
+        for tier in self.tiers:
+            seen.update(dict.fromkeys(tier.keys()))
+        return list(seen)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(name=self.name, **self._counts)
+        out["tiers"] = [t.stats() for t in self.tiers]
+        return out
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+
+def open_store(
+    engine: Engine,
+    ssd_dir: str | os.PathLike[str],
+    *,
+    layout: KVLayout | None = None,
+    l1_bytes: int | None = None,
+    ssd_bytes: int | None = None,
+    lower_dir: str | os.PathLike[str] | None = None,
+    demote: bool = True,
+) -> Store:
+    """The usual composition: optional L1, L2 on `ssd_dir`, optional L3 on `lower_dir`
+    (records evicted from L2 are demoted there when `demote`)."""
+    tiers: list[Tier] = []
+    if l1_bytes:
+        tiers.append(MemoryTier(l1_bytes, layout=layout))
+    lower = LowerTier(lower_dir, layout=layout) if lower_dir is not None else None
+    tiers.append(
+        SSDTier(ssd_dir, ssd_bytes, engine, layout=layout, evict_to=lower if demote else None)
+    )
+    if lower is not None:
+        tiers.append(lower)
+    return Store(tiers)
+
+
+# -- synthetic state (benchmarks, demos, checks) ---------------------------------------
+VOCAB = 128_000
+
+
+def synthetic_tokens(seed: int, tokens: int) -> np.ndarray:
+    """Deterministic token ids (int64) for `seed`."""
+    return np.random.default_rng([seed, 0x70CE]).integers(0, VOCAB, size=tokens, dtype=np.int64)
+
+
+def synthetic_chunk(layout: KVLayout, seed: int, index: int, rank: int = 0) -> np.ndarray:
+    """Deterministic bytes (uint8, `layout.chunk_bytes`) of chunk `index` on `rank`, so a
+    check can regenerate what `fill_state` stored and compare byte for byte."""
+    rng = np.random.default_rng([seed, rank, index, 0xC4])
+    return rng.integers(0, 256, size=layout.chunk_bytes, dtype=np.uint8)
+
+
+def fill_state(
+    target: Tier,
+    layout: KVLayout,
+    tokens: int,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    model: str = "synthetic",
+) -> tuple[np.ndarray, list[ChunkKey]]:
+    """Write a synthetic state of `tokens` tokens (full chunks) into `target`.
+
+    Returns the token ids and the keys written; chunk i holds
+    `synthetic_chunk(layout, seed, i, rank)`.
+    """
+    token_ids = synthetic_tokens(seed, tokens)
+    keys = chunk_keys(token_ids, layout, model, rank, world_size)
+    for i, key in enumerate(keys):
+        target.write(key, synthetic_chunk(layout, seed, i, rank), layout)
+    return token_ids, keys

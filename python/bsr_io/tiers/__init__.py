@@ -1,0 +1,9 @@
+"""Tiers where chunk records live: L1 host memory, L2 local SSD, L3 lower tier."""
+
+from bsr_io.tiers.base import PendingChunk, Tier
+from bsr_io.tiers.files import FileTier
+from bsr_io.tiers.lower import LowerTier
+from bsr_io.tiers.memory import MemoryTier
+from bsr_io.tiers.ssd import SSDTier
+
+__all__ = ["FileTier", "LowerTier", "MemoryTier", "PendingChunk", "SSDTier", "Tier"]

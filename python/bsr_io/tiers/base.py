@@ -1,0 +1,183 @@
+"""The tier interface shared by L1 (memory), L2 (local SSD), L3 (lower tier) and the Store.
+
+Reads land in an engine staging slot and are verified (key, lengths, payload checksum)
+before the slot is handed out; a failed check quarantines the record so discovery never
+advertises it again. Probing reads metadata only.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from bsr_io._core import Engine, Slot
+from bsr_io.errors import CapacityError, LayoutError
+from bsr_io.keys import ChunkKey
+from bsr_io.layout import KVLayout
+
+Payload = Any  # Slot | torch.Tensor (uint8, CPU) | any contiguous buffer of chunk_bytes
+
+
+class PendingChunk:
+    """A chunk read that may still be in flight; `wait()` returns the verified slot.
+
+    `wait` raises a ChunkError subclass if the read or its verification failed, and
+    TimeoutError (the read stays in flight, call wait again) if `timeout` passes first.
+    """
+
+    def __init__(
+        self,
+        key: ChunkKey,
+        finish: Callable[[float | None], Slot],
+        done: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.key = key
+        self._finish = finish
+        self._done = done
+        self._slot: Slot | None = None
+
+    @classmethod
+    def ready(cls, key: ChunkKey, slot: Slot) -> PendingChunk:
+        return cls(key, lambda _t: slot)
+
+    def done(self) -> bool:
+        return self._slot is not None or self._done()
+
+    def wait(self, timeout: float | None = None) -> Slot:
+        if self._slot is None:
+            self._slot = self._finish(timeout)
+            self._finish = _spent
+        return self._slot
+
+
+def _spent(_timeout: float | None) -> Slot:
+    raise RuntimeError("unreachable: PendingChunk already finished")
+
+
+class Tier(ABC):
+    """One place chunk records live."""
+
+    name: str
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.RLock()
+        self._counts = dict(
+            hits=0, misses=0, evictions=0, quarantined=0, reads=0, writes=0,
+            bytes_read=0, bytes_written=0,
+        )  # fmt: skip
+
+    # -- discovery (metadata only) ------------------------------------------------------
+    @abstractmethod
+    def contains(self, key: ChunkKey, group: str | None = None) -> bool:
+        """Whether the tier holds `key` (every group when `group` is None)."""
+
+    def probe(self, keys: Sequence[ChunkKey], group: str | None = None) -> int:
+        """How many leading `keys` the tier holds; reads no payload."""
+        n = 0
+        for key in keys:
+            if not self.contains(key, group):
+                self._count(misses=1)
+                break
+            n += 1
+        return n
+
+    # -- data ---------------------------------------------------------------------------
+    @abstractmethod
+    def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
+        """Start reading `key`'s payload into a free slot of `engine`."""
+
+    def read_into(self, key: ChunkKey, engine: Engine) -> Slot:
+        """The payload of `key` at offset 0 of an engine slot, verified."""
+        return self.submit_read(key, engine).wait()
+
+    @abstractmethod
+    def write(self, key: ChunkKey, payload: Payload, layout: KVLayout) -> bool:
+        """Store `payload` (exactly `layout.chunk_bytes`) as `key`, atomically.
+
+        Returns False when the tier already held `key` (nothing written)."""
+
+    @abstractmethod
+    def remove(self, key: ChunkKey) -> bool:
+        """Delete `key`'s record; False if there was none."""
+
+    @abstractmethod
+    def invalidate(self, key: ChunkKey, reason: str) -> None:
+        """Withdraw `key` (quarantine it where the tier keeps files): never advertised again."""
+
+    @abstractmethod
+    def keys(self) -> list[ChunkKey]:
+        """Every key the tier currently advertises (LRU order, oldest first)."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """records, bytes, capacity, hits, misses, evictions, quarantined, and I/O counts."""
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counts[k] += v
+
+    def _stats(self, records: int, nbytes: int, capacity: int | None) -> dict[str, Any]:
+        with self._lock:
+            return dict(name=self.name, records=records, bytes=nbytes, capacity=capacity,
+                        **self._counts)  # fmt: skip
+
+    def close(self) -> None:  # noqa: B027 - tiers without resources need not override
+        """Release resources (open files, caches). The records stay."""
+
+
+def payload_view(payload: Payload, layout: KVLayout) -> memoryview:
+    """A flat byte view of `payload`, checked to be exactly one chunk of `layout`."""
+    want = layout.chunk_bytes
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8:
+            raise LayoutError(
+                f"payload tensor must be uint8 chunk bytes, got dtype "
+                f"{str(payload.dtype).removeprefix('torch.')} (use tensor.view(torch.uint8))"
+            )
+        if payload.device.type != "cpu":
+            payload = payload.cpu()  # a device tensor is copied once to host memory
+        if not payload.is_contiguous():
+            raise LayoutError("payload tensor must be contiguous")
+        view = memoryview(payload.numpy()).cast("B")
+    else:
+        try:
+            view = memoryview(payload)
+        except TypeError:
+            raise LayoutError(
+                f"payload must be a Slot, a uint8 tensor or a buffer, got {type(payload).__name__}"
+            ) from None
+        if not view.c_contiguous:
+            raise LayoutError("payload buffer must be C-contiguous")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    if view.nbytes != want:
+        raise LayoutError(
+            f"payload is {view.nbytes} bytes, a chunk of layout {layout.name} is {want} bytes"
+        )
+    return view
+
+
+def check_capacity(tier: str, capacity_bytes: int | None, record_bytes: int | None) -> None:
+    """CapacityError unless `capacity_bytes` can hold at least one record."""
+    if capacity_bytes is None:
+        return
+    if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
+        raise CapacityError(f"{tier}: capacity must be a positive number of bytes")
+    if record_bytes is not None and capacity_bytes < record_bytes:
+        raise CapacityError(
+            f"{tier}: capacity {capacity_bytes} bytes cannot hold one chunk record "
+            f"({record_bytes} bytes)"
+        )
+
+
+def check_slot_fits(tier: str, engine: Engine, key: ChunkKey, nbytes: int) -> None:
+    if nbytes > engine.slot_bytes:
+        raise CapacityError(
+            f"{tier}: chunk {key.short()} is {nbytes} bytes but the engine's slots are "
+            f"{engine.slot_bytes} bytes; build the Engine with slot_bytes >= layout.chunk_bytes"
+        )

@@ -1,0 +1,87 @@
+"""L3: a lower tier in a second directory (standing for shared or network storage).
+
+Same record format as L2, but plain buffered I/O: network filesystems often refuse
+O_DIRECT, and this tier is read once per fallback, not on the hot path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from bsr_io._core import Engine, xxh3_64
+from bsr_io.keys import ChunkKey
+from bsr_io.layout import KVLayout
+from bsr_io.record import HEADER_BYTES, RecordHeader, make_header
+from bsr_io.tiers.base import Payload, PendingChunk, check_slot_fits, payload_view
+from bsr_io.tiers.files import FileTier
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data = data[n:]
+        offset += n
+
+
+class LowerTier(FileTier):
+    """Record files under `root`, read and written buffered; unbounded unless a capacity
+    is given."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int | None = None,
+        *,
+        layout: KVLayout | None = None,
+        name: str = "L3",
+    ) -> None:
+        super().__init__(root, capacity_bytes, name=name, layout=layout)
+
+    def _stage(self, payload: Payload, layout: KVLayout) -> memoryview:
+        return payload_view(payload, layout)
+
+    def _write_record(
+        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any
+    ) -> RecordHeader:
+        view: memoryview = staged
+        header = make_header(key, layout, xxh3_64(view))
+        _pwrite_all(fd, memoryview(header.encode()), 0)
+        _pwrite_all(fd, view, HEADER_BYTES)
+        os.fdatasync(fd)
+        return header
+
+    def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
+        path = self.path_of(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError as exc:
+            raise self._missing(key, exc) from None
+        except OSError as exc:
+            raise self._read_error(key, path, exc) from exc
+        try:
+            st = os.fstat(fd)
+            header = self._open_checks(key, path, os.pread(fd, HEADER_BYTES, 0), st.st_size,
+                                       st.st_ino)  # fmt: skip
+            n = header.payload_len
+            check_slot_fits(self.name, engine, key, n)
+            slot = engine.lease()
+            slot.set_length(n)
+            view = memoryview(slot).cast("B")[:n]
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[done:]], HEADER_BYTES + done)
+                if got == 0:
+                    raise self._corrupt(key, path, st.st_ino, "record truncated while reading")
+                done += got
+            view.release()
+        except OSError as exc:
+            raise self._read_error(key, path, exc) from exc
+        finally:
+            os.close(fd)
+        if slot.checksum(0, n) != header.payload_xxh3:
+            raise self._corrupt(key, path, st.st_ino, "payload checksum mismatch")
+        self._touch(key)
+        self._count(hits=1, reads=1, bytes_read=n)
+        return PendingChunk.ready(key, slot)

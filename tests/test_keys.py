@@ -1,0 +1,120 @@
+"""Prefix hashing and chunk keys."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from bsr_io.keys import ChunkKey, chunk_keys, prefix_hashes
+from bsr_io.layout import preset
+
+FP = "0" * 32
+
+
+def test_partial_last_chunk_has_no_hash():
+    assert len(prefix_hashes(list(range(47)), 16)) == 2
+    assert len(prefix_hashes(list(range(48)), 16)) == 3
+    assert prefix_hashes([], 16) == []
+
+
+def test_chaining_names_the_whole_prefix():
+    tokens = np.arange(64, dtype=np.int64)
+    base = prefix_hashes(tokens, 16)
+    late = tokens.copy()
+    late[40] += 1  # inside chunk 2
+    early = tokens.copy()
+    early[3] += 1  # inside chunk 0
+    assert prefix_hashes(late, 16)[:2] == base[:2]
+    assert prefix_hashes(late, 16)[2:] != base[2:]
+    assert all(a != b for a, b in zip(prefix_hashes(early, 16), base, strict=True))
+    # The same tokens in a later position hash differently (the chain differs).
+    assert len(set(prefix_hashes([7] * 64, 16))) == 4
+
+
+def test_list_numpy_torch_agree():
+    ids = [5, 9, 2**40, 0] * 8
+    h = prefix_hashes(ids, 8)
+    assert prefix_hashes(np.array(ids, dtype=np.int64), 8) == h
+    assert prefix_hashes(np.array(ids, dtype=np.uint64), 8) == h
+    assert prefix_hashes(torch.tensor(ids), 8) == h
+
+
+def test_hash_is_stable_across_processes():
+    code = "from bsr_io.keys import prefix_hashes; print(prefix_hashes(list(range(100)), 10))"
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        outs.add(res.stdout)
+    assert outs == {str(prefix_hashes(list(range(100)), 10)) + "\n"}
+
+
+@pytest.mark.parametrize(
+    "bad, msg",
+    [(np.zeros((2, 8), dtype=np.int64), "one-dimensional"), ([1.5] * 8, "integers")],
+)
+def test_bad_token_ids(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        prefix_hashes(bad, 4)
+
+
+def test_bad_chunk_tokens():
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        prefix_hashes([1, 2], 0)
+
+
+def test_key_round_trip_and_identity():
+    k = ChunkKey("meta-llama/Llama-3.1-8B", 2, 1, "ab" * 16, 2**64 - 1)
+    assert ChunkKey.from_bytes(k.to_bytes()) == k
+    variants = [
+        ChunkKey("other", 2, 1, "ab" * 16, 2**64 - 1),
+        ChunkKey("meta-llama/Llama-3.1-8B", 2, 0, "ab" * 16, 2**64 - 1),
+        ChunkKey("meta-llama/Llama-3.1-8B", 4, 1, "ab" * 16, 2**64 - 1),
+        ChunkKey("meta-llama/Llama-3.1-8B", 2, 1, "cd" * 16, 2**64 - 1),
+    ]
+    for v in variants:
+        assert v != k and v.hex() != k.hex()
+        assert (v.namespace(), v.file_stem()) != (k.namespace(), k.file_stem())
+
+
+def test_user_strings_never_reach_paths():
+    k = ChunkKey("../../etc/passwd\x00/..", 1, 0, FP, 1)
+    for part in (k.namespace(), k.file_stem()):
+        assert "/" not in part and "." not in part and "\x00" not in part
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (("", 1, 0, FP, 1), "model"),
+        (("m", 0, 0, FP, 1), "world_size"),
+        (("m", 2, 2, FP, 1), "rank"),
+        (("m", 1, 0, "xyz", 1), "layout_fingerprint"),
+        (("m", 1, 0, FP, -1), "chunk_hash"),
+        (("m" * 2000, 1, 0, FP, 1), "longer"),
+    ],
+)
+def test_bad_keys(args, msg):
+    with pytest.raises(ValueError, match=msg):
+        ChunkKey(*args)
+
+
+def test_from_bytes_rejects_trailing_bytes():
+    k = ChunkKey("m", 1, 0, FP, 1)
+    with pytest.raises(ValueError, match="trailing"):
+        ChunkKey.from_bytes(k.to_bytes() + b"x")
+
+
+def test_chunk_keys_per_rank_and_layout():
+    tiny = preset("tiny")
+    other = preset("tiny", chunk_tokens=32)
+    ids = list(range(100))
+    k0 = chunk_keys(ids, tiny, "m", rank=0, world_size=2)
+    k1 = chunk_keys(ids, tiny, "m", rank=1, world_size=2)
+    assert len(k0) == 100 // tiny.chunk_tokens
+    assert [k.chunk_hash for k in k0] == [k.chunk_hash for k in k1]
+    assert not set(k0) & set(k1)
+    assert {k.layout_fingerprint for k in chunk_keys(ids, other, "m")} == {other.fingerprint()}

@@ -1,0 +1,53 @@
+"""The on-disk record header."""
+
+import pytest
+from bsr_io.keys import chunk_keys
+from bsr_io.layout import preset
+from bsr_io.record import HEADER_BYTES, RecordFormatError, decode_header, make_header
+
+
+@pytest.fixture
+def header():
+    lay = preset("deepseek-v4-flash")
+    key = chunk_keys(range(512), lay, "deepseek/V4-Flash", rank=1, world_size=2)[1]
+    return lay, key, make_header(key, lay, 0x1234_5678_9ABC_DEF0)
+
+
+def test_round_trip(header):
+    lay, key, h = header
+    raw = h.encode()
+    assert len(raw) == HEADER_BYTES
+    back = decode_header(raw)
+    assert back == h
+    assert back.check(key, lay) is None
+    assert back.record_bytes == HEADER_BYTES + lay.chunk_bytes
+
+
+def test_every_flipped_byte_is_caught(header):
+    raw = bytearray(header[2].encode())
+    for pos in range(0, HEADER_BYTES, 7):
+        bad = bytearray(raw)
+        bad[pos] ^= 0x40
+        with pytest.raises(RecordFormatError):
+            decode_header(bad)
+
+
+def test_truncated_and_foreign(header):
+    raw = header[2].encode()
+    with pytest.raises(RecordFormatError, match="truncated"):
+        decode_header(raw[:100])
+    with pytest.raises(RecordFormatError, match="magic"):
+        decode_header(b"\0" * HEADER_BYTES)
+
+
+def test_check_names_the_other_key(header):
+    lay, key, h = header
+    other = chunk_keys(range(512), lay, "deepseek/V4-Flash", rank=0, world_size=2)[1]
+    assert "expected" in h.check(other)
+    assert "layout" in h.check(key, preset("tiny"))
+
+
+def test_key_for_another_layout_is_refused():
+    key = chunk_keys(range(64), preset("tiny"), "m")[0]
+    with pytest.raises(ValueError, match="another layout"):
+        make_header(key, preset("llama-3.1-8b"), 0)
