@@ -1,0 +1,67 @@
+"""Discovery without residency: find the reusable prefix from metadata alone.
+
+For each chunk key, in order, the source is the highest tier (first in the
+store's order) whose index says it holds the whole record; the local hit ends at
+the first chunk no tier holds. Per allocator group hits are reported too, since
+a hybrid model's groups can be evicted or lost separately. No payload byte is
+read here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from bsr_io.errors import TierDown
+from bsr_io.keys import ChunkKey
+from bsr_io.layout import KVLayout
+
+
+@dataclass
+class Plan:
+    """What a restore will do: the agreed hit and where each hit chunk comes from."""
+
+    token_count: int
+    chunk_tokens: int
+    keys: list[ChunkKey]
+    hit_chunks: int  # agreed over groups and ranks
+    local_hit_chunks: int  # this rank alone, before agreement
+    sources: list[int]  # tier index per hit chunk
+    tier_names: list[str]
+    group_hits: dict[str, int] = field(default_factory=dict)
+    reason: str = ""  # why the hit is zero or short, when known
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit_chunks * self.chunk_tokens
+
+    def source_names(self) -> list[str]:
+        return [self.tier_names[t] for t in self.sources]
+
+
+def _holds(tier, key: ChunkKey, group: str | None = None) -> bool:
+    try:
+        return tier.contains(key, group)
+    except TierDown:
+        return False  # a tier that is down holds nothing for discovery
+
+
+def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tuple[list[int], dict]:
+    """(source tier per leading chunk, leading hit per allocator group), metadata only."""
+    sources: list[int] = []
+    for key in keys:
+        src = next((i for i, t in enumerate(tiers) if _holds(t, key)), None)
+        if src is None:
+            break
+        sources.append(src)
+    group_hits = {}
+    for g in layout.groups:
+        n = 0
+        for key in keys:
+            if not any(_holds(t, key, g.name) for t in tiers):
+                break
+            n += 1
+        group_hits[g.name] = n
+    # A chunk is restorable only when one record holds every group.
+    hit = min([len(sources), *group_hits.values()])
+    return sources[:hit], group_hits

@@ -1,0 +1,161 @@
+"""Destinations of a restore: where installed chunk bytes land.
+
+A `Destination` takes one chunk's payload (a uint8 tensor viewing a staging slot)
+and scatters it into KV storage; for saves it gathers a chunk back out. The paged
+KV cache below is what serving engines allocate: one tensor per allocator group,
+`[num_blocks, block_tokens, *token_shape]`, addressed by block ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from bsr_io.layout import KVLayout
+
+
+@runtime_checkable
+class Fence(Protocol):
+    """Completion of an asynchronous install; the staging slot is held until it is done."""
+
+    def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class Destination(Protocol):
+    def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
+        """Scatter one chunk's payload (uint8, `layout.chunk_bytes` long) into KV storage."""
+        ...
+
+    def extract(self, chunk_index: int, out: torch.Tensor) -> None:
+        """Gather one chunk's bytes into `out` (uint8, `layout.chunk_bytes` long)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Wait until every install issued so far has landed."""
+        ...
+
+
+class PagedKVCache:
+    """Per-group paged KV tensors plus the block ids a request's tokens occupy."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        tensors: Sequence[torch.Tensor],
+        block_ids: Sequence[Sequence[int]],
+    ) -> None:
+        groups = layout.groups
+        if len(tensors) != len(groups):
+            raise ValueError(
+                f"layout {layout.name!r} has {len(groups)} allocator groups, "
+                f"got {len(tensors)} KV tensors"
+            )
+        if len(block_ids) != len(groups):
+            raise ValueError(
+                f"need one block-id list per group ({len(groups)}), got {len(block_ids)}"
+            )
+        self.layout = layout
+        self.tensors = list(tensors)
+        self._index: list[torch.Tensor] = []
+        for g, t, ids in zip(groups, tensors, block_ids, strict=True):
+            want = (g.block_tokens, *g.token_shape)
+            if t.dtype != g.dtype or tuple(t.shape[1:]) != want:
+                raise ValueError(
+                    f"group {g.name!r}: expected a [num_blocks, {', '.join(map(str, want))}] "
+                    f"{g.dtype} tensor, got {list(t.shape)} {t.dtype}"
+                )
+            if not t.is_contiguous():
+                raise ValueError(f"group {g.name!r}: KV tensor must be contiguous")
+            if layout.chunk_tokens % g.block_tokens:
+                raise ValueError(
+                    f"group {g.name!r}: block_tokens {g.block_tokens} does not divide "
+                    f"chunk_tokens {layout.chunk_tokens}"
+                )
+            idx = torch.as_tensor(list(ids), dtype=torch.long)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= t.shape[0]):
+                raise ValueError(f"group {g.name!r}: block id out of range [0, {t.shape[0]})")
+            self._index.append(idx.to(t.device))
+        self._offsets = layout.group_offsets()
+        self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
+
+    @classmethod
+    def allocate(
+        cls,
+        layout: KVLayout,
+        num_tokens: int,
+        *,
+        device: str | torch.device = "cpu",
+        spare_blocks: int = 0,
+        zero: bool = True,
+    ) -> PagedKVCache:
+        """A cache holding `num_tokens` tokens in consecutive blocks (after `spare_blocks`)."""
+        tensors, ids = [], []
+        for g in layout.groups:
+            n = -(-num_tokens // g.block_tokens)
+            shape = (spare_blocks + n, g.block_tokens, *g.token_shape)
+            make = torch.zeros if zero else torch.empty
+            tensors.append(make(shape, dtype=g.dtype, device=device))
+            ids.append(range(spare_blocks, spare_blocks + n))
+        return cls(layout, tensors, ids)
+
+    @property
+    def capacity_chunks(self) -> int:
+        ct = self.layout.chunk_tokens
+        return min(len(ix) * g.block_tokens // ct for g, ix in zip(self.layout.groups, self._index))
+
+    def _blocks(self, gi: int, chunk_index: int) -> torch.Tensor:
+        per = self.layout.chunk_tokens // self.layout.groups[gi].block_tokens
+        idx = self._index[gi][chunk_index * per : (chunk_index + 1) * per]
+        if idx.numel() != per:
+            raise IndexError(
+                f"chunk {chunk_index} lies beyond the {self.capacity_chunks} chunks "
+                "of block ids given for this request"
+            )
+        return idx
+
+    def _group_view(self, gi: int, payload: torch.Tensor) -> torch.Tensor:
+        g = self.layout.groups[gi]
+        off, length = self._offsets[gi]
+        per = self.layout.chunk_tokens // g.block_tokens
+        return payload[off : off + length].view(g.dtype).view(per, g.block_tokens, *g.token_shape)
+
+    def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
+        if payload.numel() != self.layout.chunk_bytes:
+            raise ValueError(
+                f"payload has {payload.numel()} bytes, a chunk of {self.layout.name!r} "
+                f"has {self.layout.chunk_bytes}"
+            )
+        cuda = self.device.type == "cuda"
+        for gi, t in enumerate(self.tensors):
+            src = self._group_view(gi, payload)
+            if cuda:
+                # The slot is registered with CUDA, so this is an asynchronous DMA copy.
+                src = src.to(self.device, non_blocking=True)
+            t.index_copy_(0, self._blocks(gi, chunk_index), src)
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return None
+
+    def extract(self, chunk_index: int, out: torch.Tensor) -> None:
+        for gi, t in enumerate(self.tensors):
+            dst = self._group_view(gi, out)
+            blocks = self._blocks(gi, chunk_index)
+            if t.device == dst.device:
+                torch.index_select(t, 0, blocks, out=dst)
+            else:
+                dst.copy_(t.index_select(0, blocks))
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def chunk_bytes(self, chunk_index: int) -> bytes:
+        """One chunk's bytes as stored (for checks and tests)."""
+        out = torch.empty(self.layout.chunk_bytes, dtype=torch.uint8)
+        self.extract(chunk_index, out)
+        return out.numpy().tobytes()

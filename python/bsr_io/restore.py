@@ -1,0 +1,222 @@
+"""Bounded-State Restoration: probe, windowed install, request-level commit.
+
+A `Restorer` belongs to one rank. `probe` finds the reusable prefix from
+metadata and agrees on it with the other ranks (minimum over groups and ranks);
+`restore` streams it through W staging slots into the destination and then
+votes; the prefix is committed on every rank or on none. `save` stores a
+prefix through the same bounded staging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from bsr_io._core import Engine
+from bsr_io.commit import Agreement
+from bsr_io.discovery import Plan, discover
+from bsr_io.keys import chunk_keys
+from bsr_io.kvcache import Destination
+from bsr_io.layout import KVLayout
+from bsr_io.window import Window
+
+COMPLETE = "complete"
+ZERO = "zero"
+
+
+@dataclass
+class RestoreResult:
+    outcome: str  # "complete" or "zero" (zero external reuse: the caller recomputes)
+    committed_tokens: int
+    committed_chunks: int
+    hit_chunks: int
+    source_tiers: list[str] = field(default_factory=list)
+    fallbacks: list[dict] = field(default_factory=list)
+    reason: str = ""
+    rws_peak_bytes: int = 0
+    bytes_read: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return self.outcome == COMPLETE
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _first_hash(keys) -> str:
+    # Rank-independent tag so every rank's request lands in the same namespace.
+    return f"{keys[0].chunk_hash:016x}" if keys else "empty"
+
+
+class Restorer:
+    """Restores and saves one rank's chunks with at most `window` chunks staged."""
+
+    def __init__(
+        self,
+        store,
+        layout: KVLayout,
+        *,
+        window: int = 32,
+        engine: Engine | None = None,
+        model: str = "model",
+        rank: int | None = None,
+        world_size: int | None = None,
+        group=None,
+        agreement: Agreement | None = None,
+        timeout_s: float = 30.0,
+        backend: str | None = None,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1 chunk, got {window}")
+        self.store = store
+        self.layout = layout
+        self.model = model
+        if agreement is None:
+            import torch.distributed as dist
+
+            if group is not None or (world_size or 1) > 1:
+                agreement = Agreement.from_process_group(group, timeout_s)
+            elif dist.is_available() and dist.is_initialized() and rank is None:
+                agreement = Agreement.from_process_group(None, timeout_s)
+            else:
+                agreement = Agreement.local()
+        self.agreement = agreement
+        self.rank = agreement.rank if rank is None else rank
+        self.world_size = agreement.world_size if world_size is None else world_size
+        if (self.rank, self.world_size) != (agreement.rank, agreement.world_size) and (
+            agreement.world_size > 1
+        ):
+            raise ValueError(
+                f"rank {self.rank}/{self.world_size} does not match the process group "
+                f"({agreement.rank}/{agreement.world_size})"
+            )
+        if engine is None:
+            engine = Engine(window, layout.chunk_bytes, backend=backend)
+        elif engine.window < window or engine.slot_bytes < layout.chunk_bytes:
+            raise ValueError(
+                f"engine has {engine.window} slots of {engine.slot_bytes} bytes; this restorer "
+                f"needs {window} slots of at least {layout.chunk_bytes}"
+            )
+        self.engine = engine
+        self.window = window
+
+    @property
+    def tiers(self) -> list:
+        return list(self.store.tiers)
+
+    def keys(self, token_ids: Sequence[int]):
+        return chunk_keys(token_ids, self.layout, self.model, self.rank, self.world_size)
+
+    def probe(self, token_ids: Sequence[int]) -> Plan:
+        """The agreed reusable prefix, from metadata only (no payload is read)."""
+        keys = self.keys(token_ids)
+        sources, group_hits = discover(self.tiers, keys, self.layout)
+        agreed = self.agreement.agree_min(len(sources), tag=_first_hash(keys))
+        reason = ""
+        if agreed is None:
+            agreed, reason = 0, "ranks did not agree on a hit in time"
+        elif agreed < len(sources):
+            reason = f"hit shortened from {len(sources)} to {agreed} chunks by another rank"
+        return Plan(
+            token_count=len(token_ids),
+            chunk_tokens=self.layout.chunk_tokens,
+            keys=keys,
+            hit_chunks=agreed,
+            local_hit_chunks=len(sources),
+            sources=sources[:agreed],
+            tier_names=[t.name for t in self.tiers],
+            group_hits=group_hits,
+            reason=reason,
+        )
+
+    def restore(self, plan: Plan, dest: Destination) -> RestoreResult:
+        """Install the plan's hit into `dest` and commit it on all ranks, or on none."""
+        t_start = time.perf_counter()
+        n = plan.hit_chunks
+        if n == 0:
+            # Every rank agreed on zero at probe time, so no vote is needed.
+            return RestoreResult(ZERO, 0, 0, 0, reason=plan.reason or "no reusable prefix")
+        vote = self.agreement.open_vote(_first_hash(plan.keys))
+        self.engine.reset_peak()
+        error = ""
+        capacity = getattr(dest, "capacity_chunks", n)
+        if capacity < n:
+            error = f"destination has blocks for {capacity} chunks, the hit is {n}"
+            report = None
+        else:
+            window = Window(
+                self.engine, self.tiers[: len(plan.tier_names)], self.layout.chunk_bytes
+            )
+            if self.window < self.engine.window:
+                window.width = self.window
+            report = window.run(plan.keys[:n], plan.sources[:n], dest, should_stop=vote.aborted)
+            error = report.error
+        t_installed = time.perf_counter()
+        if error:
+            vote.abort_early(error)
+        decision = vote.cast(not error, error)
+        t_done = time.perf_counter()
+        ok = decision.commit
+        return RestoreResult(
+            outcome=COMPLETE if ok else ZERO,
+            committed_tokens=plan.hit_tokens if ok else 0,
+            committed_chunks=n if ok else 0,
+            hit_chunks=n,
+            source_tiers=report.sources if report else [],
+            fallbacks=report.fallbacks if report else [],
+            reason="" if ok else decision.reason,
+            rws_peak_bytes=self.engine.peak_bytes(),
+            bytes_read=report.bytes_read if report else {},
+            timings={
+                "install_s": t_installed - t_start,
+                "commit_s": t_done - t_installed,
+                "total_s": t_done - t_start,
+                "read_wait_s": report.read_wait_s if report else 0.0,
+                "install_copy_s": report.install_s if report else 0.0,
+            },
+        )
+
+    def save(
+        self,
+        token_ids: Sequence[int],
+        dest: Destination,
+        *,
+        skip_existing: bool = True,
+        progress=None,
+    ) -> int:
+        """Store every whole chunk of `token_ids` held by `dest`; returns chunks written.
+
+        Each worker leases one slot, gathers a chunk into it and writes it, so at
+        most `window` chunks are staged at once.
+        """
+        keys = self.keys(token_ids)
+        n = min(len(keys), getattr(dest, "capacity_chunks", len(keys)))
+        chunk_bytes = self.layout.chunk_bytes
+        top = self.tiers[0]
+
+        def one(i: int) -> int:
+            if skip_existing and top.probe([keys[i]]) == 1:
+                return 0
+            slot = self.engine.lease()
+            try:
+                dest.extract(i, torch.frombuffer(slot, dtype=torch.uint8, count=chunk_bytes))
+                slot.set_length(chunk_bytes)
+                self.store.write(keys[i], slot, self.layout)
+            finally:
+                del slot
+            return 1
+
+        written = 0
+        with ThreadPoolExecutor(max_workers=self.window, thread_name_prefix="bsr-save") as pool:
+            for w in pool.map(one, range(n)):
+                written += w
+                if progress is not None:
+                    progress(1)
+        dest.synchronize()
+        return written

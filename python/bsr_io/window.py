@@ -1,0 +1,153 @@
+"""Windowed install: stream hit chunks through at most W staging slots.
+
+Reads for chunks i+1..i+W-1 are in flight in the engine (which keeps its queue
+full on its own I/O thread) while chunk i is installed into the destination.
+A new read starts only when an earlier chunk's slot has been installed and
+dropped, so reads in flight plus slots awaiting an asynchronous install never
+exceed W. A chunk that fails in its source tier is invalidated there and read
+again from the next tier that holds it, inside the same window position.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from bsr_io._core import Engine
+from bsr_io.discovery import _holds
+from bsr_io.errors import ChunkError
+from bsr_io.keys import ChunkKey
+from bsr_io.kvcache import Destination
+
+
+class ChunkUnavailable(Exception):
+    """No tier could deliver a verified copy of a chunk."""
+
+    def __init__(self, index: int, key: ChunkKey, causes: list[str]) -> None:
+        self.index = index
+        self.key = key
+        self.causes = causes
+        super().__init__(f"chunk {index} unavailable in every tier: {'; '.join(causes)}")
+
+
+@dataclass
+class InstallReport:
+    installed: int = 0
+    sources: list[str] = field(default_factory=list)  # tier name per installed chunk
+    fallbacks: list[dict] = field(default_factory=list)
+    bytes_read: dict[str, int] = field(default_factory=dict)
+    error: str = ""
+    read_wait_s: float = 0.0
+    install_s: float = 0.0
+
+
+def _as_bytes(slot, length: int) -> torch.Tensor:
+    # torch.frombuffer keeps a reference to the Slot itself (view.obj), so the slot
+    # stays leased for as long as this tensor lives.
+    return torch.frombuffer(slot, dtype=torch.uint8, count=length)
+
+
+class Window:
+    """Reads hit chunks through `engine` (W slots) and installs them in order."""
+
+    def __init__(self, engine: Engine, tiers: Sequence, chunk_bytes: int) -> None:
+        self.engine = engine
+        self.tiers = list(tiers)
+        self.chunk_bytes = chunk_bytes
+        self.width = engine.window
+
+    def _submit(self, key: ChunkKey, source: int):
+        """Start the read in the source tier; a failure to start is kept for `_finish`."""
+        try:
+            return self.tiers[source].submit_read(key, self.engine)
+        except (ChunkError, OSError) as exc:
+            return f"{self.tiers[source].name}: {exc}"
+
+    def _finish(self, index: int, key: ChunkKey, source: int, pending):
+        """The verified slot of chunk `index`: from its source tier, else from a lower one."""
+        causes: list[str] = []
+        if isinstance(pending, str):
+            causes.append(pending)
+        else:
+            try:
+                return pending.wait(), source, causes
+            except (ChunkError, OSError) as exc:
+                causes.append(f"{self.tiers[source].name}: {exc}")
+            # Outside the except block, so the traceback (and any slot it holds) is gone.
+        self._invalidate(source, key, causes[-1])
+        for ti in range(source + 1, len(self.tiers)):
+            tier = self.tiers[ti]
+            if not _holds(tier, key):
+                continue
+            try:
+                return tier.read_into(key, self.engine), ti, causes
+            except (ChunkError, OSError) as exc:
+                causes.append(f"{tier.name}: {exc}")
+            self._invalidate(ti, key, causes[-1])
+        raise ChunkUnavailable(index, key, causes)
+
+    def _invalidate(self, ti: int, key: ChunkKey, reason: str) -> None:
+        try:
+            self.tiers[ti].invalidate(key, reason)
+        except (ChunkError, OSError):
+            pass  # a tier that is down cannot record the loss; discovery skips it anyway
+
+    def run(
+        self,
+        keys: Sequence[ChunkKey],
+        sources: Sequence[int],
+        dest: Destination,
+        should_stop: Callable[[], bool] = lambda: False,
+        stop_every: int | None = None,
+    ) -> InstallReport:
+        n = len(keys)
+        report = InstallReport()
+        stop_every = stop_every or self.width
+        reads: deque = deque()  # started reads, in chunk order
+        held: deque = deque()  # (slot, tensor, fence) awaiting an asynchronous install
+        next_read = 0
+        try:
+            for i in range(n):
+                # Every free window position gets a read before chunk i is installed.
+                while next_read < n and len(reads) + len(held) < self.width:
+                    reads.append(self._submit(keys[next_read], sources[next_read]))
+                    next_read += 1
+                t0 = time.perf_counter()
+                slot, tier_index, causes = self._finish(i, keys[i], sources[i], reads.popleft())
+                t1 = time.perf_counter()
+                report.read_wait_s += t1 - t0
+                name = self.tiers[tier_index].name
+                if causes:
+                    report.fallbacks.append({"chunk": i, "tier": name, "causes": causes})
+                report.bytes_read[name] = report.bytes_read.get(name, 0) + self.chunk_bytes
+                payload = _as_bytes(slot, self.chunk_bytes)
+                fence = dest.install(i, payload)
+                if fence is not None:
+                    held.append((slot, payload, fence))
+                    if len(held) >= self.width:
+                        held.popleft()[2].synchronize()
+                del payload, slot  # without a fence the slot returns to the ring here
+                report.install_s += time.perf_counter() - t1
+                report.installed += 1
+                report.sources.append(name)
+                if (i + 1) % stop_every == 0 and should_stop():
+                    report.error = "a peer rank aborted the restore"
+                    break
+            dest.synchronize()
+        except ChunkUnavailable as exc:
+            report.error = str(exc)
+        finally:
+            held.clear()
+            # Reads already started own their slots until they complete: wait, then drop.
+            while reads:
+                p = reads.popleft()
+                if not isinstance(p, str):
+                    try:
+                        p.wait()
+                    except (ChunkError, OSError):
+                        pass
+        return report
