@@ -89,3 +89,22 @@ __all__ += [
     "preset",
     "synthetic_chunk",
 ]
+
+# Restoration: discovery, windowed install, commit, the whole-plan baseline.
+from bsr_io.commit import Agreement  # noqa: E402
+from bsr_io.discovery import Plan  # noqa: E402
+from bsr_io.kvcache import Destination, PagedKVCache  # noqa: E402
+from bsr_io.metrics import RestoreMetrics  # noqa: E402
+from bsr_io.restore import Restorer, RestoreResult  # noqa: E402
+from bsr_io.whole_plan import WholePlanRestorer  # noqa: E402
+
+__all__ += [
+    "Agreement",
+    "Destination",
+    "PagedKVCache",
+    "Plan",
+    "RestoreMetrics",
+    "RestoreResult",
+    "Restorer",
+    "WholePlanRestorer",
+]

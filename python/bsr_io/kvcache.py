@@ -104,7 +104,10 @@ class PagedKVCache:
     @property
     def capacity_chunks(self) -> int:
         ct = self.layout.chunk_tokens
-        return min(len(ix) * g.block_tokens // ct for g, ix in zip(self.layout.groups, self._index))
+        return min(
+            len(ix) * g.block_tokens // ct
+            for g, ix in zip(self.layout.groups, self._index, strict=True)
+        )
 
     def _blocks(self, gi: int, chunk_index: int) -> torch.Tensor:
         per = self.layout.chunk_tokens // self.layout.groups[gi].block_tokens
