@@ -1,0 +1,245 @@
+"""Fault injection for tiers: a documented test double.
+
+A `FaultPlan` lists `Fault`s; `FaultPlan.wrap(tier, rank)` puts a `FaultyTier` around a
+tier that a fault names. Faults that damage data do it for real where they can (a
+"corrupt" fault flips a payload byte in the stored record, a "missing" fault removes
+the record just before the read), so the tier's own verification and quarantine run;
+"error", "slow", "down" and "group_missing" are simulated at the interface.
+
+Kinds:
+  error          the read raises ChunkReadError (an I/O error)
+  corrupt        a payload byte of the stored record is flipped, then the read runs
+  missing        the record is removed just before the read (probe said present)
+  slow           the read sleeps `delay_s` first
+  down           the tier raises TierDown: on everything when `chunks` is None, else
+                 on reads of those chunks (the tier dies mid-restore)
+  group_missing  probe(keys, group=g) for g in `groups` stops at the chunk
+
+`chunks` are positions in the request (chunk index 0, 1, ...). A FaultyTier learns
+positions from `bind(keys)` or from any probe of more than one key; a key it cannot
+place matches only faults with `chunks=None`. `ranks` limits a fault to some ranks,
+`times` to its first n firings.
+
+Plans travel to other processes as JSON, e.g. in the environment:
+    BSR_IO_FAULTS='[{"kind": "error", "tier": "L2", "chunks": [3], "ranks": [1]}]'
+(or BSR_IO_FAULTS=@plan.json).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bsr_io._core import Engine, Slot
+from bsr_io.errors import ChunkMissing, ChunkReadError, TierDown
+from bsr_io.keys import ChunkKey
+from bsr_io.layout import KVLayout
+from bsr_io.record import HEADER_BYTES
+from bsr_io.tiers.base import Payload, PendingChunk, Tier
+from bsr_io.tiers.files import FileTier
+from bsr_io.tiers.memory import MemoryTier
+
+KINDS = ("error", "corrupt", "missing", "slow", "down", "group_missing")
+ENV = "BSR_IO_FAULTS"
+
+
+def _set(values: Iterable[Any] | None, kind: type) -> frozenset[Any] | None:
+    if values is None:
+        return None
+    if isinstance(values, (str, bytes, int)):
+        values = [values]
+    return frozenset(kind(v) for v in values)
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    tier: str = "L2"
+    chunks: frozenset[int] | None = None
+    groups: frozenset[str] | None = None
+    ranks: frozenset[int] | None = None
+    delay_s: float = 0.0
+    times: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault kind {self.kind!r}; choose one of {list(KINDS)}")
+        object.__setattr__(self, "chunks", _set(self.chunks, int))
+        object.__setattr__(self, "groups", _set(self.groups, str))
+        object.__setattr__(self, "ranks", _set(self.ranks, int))
+        if self.kind == "group_missing" and not self.groups:
+            raise ValueError("a group_missing fault needs `groups`")
+        if self.delay_s < 0 or (self.times is not None and self.times < 1):
+            raise ValueError("delay_s must be >= 0 and times >= 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "tier": self.tier}
+        for name in ("chunks", "groups", "ranks"):
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = sorted(v)
+        if self.delay_s:
+            out["delay_s"] = self.delay_s
+        if self.times is not None:
+            out["times"] = self.times
+        return out
+
+
+@dataclass
+class FaultPlan:
+    faults: list[Fault] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, text: str) -> FaultPlan:
+        doc = json.loads(text)
+        if isinstance(doc, dict):
+            doc = doc.get("faults", [])
+        if not isinstance(doc, list) or not all(isinstance(f, dict) for f in doc):
+            raise ValueError("a fault plan is a JSON list of objects (or {'faults': [...]})")
+        try:
+            return cls([Fault(**f) for f in doc])
+        except TypeError as exc:
+            raise ValueError(f"bad fault in plan: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps([f.to_dict() for f in self.faults])
+
+    @classmethod
+    def from_env(cls, var: str = ENV) -> FaultPlan:
+        text = os.environ.get(var, "").strip()
+        if not text:
+            return cls()
+        if text.startswith("@"):
+            text = Path(text[1:]).read_text()
+        return cls.from_json(text)
+
+    def for_tier(self, name: str, rank: int) -> list[Fault]:
+        return [f for f in self.faults if f.tier == name and (f.ranks is None or rank in f.ranks)]
+
+    def wrap(self, tier: Tier, rank: int = 0) -> Tier:
+        """`tier` inside a FaultyTier when a fault of this rank names it, else `tier`."""
+        faults = self.for_tier(tier.name, rank)
+        return FaultyTier(tier, faults, rank) if faults else tier
+
+    def wrap_all(self, tiers: Sequence[Tier], rank: int = 0) -> list[Tier]:
+        return [self.wrap(t, rank) for t in tiers]
+
+
+def _flip_payload_byte(tier: Tier, key: ChunkKey) -> None:
+    if isinstance(tier, FileTier):
+        path = tier.path_of(key)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            pos = HEADER_BYTES + max(0, size - HEADER_BYTES) // 2
+            (b,) = os.pread(fd, 1, pos) or b"\0"
+            os.pwrite(fd, bytes([b ^ 0x5A]), pos)
+        finally:
+            os.close(fd)
+    elif isinstance(tier, MemoryTier):
+        with tier._lock:
+            entry = tier._entries.get(key)
+            if entry is not None:
+                entry.data[len(entry.data) // 2] ^= 0x5A
+    else:
+        raise TypeError(f"cannot corrupt records of {type(tier).__name__}")
+
+
+class FaultyTier(Tier):
+    """Wraps a tier and injects the given faults (a test double; see module doc)."""
+
+    def __init__(self, inner: Tier, faults: Sequence[Fault], rank: int = 0) -> None:
+        super().__init__(inner.name)
+        self.inner = inner
+        self.faults = list(faults)
+        self.rank = rank
+        self._fired = [0] * len(self.faults)
+        self._index: dict[ChunkKey, int] = {}
+        self.injected: list[tuple[str, int | None]] = []  # (kind, chunk index) per firing
+
+    def bind(self, keys: Sequence[ChunkKey]) -> None:
+        """Learn the request's chunk positions."""
+        self._index = {k: i for i, k in enumerate(keys)}
+
+    def _firing(self, kind: str, key: ChunkKey | None, group: str | None = None) -> Fault | None:
+        idx = self._index.get(key) if key is not None else None
+        for n, f in enumerate(self.faults):
+            if f.kind != kind or (f.times is not None and self._fired[n] >= f.times):
+                continue
+            if f.chunks is not None and (idx is None or idx not in f.chunks):
+                continue
+            if f.groups is not None and kind == "group_missing" and group not in f.groups:
+                continue
+            self._fired[n] += 1
+            self.injected.append((kind, idx))
+            return f
+        return None
+
+    def _down_everywhere(self) -> bool:
+        return any(f.kind == "down" and f.chunks is None for f in self.faults) and bool(
+            self._firing("down", None)
+        )
+
+    def _check_up(self, key: ChunkKey | None = None) -> None:
+        if self._down_everywhere():
+            raise TierDown("injected fault: tier down", key=key, tier=self.name)
+
+    def probe(self, keys: Sequence[ChunkKey], group: str | None = None) -> int:
+        if len(keys) > 1:
+            self.bind(keys)
+        return super().probe(keys, group)
+
+    def contains(self, key: ChunkKey, group: str | None = None) -> bool:
+        self._check_up(key)
+        if group is not None and self._firing("group_missing", key, group):
+            return False
+        return self.inner.contains(key, group)
+
+    def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
+        self._check_up(key)
+        if self._firing("down", key):
+            raise TierDown("injected fault: tier went down mid-restore", key=key, tier=self.name)
+        if f := self._firing("slow", key):
+            time.sleep(f.delay_s)
+        if self._firing("error", key):
+            raise ChunkReadError("injected fault: I/O error", key=key, tier=self.name)
+        if self._firing("missing", key):
+            self.inner.remove(key)
+            raise ChunkMissing("injected fault: record vanished", key=key, tier=self.name)
+        if self._firing("corrupt", key):
+            _flip_payload_byte(self.inner, key)  # the inner tier's checks must catch it
+        return self.inner.submit_read(key, engine)
+
+    def read_into(self, key: ChunkKey, engine: Engine) -> Slot:
+        return self.submit_read(key, engine).wait()
+
+    def write(self, key: ChunkKey, payload: Payload, layout: KVLayout) -> bool:
+        self._check_up(key)
+        return self.inner.write(key, payload, layout)
+
+    def remove(self, key: ChunkKey) -> bool:
+        return self.inner.remove(key)
+
+    def invalidate(self, key: ChunkKey, reason: str) -> None:
+        self._check_up(key)
+        self.inner.invalidate(key, reason)
+
+    def keys(self) -> list[ChunkKey]:
+        return self.inner.keys()
+
+    def stats(self) -> dict[str, Any]:
+        out = self.inner.stats()
+        out["injected"] = len(self.injected)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else (path_of, root, capacity_bytes...) is the inner tier's.
+        return getattr(self.inner, name)
