@@ -147,13 +147,13 @@ def save_prefix(restorer, token_ids: torch.Tensor, cache) -> int:
     return restorer.save(_ids(token_ids)[: dest.tokens], dest)
 
 
-def restore_prefix(restorer, model, token_ids: torch.Tensor, plan=None):
+def restore_prefix(restorer, model, token_ids: torch.Tensor, plan=None, group=None):
     """A cache for `model` holding `token_ids`: restored where the store has it, else recomputed.
 
     Returns (cache, RestoreResult). `plan` is the restorer's probe of `token_ids`
     when the caller has one. Only a complete outcome reaches the cache; with
-    world_size > 1 the ranks then exchange head shards so that each holds the
-    whole cache for its (unsharded) model.
+    world_size > 1 the ranks of `group` (default: the world) then exchange head
+    shards so that each holds the whole cache for its (unsharded) model.
     """
     layout = restorer.layout
     if plan is None:
@@ -172,7 +172,7 @@ def restore_prefix(restorer, model, token_ids: torch.Tensor, plan=None):
     kv = None
     if result.outcome == "complete" and result.committed_tokens > 0:
         if restorer.world_size > 1:
-            tensors = [_gather_heads(t, heads, restorer.group) for t in tensors]
+            tensors = [_gather_heads(t, heads, group) for t in tensors]
         kv = list(zip(tensors[0::2], tensors[1::2], strict=True))
     cache, _ = prefill(model, token_ids, new_cache(model, kv), chunk_tokens=layout.chunk_tokens)
     return cache, result
