@@ -337,7 +337,9 @@ impl Engine {
                 "length {length} padded to the alignment {align} exceeds the slot capacity {capacity}"
             )));
         }
-        slot.zero(length as usize, extent as usize)?;
+        if extent > length {
+            fill_tail_block(slot, file, offset, length, extent)?;
+        }
         file.extend_to(offset + length);
         let op = OpState::new(
             OpKind::Write,
@@ -359,6 +361,83 @@ impl Engine {
             Some(Driver::Pread(mut p)) => p.shutdown(),
             None => {}
         }
+    }
+}
+
+/// O_DIRECT writes whole blocks. Fill the slot's padding `[length, extent)` with what
+/// the file holds there (zeros past its end), so the padded write never clobbers bytes
+/// the caller did not ask to write.
+fn fill_tail_block(
+    slot: &SlotLease,
+    file: &EngineFile,
+    offset: u64,
+    length: u64,
+    extent: u64,
+) -> Result<()> {
+    slot.zero(length as usize, extent as usize)?;
+    let tail_start = offset + length;
+    if tail_start >= file.size() {
+        return Ok(());
+    }
+    let align = file.alignment() as usize;
+    let block_start = tail_start - tail_start % align as u64;
+    let block = AlignedBlock::new(align.max(file.mem_alignment() as usize))?;
+    let mut got = 0usize;
+    while got < align {
+        // SAFETY: `block` is our own allocation of at least `align` bytes, aligned for
+        // O_DIRECT; the kernel writes `align - got` bytes at its offset `got`.
+        let rc = unsafe {
+            libc::pread(
+                file.fd(),
+                block.ptr.add(got).cast(),
+                align - got,
+                (block_start + got as u64) as libc::off_t,
+            )
+        };
+        match rc {
+            0 => break,
+            n if n > 0 => got += n as usize,
+            _ if crate::error::last_errno() == libc::EINTR => {}
+            _ => return Err(Error::last_os("read tail block", Some(file.path()))),
+        }
+        if !is_aligned(got as u64, align as u64) {
+            break;
+        }
+    }
+    // Bytes of the block after the caller's end, up to what the file holds.
+    let from = (tail_start - block_start) as usize;
+    let to = got.min(align);
+    if to > from {
+        // SAFETY: `from..to` lies inside `block`, which we own and the read filled.
+        let old = unsafe { std::slice::from_raw_parts(block.ptr.add(from), to - from) };
+        slot.copy_in(length as usize, old)?;
+    }
+    Ok(())
+}
+
+/// A heap block aligned for O_DIRECT.
+struct AlignedBlock {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl AlignedBlock {
+    fn new(size: usize) -> Result<AlignedBlock> {
+        let layout = std::alloc::Layout::from_size_align(size, size.max(512))
+            .map_err(|_| Error::invalid(format!("bad alignment {size}")))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(Error::os("alloc", None, libc::ENOMEM));
+        }
+        Ok(AlignedBlock { ptr, layout })
+    }
+}
+
+impl Drop for AlignedBlock {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this layout and not freed elsewhere.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
     }
 }
 
