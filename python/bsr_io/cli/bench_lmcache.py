@@ -115,22 +115,33 @@ def _progress(msg: str) -> None:
 
 
 def table(report: dict) -> str:
-    lines = ["state      stock: first full-reuse L1 (L1 peak), hangs below      "
-             "bsr-io: L1, staging peak, time, data"]  # fmt: skip
+    """Markdown table: one line per state size."""
+    head = (
+        "| state/rank | stock: first full-reuse L1 | stock L1 peak | stock hangs at L1 "
+        "| bsr-io L1 | bsr-io result | staging peak | state/staging | restore s | data |"
+    )
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for state in sorted({r["state_bytes"] for r in report["stock"]}):
         st = [r for r in report["stock"] if r["state_bytes"] == state]
         ok = [r for r in st if r["result"] == "ok"]
-        hangs = [fmt_size(r["l1_bytes"]) for r in st if r["result"] == "hang"]
-        first = (
-            f"{fmt_size(ok[0]['l1_bytes'])} ({fmt_size(ok[0]['l1_peak_bytes'])})" if ok else "none"
-        )
+        hangs = ", ".join(fmt_size(r["l1_bytes"]) for r in st if r["result"] == "hang") or "-"
         b = next((r for r in report["bsr"] if r["state_bytes"] == state), None)
-        bsr = (
-            f"{b['result']} at L1 {fmt_size(b['l1_bytes'])}, {fmt_size(b['staging_peak_bytes'])}, "
-            f"{b['seconds']:.2f} s, {'equal' if b['data_ok'] else 'DIFFERENT'}"
-            if b else "-"
-        )  # fmt: skip
-        lines.append(f"{fmt_size(state):>10} {first:>14}, hang at [{', '.join(hangs)}]  {bsr}")
+        cells = [
+            fmt_size(state),
+            fmt_size(ok[0]["l1_bytes"]) if ok else "none in ladder",
+            fmt_size(ok[0]["l1_peak_bytes"]) if ok else "-",
+            hangs,
+        ]
+        if b is None:
+            cells += ["-"] * 6
+        else:
+            peak = b["staging_peak_bytes"]
+            cells += [
+                fmt_size(b["l1_bytes"]), b["result"], fmt_size(peak),
+                f"{state / peak:.1f}x" if peak else "-", f"{b['seconds']:.2f}",
+                "equal" if b["data_ok"] else "DIFFERENT",
+            ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
