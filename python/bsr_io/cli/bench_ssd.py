@@ -1,0 +1,199 @@
+"""`bsr-io bench ssd`: the engine reading a file through W slots against fio on the same
+file and a plain buffered Python read, interleaved, cold cache, median of rounds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bsr_io._core import Engine, File
+from bsr_io.cli.sizes import fmt_size, parse_size
+from bsr_io.engine import as_numpy
+from bsr_io.fio import drop_caches, fio_available, fio_read
+
+GiB = 1 << 30
+METHODS = ("fio", "bsr_io", "buffered")
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser(
+        "ssd",
+        help="engine read speed through W slots vs fio vs buffered read",
+        description=__doc__,
+    )
+    p.add_argument("--size", type=parse_size, default=parse_size("2GiB"), help="test file size")
+    p.add_argument("--window", type=int, default=4, help="W: staging slots")
+    p.add_argument("--slot", type=parse_size, default=parse_size("16MiB"), help="slot size")
+    p.add_argument("--dir", type=Path, default=None, help="where to put the test file")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (median is reported)")
+    p.add_argument("--queue-depth", type=int, default=32, help="engine queue depth")
+    p.add_argument(
+        "--request", type=parse_size, default=parse_size("1MiB"), help="engine request size"
+    )
+    p.add_argument("--backend", default=None, help="engine backend (default: auto)")
+    p.add_argument("--keep", action="store_true", help="keep the test file afterwards")
+    p.set_defaults(func=run)
+
+
+def write_test_file(path: Path, size: int, window: int, slot: int) -> None:
+    """Write `size` pseudo-random bytes with O_DIRECT through the engine."""
+    rng = np.random.default_rng(0x5EED)
+    with Engine(window, slot) as eng:
+        f = eng.open(path, create=True)
+        pending: deque[Any] = deque()
+        for off in range(0, size, slot):
+            if len(pending) == window:
+                pending.popleft().wait()
+            s = eng.lease()
+            as_numpy(s)[:] = rng.integers(0, 256, len(s), dtype=np.uint8)
+            pending.append(eng.submit_write(s, f, off, min(slot, size - off)))
+            del s
+        while pending:
+            pending.popleft().wait()
+        f.sync()
+        f.close()
+
+
+def engine_read(eng: Engine, f: File, size: int) -> tuple[float, int]:
+    """Read the whole file through the window, every slot's read in flight; each slot is
+    released as soon as it has been consumed. Returns (seconds, peak live bytes)."""
+    slot, window = eng.slot_bytes, eng.window
+    eng.reset_peak()
+    inflight: deque[Any] = deque()
+    off = 0
+    t0 = time.perf_counter()
+    while off < size or inflight:
+        while off < size and len(inflight) < window:
+            n = min(slot, size - off)
+            inflight.append(eng.submit_read(f, off, n))
+            off += n
+        s = inflight.popleft().wait()
+        # Consume: the slot's bytes are there to be installed; a read of one byte keeps
+        # the loop honest without adding a copy.
+        _ = memoryview(s)[len(s) - 1]
+        del s
+    elapsed = time.perf_counter() - t0
+    return elapsed, eng.peak_bytes()
+
+
+def buffered_read(path: Path, slot: int) -> float:
+    buf = bytearray(slot)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as fh:
+        while fh.readinto(buf):
+            pass
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.window < 1:
+        raise ValueError(f"--window must be at least 1, got {args.window}")
+    if args.slot <= 0 or args.size <= 0:
+        raise ValueError("--slot and --size must be positive")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    directory = args.dir or Path(tempfile.gettempdir())
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"bsr-io-bench-ssd-{args.size}.bin"
+    have_fio = fio_available()
+    if not have_fio:
+        print("note: fio not found (apt-get install fio); no reference run", file=sys.stderr)
+    try:
+        print(f"writing {fmt_size(args.size)} test file {path} with O_DIRECT ...", flush=True)
+        write_test_file(path, args.size, args.window, args.slot)
+        report = measure(args, path, have_fio)
+    finally:
+        if not args.keep:
+            path.unlink(missing_ok=True)
+    print_table(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def measure(args: argparse.Namespace, path: Path, have_fio: bool) -> dict[str, Any]:
+    rounds: dict[str, list[float]] = {m: [] for m in METHODS if m != "fio" or have_fio}
+    cold = True
+    peak = 0
+    with Engine(
+        args.window,
+        args.slot,
+        queue_depth=args.queue_depth,
+        request_bytes=args.request,
+        backend=args.backend,
+    ) as eng:
+        f = eng.open(path)
+        if not f.direct:
+            print(f"note: {path} is not on an O_DIRECT filesystem; engine reads are buffered")
+        for r in range(args.rounds):
+            # Interleave the methods, rotating the order so none always goes first.
+            order = list(rounds)[r % len(rounds) :] + list(rounds)[: r % len(rounds)]
+            for method in order:
+                cold &= drop_caches()
+                if method == "fio":
+                    gib_s = fio_read(path, size=args.size).gib_s
+                elif method == "bsr_io":
+                    seconds, p = engine_read(eng, f, args.size)
+                    peak = max(peak, p)
+                    gib_s = args.size / seconds / GiB
+                else:
+                    gib_s = args.size / buffered_read(path, args.slot) / GiB
+                rounds[method].append(gib_s)
+        features = dict(eng.features)
+        backend = eng.backend
+        slot_bytes = eng.slot_bytes
+    if not cold:
+        print("note: could not drop the page cache (needs root); buffered reads may be warm")
+    results = {m: {"gib_s": statistics.median(v), "rounds_gib_s": v} for m, v in rounds.items()}
+    fio = results.get("fio", {}).get("gib_s")
+    return {
+        "backend": backend,
+        "cold_cache": cold,
+        "size_bytes": args.size,
+        "window": args.window,
+        "slot_bytes": slot_bytes,
+        "queue_depth": args.queue_depth,
+        "request_bytes": args.request,
+        "rounds": args.rounds,
+        "results": {**{"fio": {"gib_s": None}}, **results},
+        "ratio_vs_fio": results["bsr_io"]["gib_s"] / fio if fio else None,
+        "rws_peak_bytes": peak,
+        "rws_bound_bytes": args.window * slot_bytes,
+        "features": features,
+        "path": os.fspath(path),
+    }
+
+
+def print_table(rep: dict[str, Any]) -> None:
+    print(
+        f"\nbench ssd: {fmt_size(rep['size_bytes'])} file, W={rep['window']} x "
+        f"{fmt_size(rep['slot_bytes'])} slots, backend {rep['backend']}, "
+        f"cold cache {'yes' if rep['cold_cache'] else 'NO'}, median of {rep['rounds']}"
+    )
+    print(f"{'method':<10} {'GiB/s':>7}   rounds")
+    for m in METHODS:
+        r = rep["results"].get(m, {})
+        if r.get("gib_s") is None:
+            print(f"{m:<10} {'n/a':>7}")
+            continue
+        rounds = " ".join(f"{x:.2f}" for x in r["rounds_gib_s"])
+        print(f"{m:<10} {r['gib_s']:>7.3f}   {rounds}")
+    ratio = rep["ratio_vs_fio"]
+    print(f"ratio bsr_io/fio: {'n/a' if ratio is None else f'{ratio:.3f}'}")
+    print(
+        f"RWS peak: {fmt_size(rep['rws_peak_bytes'])} "
+        f"(bound W x slot = {fmt_size(rep['rws_bound_bytes'])})"
+    )
