@@ -106,14 +106,22 @@ class Vote:
     def aborted(self) -> bool:
         """True once any rank has decided to abort (cheap: one store check)."""
         a = self._a
-        if a.world_size == 1 or not a._store.check([self._decision_key]):
+        if a.world_size == 1:
             return False
-        return a._store.get(self._decision_key).decode().startswith(ABORT)
+        try:
+            if not a._store.check([self._decision_key]):
+                return False
+            return a._store.get(self._decision_key).decode().startswith(ABORT)
+        except Exception:  # noqa: BLE001 - store unreachable: stop, the vote will abort
+            return True
 
     def abort_early(self, reason: str) -> None:
         """Publish an abort now so peers stop installing."""
         if self._a.world_size > 1:
-            self._decide(f"{ABORT}:rank {self._a.rank}: {reason}")
+            try:
+                self._decide(f"{ABORT}:rank {self._a.rank}: {reason}")
+            except Exception:  # noqa: BLE001 - cast() reports the unreachable store
+                pass
 
     def _decide(self, proposal: str) -> str:
         got = self._a._store.compare_set(self._decision_key, "", proposal)
@@ -121,9 +129,16 @@ class Vote:
 
     def cast(self, ok: bool, reason: str = "") -> Decision:
         """Vote, then return the decision every live rank reads back."""
-        a = self._a
-        if a.world_size == 1:
+        if self._a.world_size == 1:
             return Decision(ok, "" if ok else reason)
+        try:
+            return self._cast(ok, reason)
+        except Exception as exc:  # noqa: BLE001 - the store's host rank is gone
+            # Without the store no rank can have read a commit that includes this one.
+            return Decision(False, f"rank agreement failed: {exc}")
+
+    def _cast(self, ok: bool, reason: str) -> Decision:
+        a = self._a
         a._store.set(f"{self._ns}{a.rank}", "1" if ok else f"0:{reason}")
         if not ok:
             return _parse(self._decide(f"{ABORT}:rank {a.rank}: {reason}"))

@@ -48,6 +48,10 @@ def _holds(tier, key: ChunkKey, group: str | None = None) -> bool:
 
 def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tuple[list[int], dict]:
     """(source tier per leading chunk, leading hit per allocator group), metadata only."""
+    for t in tiers:
+        bind = getattr(t, "bind", None)  # fault injection places chunks by request position
+        if bind is not None:
+            bind(keys)
     sources: list[int] = []
     for key in keys:
         src = next((i for i, t in enumerate(tiers) if _holds(t, key)), None)

@@ -1,0 +1,190 @@
+"""Per-rank restore scenarios, run on real ranks by `bsr_io.ranks.launch`.
+
+`restore_on_rank` builds one rank's engine and store, writes a deterministic
+synthetic state (optionally a copy in L3), applies a fault plan, probes,
+restores and checks every destination byte against what was saved. The fault
+matrix below is the one the tests and `bsr-io bench faults` run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bsr_io._core import Engine
+from bsr_io.commit import Agreement
+from bsr_io.faults import FaultPlan
+from bsr_io.kvcache import PagedKVCache
+from bsr_io.layout import preset
+from bsr_io.restore import Restorer
+from bsr_io.store import Store, fill_state, open_store, synthetic_chunk, synthetic_tokens
+
+
+class _KillAt:
+    """Destination wrapper that kills its own process at chunk `at` (a fault double)."""
+
+    def __init__(self, inner: PagedKVCache, at: int) -> None:
+        self.inner, self.at = inner, at
+        self.capacity_chunks = inner.capacity_chunks
+
+    def install(self, chunk_index: int, payload: torch.Tensor):
+        if chunk_index == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return self.inner.install(chunk_index, payload)
+
+    def extract(self, chunk_index: int, out: torch.Tensor) -> None:
+        self.inner.extract(chunk_index, out)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+
+def vmhwm_bytes() -> int:
+    """Peak resident set of this process (VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("VmHWM not found in /proc/self/status")
+
+
+def restore_on_rank(
+    rank: int,
+    world_size: int,
+    *,
+    root: str,
+    layout: str = "tiny",
+    layout_kw: dict | None = None,
+    tokens: int = 320,
+    window: int = 4,
+    seed: int = 11,
+    model: str = "scenario",
+    faults: list[dict] | None = None,
+    l3: str = "none",  # "none": no L3; "empty": an L3 without the state; "copy": L3 holds it
+    fill: bool = True,
+    kill_at_chunk: int | None = None,
+    kill_rank: int | None = None,
+    timeout_s: float = 10.0,
+    check_data: bool = True,
+    backend: str | None = None,
+) -> dict[str, Any]:
+    lay = preset(layout, **(layout_kw or {}))
+    engine = Engine(window, lay.chunk_bytes, backend=backend)
+    base = Path(root)
+    store = open_store(
+        engine, base / "l2", layout=lay, lower_dir=base / "l3" if l3 != "none" else None
+    )
+    t0 = time.perf_counter()
+    if fill:
+        fill_state(store.tier("L2"), lay, tokens, seed, rank, world_size, model)
+        if l3 == "copy":
+            fill_state(store.tier("L3"), lay, tokens, seed, rank, world_size, model)
+    fill_s = time.perf_counter() - t0
+    plan_faults = FaultPlan.from_json(json.dumps(faults or []))
+    store = Store(plan_faults.wrap_all(store.tiers, rank))
+    agreement = (
+        Agreement.from_process_group(timeout_s=timeout_s) if world_size > 1 else Agreement.local()
+    )
+    r = Restorer(store, lay, window=window, engine=engine, model=model, agreement=agreement)
+    token_ids = synthetic_tokens(seed, tokens)
+    plan = r.probe(token_ids)
+    dest = PagedKVCache.allocate(lay, max(plan.hit_tokens, lay.chunk_tokens))
+    target = dest
+    if kill_at_chunk is not None and kill_rank == rank:
+        target = _KillAt(dest, kill_at_chunk)
+    t1 = time.perf_counter()
+    res = r.restore(plan, target)
+    wall = time.perf_counter() - t1
+    data_ok = None
+    if check_data and res.complete:
+        data_ok = all(
+            dest.chunk_bytes(i) == synthetic_chunk(lay, seed, i, rank).tobytes()
+            for i in range(res.committed_chunks)
+        )
+    return {
+        "rank": rank,
+        "outcome": res.outcome,
+        "committed_tokens": res.committed_tokens,
+        "committed_chunks": res.committed_chunks,
+        "hit_chunks": plan.hit_chunks,
+        "local_hit_chunks": plan.local_hit_chunks,
+        "reason": res.reason,
+        "fallbacks": len(res.fallbacks),
+        "fallback_tiers": sorted({f["tier"] for f in res.fallbacks}),
+        "sources": sorted(set(res.source_tiers)),
+        "rws_peak_bytes": res.rws_peak_bytes,
+        "slot_bytes": engine.slot_bytes,
+        "chunk_bytes": lay.chunk_bytes,
+        "data_ok": data_ok,
+        "restore_s": wall,
+        "fill_s": fill_s,
+    }
+
+
+def _fault(kind: str, *, tier: str = "L2", **kw: Any) -> dict[str, Any]:
+    return {"kind": kind, "tier": tier, **kw}
+
+
+# Each case: name, expected outcome on every (surviving) rank, optionally the expected
+# committed chunks (default: the whole state), and restore_on_rank kwargs. Chunk
+# positions are in the request.
+FAULT_MATRIX: list[dict[str, Any]] = [
+    {"name": "clean", "expected": "complete", "kw": {}},
+    {
+        "name": "l2-read-error-one-rank-l3-has-copy",
+        "expected": "complete",
+        "kw": {"l3": "copy", "faults": [_fault("error", chunks=[3], ranks=[1])]},
+    },
+    {
+        "name": "l2-read-error-one-rank-no-l3-copy",
+        "expected": "zero",
+        "kw": {"l3": "empty", "faults": [_fault("error", chunks=[3], ranks=[1])]},
+    },
+    {
+        "name": "corruption-one-rank",
+        "expected": "zero",
+        "kw": {"faults": [_fault("corrupt", chunks=[5], ranks=[0])]},
+    },
+    {
+        "name": "corruption-one-rank-l3-has-copy",
+        "expected": "complete",
+        "kw": {"l3": "copy", "faults": [_fault("corrupt", chunks=[5], ranks=[0])]},
+    },
+    {
+        "name": "record-deleted-after-discovery",
+        "expected": "zero",
+        "kw": {"faults": [_fault("missing", chunks=[7], ranks=[1])]},
+    },
+    {
+        "name": "group-missing-one-rank",
+        "expected": "complete",
+        "committed_chunks": 4,  # the hit is the minimum over groups and ranks
+        "kw": {"faults": [_fault("group_missing", chunks=[4], groups=["window"], ranks=[1])]},
+    },
+    {
+        "name": "l2-down-l3-present",
+        "expected": "complete",
+        "kw": {"l3": "copy", "faults": [_fault("down")]},
+    },
+    {
+        "name": "l2-down-mid-restore-l3-present",
+        "expected": "complete",
+        "kw": {"l3": "copy", "faults": [_fault("down", chunks=[6, 7, 8, 9], ranks=[0])]},
+    },
+    {
+        "name": "rank-stalls-mid-restore",
+        "expected": "zero",
+        "kw": {"timeout_s": 3.0, "faults": [_fault("slow", chunks=[2], ranks=[1], delay_s=8.0)]},
+    },
+    {
+        "name": "rank-killed-mid-restore",
+        "expected": "zero",
+        "survivors_only": True,
+        "kw": {"timeout_s": 3.0, "kill_at_chunk": 4, "kill_rank": 1},
+    },
+]
