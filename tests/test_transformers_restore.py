@@ -144,3 +144,20 @@ def test_damaged_chunk_gives_zero_then_recompute_same_tokens(tmp_path, family, f
     assert torch.equal(logits, ref_logits)  # the same chunk-aligned computation
     # The damaged record is never advertised again: the next probe stops before it.
     assert r.probe(prompt.tolist()).hit_chunks == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_restore_into_a_cuda_cache(tmp_path):
+    s = Setup(tmp_path, "llama", torch.bfloat16)
+    s.model.to("cuda")
+    prefix = 4 * CT + 5
+    ids = _tokens(prefix + SUFFIX, seed=14).cuda()
+    prompt, suffix = ids[:prefix], ids[prefix:]
+    original = s.original(prompt)
+    ref_tokens, ref_logits = _continue(s.model, original, suffix)
+    save_prefix(s.restorer(2), prompt, original)
+    cache, res = restore_prefix(s.restorer(2), s.model, prompt)
+    assert res.outcome == "complete" and res.committed_chunks == 4
+    tokens, logits = continue_greedy(s.model, cache, suffix, STEPS)
+    assert tokens == ref_tokens
+    assert torch.equal(logits, ref_logits)

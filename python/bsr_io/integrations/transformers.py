@@ -100,8 +100,11 @@ class CacheDestination:
     def install(self, chunk_index: int, payload: torch.Tensor):
         cuda = bool(self._views) and self._views[0].is_cuda
         for cache_part, chunk_part in self._chunk_views(chunk_index, payload):
-            # From a CUDA-registered slot this is an asynchronous DMA copy.
-            cache_part.copy_(chunk_part, non_blocking=cuda)
+            if cuda:
+                # Contiguous DMA (asynchronous from a CUDA-registered slot), then the
+                # token-major to head-major transpose on the device.
+                chunk_part = chunk_part.to(cache_part.device, non_blocking=True)
+            cache_part.copy_(chunk_part)
         if not cuda:
             return None
         event = torch.cuda.Event()
