@@ -152,6 +152,7 @@ impl Arena {
             arena: Arc::clone(self),
             index,
             len: AtomicUsize::new(self.slot_bytes),
+            writes_in_flight: AtomicUsize::new(0),
         })
     }
 
@@ -209,6 +210,8 @@ pub struct SlotLease {
     arena: Arc<Arena>,
     index: usize,
     len: AtomicUsize,
+    /// Writes from this slot not yet completed: the slot must not change meanwhile.
+    writes_in_flight: AtomicUsize,
 }
 
 impl SlotLease {
@@ -237,7 +240,27 @@ impl SlotLease {
         self.len() == 0
     }
 
+    /// A write from this slot was submitted.
+    pub fn write_started(&self) {
+        self.writes_in_flight.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A write from this slot completed.
+    pub fn write_ended(&self) {
+        self.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn check_no_write(&self) -> Result<()> {
+        if self.writes_in_flight.load(Ordering::Acquire) > 0 {
+            return Err(Error::invalid(
+                "the slot has a write in flight; wait for it before changing the slot",
+            ));
+        }
+        Ok(())
+    }
+
     pub fn set_len(&self, len: usize) -> Result<()> {
+        self.check_no_write()?;
         if len > self.capacity() {
             return Err(Error::invalid(format!(
                 "length {len} exceeds the slot capacity {}",
@@ -262,6 +285,7 @@ impl SlotLease {
 
     /// Copy `src` into the slot at `offset`.
     pub fn copy_in(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_no_write()?;
         self.check_range(offset, src.len())?;
         // SAFETY: in bounds; the slot is leased to us, so no other lease targets it.
         unsafe {
@@ -276,6 +300,7 @@ impl SlotLease {
 
     /// Zero bytes `[from, to)` (padding of an unaligned O_DIRECT write).
     pub fn zero(&self, from: usize, to: usize) -> Result<()> {
+        self.check_no_write()?;
         self.check_range(from, to.saturating_sub(from))?;
         // SAFETY: in bounds; the slot is leased to us.
         unsafe { std::ptr::write_bytes((self.addr() + from) as *mut u8, 0, to - from) };

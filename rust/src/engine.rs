@@ -245,6 +245,7 @@ impl Engine {
     fn submit(&self, op: Arc<OpState>) -> Result<Arc<OpState>> {
         let guard = self.driver();
         let Some(driver) = guard.as_ref() else {
+            op.fail_now(Error::Closed("engine"));
             return Err(Error::Closed("engine"));
         };
         driver.submit(Arc::clone(&op))?;
@@ -341,6 +342,7 @@ impl Engine {
             fill_tail_block(slot, file, offset, length, extent)?;
         }
         file.extend_to(offset + length);
+        slot.write_started();
         let op = OpState::new(
             OpKind::Write,
             Arc::clone(file),

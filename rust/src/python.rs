@@ -115,7 +115,7 @@ fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     );
     match &e {
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
-        Error::Timeout => PyTimeoutError::new_err(msg),
+        Error::Timeout => PyTimeoutError::new_err((libc::ETIMEDOUT, msg)),
         Error::Alignment(_) => AlignmentError::new_err(args),
         Error::ShortRead { .. } => ShortReadError::new_err(args),
         Error::Closed(_) => EngineClosedError::new_err(args),

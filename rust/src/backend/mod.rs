@@ -139,6 +139,9 @@ impl OpState {
             },
         };
         let mut lease = locked(&self.lease);
+        if let (OpKind::Write, Some(l)) = (self.kind, lease.as_ref()) {
+            l.write_ended();
+        }
         match (&result, self.kind) {
             (Ok(n), OpKind::Read) => {
                 if let Some(l) = lease.as_ref() {
