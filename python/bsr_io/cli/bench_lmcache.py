@@ -89,8 +89,10 @@ def bsr_case(shape, n_chunks: int, l1: int, window: int, scratch: str, seed: int
         h.store_windowed(engine, src, max(1, window))
         h.drop_l1(engine)
         dst = h.empty_like(src)
+        plugin.read_engine.reset_peak()
         t0 = time.perf_counter()
-        mask = engine.retrieve(src.tokens, **dst.kwargs())
+        with h.PeakSampler(engine) as l1_peak:
+            mask = engine.retrieve(src.tokens, **dst.kwargs())
         seconds = time.perf_counter() - t0
         rep = plugin.retriever.last
         full = bool(mask.all())
@@ -98,7 +100,9 @@ def bsr_case(shape, n_chunks: int, l1: int, window: int, scratch: str, seed: int
             "state_bytes": n_chunks * shape.chunk_bytes,
             "l1_bytes": l1,
             "result": "ok" if full else ("short" if mask.any() else "zero"),
-            "staging_peak_bytes": rep.staging_peak_bytes,
+            "staging_peak_bytes": rep.staging_peak_bytes,  # L1 objects held by the retrieve
+            "l1_peak_bytes": l1_peak.peak,  # L1 allocated (staging + LMCache's hot cache)
+            "engine_peak_bytes": plugin.read_engine.peak_bytes(),  # bsr-io's W read slots
             "window": window,
             "seconds": seconds,
             "gib_per_s": n_chunks * shape.chunk_bytes / seconds / 2**30 if seconds else None,
@@ -118,7 +122,7 @@ def table(report: dict) -> str:
     """Markdown table: one line per state size."""
     head = (
         "| state/rank | stock: first full-reuse L1 | stock L1 peak | stock hangs at L1 "
-        "| bsr-io L1 | bsr-io result | staging peak | state/staging | restore s | data |"
+        "| stock s | bsr-io L1 | bsr-io result | staging peak | state/staging | bsr-io s | data |"
     )
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for state in sorted({r["state_bytes"] for r in report["stock"]}):
@@ -131,6 +135,7 @@ def table(report: dict) -> str:
             fmt_size(ok[0]["l1_bytes"]) if ok else "none in ladder",
             fmt_size(ok[0]["l1_peak_bytes"]) if ok else "-",
             hangs,
+            f"{ok[0]['seconds']:.2f}" if ok else "-",
         ]
         if b is None:
             cells += ["-"] * 6
