@@ -24,6 +24,7 @@ from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import preset
 from bsr_io.restore import Restorer
 from bsr_io.store import Store, fill_state, open_store, synthetic_chunk, synthetic_tokens
+from bsr_io.whole_plan import WholePlanRestorer
 
 
 class _KillAt:
@@ -53,6 +54,24 @@ def vmhwm_bytes() -> int:
     raise OSError("VmHWM not found in /proc/self/status")
 
 
+def _destination(lay, tokens: int, cap_tokens: int | None) -> PagedKVCache:
+    """A paged cache for `tokens`; with `cap_tokens`, block ids cycle within that many
+    tokens' worth of blocks, so every byte is still installed but host memory stays
+    bounded (for states larger than this machine's RAM)."""
+    if cap_tokens is None or cap_tokens >= tokens:
+        dest = PagedKVCache.allocate(lay, tokens, zero=False)
+    else:
+        small = PagedKVCache.allocate(lay, cap_tokens, zero=False)
+        ids = []
+        for g, t in zip(lay.groups, small.tensors, strict=True):
+            n = -(-tokens // g.block_tokens)
+            ids.append([i % t.shape[0] for i in range(n)])
+        dest = PagedKVCache(lay, small.tensors, ids)
+    for t in dest.tensors:
+        t.view(torch.uint8).fill_(0xA5)  # touch every page before the VmHWM baseline
+    return dest
+
+
 def restore_on_rank(
     rank: int,
     world_size: int,
@@ -67,6 +86,9 @@ def restore_on_rank(
     faults: list[dict] | None = None,
     l3: str = "none",  # "none": no L3; "empty": an L3 without the state; "copy": L3 holds it
     fill: bool = True,
+    mode: str = "bsr",  # or "whole_plan"
+    l1_bytes: int | None = None,  # whole-plan L1 budget (default: unlimited)
+    dest_cap_tokens: int | None = None,
     kill_at_chunk: int | None = None,
     kill_rank: int | None = None,
     timeout_s: float = 10.0,
@@ -74,40 +96,54 @@ def restore_on_rank(
     backend: str | None = None,
 ) -> dict[str, Any]:
     lay = preset(layout, **(layout_kw or {}))
-    engine = Engine(window, lay.chunk_bytes, backend=backend)
     base = Path(root)
+    t0 = time.perf_counter()
+    if fill:
+        with Engine(1, lay.chunk_bytes, backend=backend) as fill_engine:
+            fstore = open_store(fill_engine, base / "l2", layout=lay, lower_dir=base / "l3")
+            fill_state(fstore.tier("L2"), lay, tokens, seed, rank, world_size, model)
+            if l3 == "copy":
+                fill_state(fstore.tier("L3"), lay, tokens, seed, rank, world_size, model)
+            fstore.close()
+    fill_s = time.perf_counter() - t0
+    token_ids = synthetic_tokens(seed, tokens)
+    hit_tokens = tokens // lay.chunk_tokens * lay.chunk_tokens
+    dest = _destination(lay, max(hit_tokens, lay.chunk_tokens), dest_cap_tokens)
+    # Baseline before the engine exists: growth then includes the staging ring itself.
+    hwm0 = vmhwm_bytes()
+    engine = Engine(window, lay.chunk_bytes, backend=backend)
     store = open_store(
         engine, base / "l2", layout=lay, lower_dir=base / "l3" if l3 != "none" else None
     )
-    t0 = time.perf_counter()
-    if fill:
-        fill_state(store.tier("L2"), lay, tokens, seed, rank, world_size, model)
-        if l3 == "copy":
-            fill_state(store.tier("L3"), lay, tokens, seed, rank, world_size, model)
-    fill_s = time.perf_counter() - t0
     plan_faults = FaultPlan.from_json(json.dumps(faults or []))
     store = Store(plan_faults.wrap_all(store.tiers, rank))
     agreement = (
         Agreement.from_process_group(timeout_s=timeout_s) if world_size > 1 else Agreement.local()
     )
     r = Restorer(store, lay, window=window, engine=engine, model=model, agreement=agreement)
-    token_ids = synthetic_tokens(seed, tokens)
+    t1 = time.perf_counter()
     plan = r.probe(token_ids)
-    dest = PagedKVCache.allocate(lay, max(plan.hit_tokens, lay.chunk_tokens))
     target = dest
     if kill_at_chunk is not None and kill_rank == rank:
         target = _KillAt(dest, kill_at_chunk)
-    t1 = time.perf_counter()
-    res = r.restore(plan, target)
+    if mode == "bsr":
+        res = r.restore(plan, target)
+    elif mode == "whole_plan":
+        wp = WholePlanRestorer(store, lay, l1_bytes=l1_bytes if l1_bytes is not None else 1 << 62)
+        res = wp.restore(plan, target)
+    else:
+        raise ValueError(f"mode must be 'bsr' or 'whole_plan', got {mode!r}")
     wall = time.perf_counter() - t1
+    growth = vmhwm_bytes() - hwm0
     data_ok = None
-    if check_data and res.complete:
+    if check_data and res.complete and dest_cap_tokens is None:
         data_ok = all(
             dest.chunk_bytes(i) == synthetic_chunk(lay, seed, i, rank).tobytes()
             for i in range(res.committed_chunks)
         )
     return {
         "rank": rank,
+        "mode": mode,
         "outcome": res.outcome,
         "committed_tokens": res.committed_tokens,
         "committed_chunks": res.committed_chunks,
@@ -118,10 +154,14 @@ def restore_on_rank(
         "fallback_tiers": sorted({f["tier"] for f in res.fallbacks}),
         "sources": sorted(set(res.source_tiers)),
         "rws_peak_bytes": res.rws_peak_bytes,
+        "l1_required_bytes": plan.hit_chunks * lay.chunk_bytes,
+        "vmhwm_growth_bytes": growth,
         "slot_bytes": engine.slot_bytes,
         "chunk_bytes": lay.chunk_bytes,
+        "backend": engine.backend,
         "data_ok": data_ok,
         "restore_s": wall,
+        "timings": res.timings,
         "fill_s": fill_s,
     }
 
