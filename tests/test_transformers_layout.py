@@ -18,7 +18,7 @@ from bsr_io.integrations.transformers import (  # noqa: E402
     prefill,
 )
 
-FAMILIES = ["llama", "qwen3"]
+FAMILIES = ["llama", "qwen3", "mistral"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -41,6 +41,20 @@ def test_layout_follows_config_and_rank_shard(family, world_size):
         for ws in (1, 2, 4)
     }
     assert len(fps) == 3  # a record of one sharding is never read as another's
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_layout_from_a_cache_takes_its_dtype_and_checks_its_shape(dtype):
+    model = tiny_model("qwen3", dtype=dtype)
+    cache = _cache_of(model, 16)
+    layout = kv_layout(model.config, chunk_tokens=16, cache=cache)
+    assert {g.dtype for g in layout.groups} == {dtype}
+    assert layout == kv_layout(model.config, chunk_tokens=16, dtype=dtype)
+    other = tiny_model("qwen3", layers=3).config
+    with pytest.raises(ValueError, match="layers, kv heads"):
+        kv_layout(other, chunk_tokens=16, cache=cache)
+    with pytest.raises(ValueError, match="holds"):
+        kv_layout(model.config, chunk_tokens=16, cache=cache, dtype=torch.float32)
 
 
 def test_head_shards_partition_the_heads():

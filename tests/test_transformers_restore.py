@@ -91,7 +91,7 @@ def test_restored_continuation_is_bit_identical(tmp_path, family, dtype, prefix)
         assert tokens == ref_tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_restore_agrees_with_one_pass_recompute(tmp_path, family):
     s = Setup(tmp_path, family)
     prefix = 4 * CT + 7

@@ -38,16 +38,31 @@ def kv_layout(
     config,
     *,
     chunk_tokens: int,
-    dtype: torch.dtype,
+    dtype: torch.dtype | None = None,
+    cache=None,
     rank: int = 0,
     world_size: int = 1,
 ) -> KVLayout:
     """One rank's chunk layout for a model config: groups layer{i}.k and layer{i}.v.
 
-    `dtype` is the cache's (the model's) dtype. A dense cache has no blocks, so a
-    group's block is the whole chunk.
+    The dtype is the cache's: pass `cache` (it is also checked against the config)
+    or `dtype`. A dense cache has no blocks, so a group's block is the whole chunk.
     """
     shape = attention_shape(config)
+    if cache is not None:
+        kv = kv_tensors(cache)
+        k = kv[0][0]
+        found = (len(kv), k.shape[1], k.shape[-1])
+        if found != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
+            raise ValueError(
+                f"cache has (layers, kv heads, head dim) {found}, the config says "
+                f"{(shape.num_layers, shape.num_kv_heads, shape.head_dim)}"
+            )
+        if dtype is not None and dtype != k.dtype:
+            raise ValueError(f"dtype {dtype} given, the cache holds {k.dtype}")
+        dtype = k.dtype
+    if dtype is None:
+        raise ValueError("kv_layout needs the cache or its dtype")
     shard = head_shard(shape.num_kv_heads, rank, world_size)
     token_shape = (shard.stop - shard.start, shape.head_dim)
     groups = tuple(
