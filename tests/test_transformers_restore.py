@@ -146,6 +146,31 @@ def test_damaged_chunk_gives_zero_then_recompute_same_tokens(tmp_path, family, f
     assert r.probe(prompt.tolist()).hit_chunks == 3
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_l1_read_error_falls_back_to_l2_and_still_restores(tmp_path, family):
+    """An I/O error in L1 (injected by the faults test double) is served from L2."""
+    from bsr_io.faults import Fault, FaultPlan
+    from bsr_io.tiers.memory import MemoryTier
+
+    s = Setup(tmp_path, family)
+    l1 = MemoryTier(16 * s.layout.chunk_bytes, layout=s.layout)
+    s.store = Store(FaultPlan([Fault("error", tier="L1", chunks=[2])]).wrap_all([l1, s.tier]))
+    prefix = 4 * CT + 2
+    ids = _tokens(prefix + SUFFIX, seed=15)
+    prompt, suffix = ids[:prefix], ids[prefix:]
+    original = s.original(prompt)
+    ref_tokens, ref_logits = _continue(s.model, original, suffix)
+    save_prefix(s.restorer(2), prompt, original)  # written through to L1 and L2
+
+    cache, res = restore_prefix(s.restorer(2), s.model, prompt)
+    assert res.outcome == "complete" and res.committed_chunks == 4
+    assert res.source_tiers == ["L1", "L1", "L2", "L1"]
+    assert len(res.fallbacks) == 1
+    tokens, logits = continue_greedy(s.model, cache, suffix, STEPS)
+    assert tokens == ref_tokens
+    assert torch.equal(logits, ref_logits)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_restore_into_a_cuda_cache(tmp_path):
     s = Setup(tmp_path, "llama", torch.bfloat16)

@@ -180,6 +180,8 @@ def restore_prefix(restorer, model, token_ids: torch.Tensor, plan=None, group=No
     heads = head_shard(shape.num_kv_heads, restorer.rank, restorer.world_size)
     param = next(model.parameters())
     dtype = layout.groups[0].dtype
+    if dtype != param.dtype:
+        raise ValueError(f"the layout stores {dtype}, the model computes in {param.dtype}")
     tensors = [
         torch.empty(
             1, shape.num_kv_heads, plan.hit_tokens, shape.head_dim, dtype=dtype, device=param.device
