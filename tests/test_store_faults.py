@@ -113,7 +113,9 @@ def small_fs():
     try:
         yield mnt
     finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+        if subprocess.run(["umount", str(mnt)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
+            pytest.fail("the store kept a file open on the filesystem after the test")
         shutil.rmtree(work)
 
 

@@ -13,7 +13,15 @@ import sys
 
 # Modules that add top-level subcommands, and modules that add `bench` subcommands.
 COMMANDS = ("demo", "store")
-BENCHES = ("bench_ssd", "bench_sweep", "bench_faults", "bench_ttft", "bench_model", "bench_lmcache")
+BENCHES = (
+    "bench_ssd",
+    "bench_store",
+    "bench_sweep",
+    "bench_faults",
+    "bench_ttft",
+    "bench_model",
+    "bench_lmcache",
+)
 
 
 def _load(name: str):

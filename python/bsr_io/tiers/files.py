@@ -55,8 +55,16 @@ _HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest(
 
 @dataclass(slots=True)
 class _Entry:
+    """What the index knows of one record file. The header was checked against the key
+    when the file had this inode and mtime; reads trust it only while both still match."""
+
     header: RecordHeader
     ino: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, header: RecordHeader, st: os.stat_result) -> _Entry:
+        return cls(header, st.st_ino, st.st_mtime_ns)
 
     @property
     def nbytes(self) -> int:
@@ -197,7 +205,7 @@ class FileTier(Tier):
                 if problem:
                     self._quarantine(path, st.st_ino, None, problem)
                     continue
-                found.append((st.st_mtime, header.key, _Entry(header, st.st_ino)))
+                found.append((st.st_mtime, header.key, _Entry.of(header, st)))
         found.sort(key=lambda t: t[0])
         with self._lock:
             self._index = OrderedDict((k, e) for _, k, e in found)
@@ -248,7 +256,7 @@ class FileTier(Tier):
             raise TierDown(f"cannot stat {path}", key=key, tier=self.name, cause=exc) from exc
         with self._lock:
             entry = self._index.get(key)
-            if entry is not None and entry.ino == st.st_ino:
+            if entry is not None and (entry.ino, entry.mtime_ns) == (st.st_ino, st.st_mtime_ns):
                 return True
         # Written (or replaced) by another process: adopt it after a header check.
         try:
@@ -264,7 +272,7 @@ class FileTier(Tier):
         if problem:
             self._quarantine(path, st.st_ino, key, problem)
             return False
-        self._remember(key, _Entry(header, st.st_ino))
+        self._remember(key, _Entry.of(header, st))
         return True
 
     def keys(self) -> list[ChunkKey]:
@@ -373,18 +381,20 @@ class FileTier(Tier):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 header = self._write_record(fd, tmp, key, layout, staged)
-                ino = os.fstat(fd).st_ino
+                staged = None  # release a leased slot now, not when the caller drops us
+                st = os.fstat(fd)
             finally:
                 os.close(fd)
             os.rename(tmp, final)
             _fsync_dir(final.parent)
         except OSError as exc:
+            staged = None
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
             raise _write_error(self.name, key, final, exc) from exc
-        self._remember(key, _Entry(header, ino))
+        self._remember(key, _Entry.of(header, st))
         self._count(writes=1, bytes_written=header.payload_len)
         return True
 
@@ -411,7 +421,7 @@ class FileTier(Tier):
                                                tier=self.name)  # fmt: skip
                         done += n
                     os.fdatasync(fd)
-                    ino = os.fstat(fd).st_ino
+                    st = os.fstat(fd)
                 finally:
                     os.close(fd)
             os.rename(tmp, final)
@@ -424,7 +434,7 @@ class FileTier(Tier):
             if isinstance(exc, ChunkError):
                 raise
             raise _write_error(self.name, key, final, exc) from exc
-        self._remember(key, _Entry(header, ino))
+        self._remember(key, _Entry.of(header, st))
         self._count(writes=1, bytes_written=header.payload_len)
         return True
 
@@ -440,6 +450,18 @@ class FileTier(Tier):
         """Write header and payload to the new temp file `fd` and make them durable."""
 
     # -- shared read checks -------------------------------------------------------------
+    def _known_header(self, key: ChunkKey, st: os.stat_result) -> RecordHeader | None:
+        """The indexed header of `key` if the open file is the one it was checked on.
+
+        Saves a synchronous header read per chunk, which would queue behind the payload
+        reads in flight. A file replaced or rewritten since (new inode or mtime) has its
+        header read and checked again."""
+        with self._lock:
+            e = self._index.get(key)
+        if e is None or (e.ino, e.mtime_ns, e.nbytes) != (st.st_ino, st.st_mtime_ns, st.st_size):
+            return None
+        return e.header
+
     def _open_checks(self, key: ChunkKey, path: Path, raw_header: bytes, size: int,
                      ino: int) -> RecordHeader:  # fmt: skip
         try:
@@ -452,6 +474,9 @@ class FileTier(Tier):
         if problem:
             raise self._corrupt(key, path, ino, problem)
         return header
+
+    def _checked(self, key: ChunkKey, header: RecordHeader, st: os.stat_result) -> None:
+        self._remember(key, _Entry.of(header, st))
 
     def _missing(self, key: ChunkKey, exc: OSError | None = None) -> ChunkError:
         self._forget(key)

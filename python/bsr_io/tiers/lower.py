@@ -62,8 +62,11 @@ class LowerTier(FileTier):
             raise self._read_error(key, path, exc) from exc
         try:
             st = os.fstat(fd)
-            header = self._open_checks(key, path, os.pread(fd, HEADER_BYTES, 0), st.st_size,
-                                       st.st_ino)  # fmt: skip
+            header = self._known_header(key, st)
+            if header is None:
+                raw = os.pread(fd, HEADER_BYTES, 0)
+                header = self._open_checks(key, path, raw, st.st_size, st.st_ino)
+                self._checked(key, header, st)
             n = header.payload_len
             check_slot_fits(self.name, engine, key, n)
             slot = engine.lease()

@@ -72,11 +72,18 @@ class SSDTier(FileTier):
     ) -> RecordHeader:
         slot: Slot = staged
         n = layout.chunk_bytes
-        header = make_header(key, layout, slot.checksum(0, n))
-        os.pwrite(fd, header.encode(), 0)
         f = self.engine.open(tmp, write=True)
         try:
-            self.engine.write(slot, f, HEADER_BYTES, n)
+            pending = self.engine.submit_write(slot, f, HEADER_BYTES, n)
+            try:
+                # Checksum while the payload is on its way: both only read the slot.
+                header = make_header(key, layout, slot.checksum(0, n))
+                os.pwrite(fd, header.encode(), 0)
+            finally:
+                try:
+                    pending.wait()
+                finally:
+                    del pending  # a kept traceback must not keep the file and slot busy
             f.sync()  # fdatasync: header (written through fd) and payload share the inode
         finally:
             f.close()
@@ -94,9 +101,12 @@ class SSDTier(FileTier):
         try:
             fd = f.fileno()
             st = os.fstat(fd)
-            buf = _header_buffer()
-            got = os.preadv(fd, [buf], 0)
-            header = self._open_checks(key, path, bytes(buf[:got]), st.st_size, st.st_ino)
+            header = self._known_header(key, st)
+            if header is None:
+                buf = _header_buffer()
+                got = os.preadv(fd, [buf], 0)
+                header = self._open_checks(key, path, bytes(buf[:got]), st.st_size, st.st_ino)
+                self._checked(key, header, st)
             n = header.payload_len
             check_slot_fits(self.name, engine, key, n)
             pending = engine.submit_read(f, HEADER_BYTES, n)

@@ -1,0 +1,213 @@
+"""`bsr-io bench store`: write then read (cold cache) deepseek-v4-flash chunks through
+L2, against the engine's raw read and write of one file of the same size, and fio,
+in the same run. Also times the per-chunk open+close that one file per record costs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bsr_io._core import Engine
+from bsr_io.cli.bench_ssd import engine_read
+from bsr_io.cli.sizes import fmt_size, parse_size
+from bsr_io.engine import as_numpy
+from bsr_io.fio import drop_caches, fio_available, fio_read
+from bsr_io.keys import ChunkKey, chunk_keys
+from bsr_io.layout import PRESETS, KVLayout, preset
+from bsr_io.store import synthetic_tokens
+from bsr_io.tiers import SSDTier
+
+GiB = 1 << 30
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser(
+        "store", help="L2 chunk store write/read vs raw engine and fio", description=__doc__
+    )
+    p.add_argument("--size", type=parse_size, default=parse_size("2GiB"), help="state size")
+    p.add_argument("--layout", default="deepseek-v4-flash", choices=sorted(PRESETS))
+    p.add_argument("--window", type=int, default=4, help="W: staging slots (reads in flight)")
+    p.add_argument("--dir", type=Path, default=None, help="where to put the store")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--rounds", type=int, default=3, help="read rounds (median is reported)")
+    p.add_argument("--backend", default=None, help="engine backend (default: auto)")
+    p.set_defaults(func=run)
+
+
+def _fill_slots(engine: Engine, layout: KVLayout, n: int) -> list[Any]:
+    """`n` leased slots of pseudo-random chunk bytes (made once: generating 16 MiB of
+    random bytes per chunk would cost more than writing it)."""
+    rng = np.random.default_rng(0xB5)
+    slots = []
+    for _ in range(n):
+        s = engine.lease()
+        s.set_length(layout.chunk_bytes)
+        as_numpy(s)[:] = rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8)
+        slots.append(s)
+    return slots
+
+
+def store_write(tier: SSDTier, keys: list[ChunkKey], layout: KVLayout, slots: list[Any]) -> float:
+    """Write every chunk, W writers at once (a save runs one chunk per slot)."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(slots)) as pool:
+        list(pool.map(lambda i: tier.write(keys[i], slots[i % len(slots)], layout),
+                      range(len(keys))))  # fmt: skip
+    return time.perf_counter() - t0
+
+
+def raw_write(engine: Engine, path: Path, slots: list[Any], count: int, chunk: int) -> float:
+    """The engine writing the same bytes to one file, W in flight, one fdatasync."""
+    t0 = time.perf_counter()
+    f = engine.open(path, create=True)
+    inflight: deque[Any] = deque()
+    for i in range(count):
+        if len(inflight) == len(slots):
+            inflight.popleft().wait()
+        inflight.append(engine.submit_write(slots[i % len(slots)], f, i * chunk, chunk))
+    while inflight:
+        inflight.popleft().wait()
+    f.sync()
+    f.close()
+    return time.perf_counter() - t0
+
+
+def store_read(tier: SSDTier, keys: list[ChunkKey], engine: Engine) -> float:
+    """Read and verify every chunk, W reads in flight."""
+    t0 = time.perf_counter()
+    inflight: deque[Any] = deque()
+    for key in keys:
+        if len(inflight) == engine.window:
+            s = inflight.popleft().wait()
+            del s
+        inflight.append(tier.submit_read(key, engine))
+    while inflight:
+        s = inflight.popleft().wait()
+        del s
+    return time.perf_counter() - t0
+
+
+def open_close_us(engine: Engine, paths: list[Path]) -> float:
+    times = []
+    for p in paths:
+        t0 = time.perf_counter()
+        engine.open(p).close()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def run(args: argparse.Namespace) -> int:
+    layout = preset(args.layout)
+    count = args.size // layout.chunk_bytes
+    if count < 1 or args.window < 1 or args.rounds < 1:
+        raise ValueError(
+            f"need --size >= one chunk ({layout.chunk_bytes} bytes), --window >= 1, --rounds >= 1"
+        )
+    size = count * layout.chunk_bytes
+    work = Path(tempfile.mkdtemp(prefix="bsr-io-bench-store-", dir=args.dir))
+    try:
+        report = measure(args, layout, count, size, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print_report(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def measure(
+    args: argparse.Namespace, layout: KVLayout, count: int, size: int, work: Path
+) -> dict[str, Any]:
+    keys = chunk_keys(synthetic_tokens(1, count * layout.chunk_tokens), layout, "bench")
+    raw_path = work / "raw.bin"
+    # W slots hold the payloads being written; W more are free for reads.
+    with Engine(2 * args.window, layout.chunk_bytes, backend=args.backend) as engine:
+        tier = SSDTier(work / "l2", None, engine, layout=layout)
+        slots = _fill_slots(engine, layout, args.window)
+        print(f"writing {count} chunks ({fmt_size(size)}) to L2 and to one raw file ...",
+              flush=True)  # fmt: skip
+        w_store = store_write(tier, keys, layout, slots)
+        w_raw = raw_write(engine, raw_path, slots, count, layout.chunk_bytes)
+        del slots
+        have_fio = fio_available()
+        rounds: dict[str, list[float]] = {"store": [], "raw": []}
+        if have_fio:
+            rounds["fio"] = []
+        cold = True
+        raw_file = engine.open(raw_path)
+        for r in range(args.rounds):
+            order = list(rounds)[r % len(rounds) :] + list(rounds)[: r % len(rounds)]
+            for method in order:
+                cold &= drop_caches()
+                if method == "store":
+                    seconds = store_read(tier, keys, engine)
+                elif method == "raw":
+                    engine_read_w = Engine(args.window, layout.chunk_bytes, backend=args.backend)
+                    with engine_read_w as eng:
+                        f = eng.open(raw_path)
+                        seconds, _ = engine_read(eng, f, size)
+                        f.close()
+                else:
+                    seconds = size / (fio_read(raw_path, size=size).gib_s * GiB)
+                rounds[method].append(size / seconds / GiB)
+        raw_file.close()
+        drop_caches()
+        oc_us = open_close_us(engine, [tier.path_of(k) for k in keys])
+        stats = tier.stats()
+        backend = engine.backend
+    med = {m: statistics.median(v) for m, v in rounds.items()}
+    chunk_read_us = layout.chunk_bytes / (med["store"] * GiB) * 1e6
+    return {
+        "layout": layout.name,
+        "chunk_bytes": layout.chunk_bytes,
+        "chunks": count,
+        "size_bytes": size,
+        "window": args.window,
+        "backend": backend,
+        "cold_cache": cold,
+        "rounds": args.rounds,
+        "write_gib_s": {"store": size / w_store / GiB, "raw": size / w_raw / GiB},
+        "write_ratio_store_vs_raw": w_raw / w_store,
+        "read_gib_s": med,
+        "read_rounds_gib_s": rounds,
+        "read_ratio_store_vs_raw": med["store"] / med["raw"],
+        "read_ratio_store_vs_fio": med["store"] / med["fio"] if have_fio else None,
+        "open_close_us_per_chunk": oc_us,
+        "chunk_read_us": chunk_read_us,
+        "open_close_share": oc_us / chunk_read_us,
+        "verified_reads": stats["reads"],
+        "dir": os.fspath(work),
+    }
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    print(
+        f"\nbench store: {rep['chunks']} chunks of {rep['layout']} ({fmt_size(rep['size_bytes'])}),"
+        f" W={rep['window']}, backend {rep['backend']}, cold cache "
+        f"{'yes' if rep['cold_cache'] else 'NO'}, median of {rep['rounds']} read rounds"
+    )
+    w = rep["write_gib_s"]
+    print(f"write GiB/s: L2 store {w['store']:.3f}  raw engine {w['raw']:.3f}  "
+          f"ratio {rep['write_ratio_store_vs_raw']:.3f}")  # fmt: skip
+    r = rep["read_gib_s"]
+    fio = f"  fio {r['fio']:.3f}" if "fio" in r else ""
+    print(f"read  GiB/s: L2 store {r['store']:.3f}  raw engine {r['raw']:.3f}{fio}  "
+          f"ratio vs raw {rep['read_ratio_store_vs_raw']:.3f}")  # fmt: skip
+    if rep["read_ratio_store_vs_fio"] is not None:
+        print(f"ratio vs fio {rep['read_ratio_store_vs_fio']:.3f}")
+    print(f"open+close per chunk: {rep['open_close_us_per_chunk']:.1f} us vs "
+          f"{rep['chunk_read_us']:.0f} us to read a chunk "
+          f"({100 * rep['open_close_share']:.2f}%)")  # fmt: skip
