@@ -185,6 +185,9 @@ def measure(
         "read_rounds_gib_s": rounds,
         "read_ratio_store_vs_raw": med["store"] / med["raw"],
         "read_ratio_store_vs_fio": med["store"] / med["fio"] if have_fio else None,
+        # Write then read, end to end: time of the raw pair over time of the store pair.
+        "write_read_ratio_store_vs_raw": (w_raw + size / (med["raw"] * GiB))
+        / (w_store + size / (med["store"] * GiB)),
         "open_close_us_per_chunk": oc_us,
         "chunk_read_us": chunk_read_us,
         "open_close_share": oc_us / chunk_read_us,
@@ -207,7 +210,8 @@ def print_report(rep: dict[str, Any]) -> None:
     print(f"read  GiB/s: L2 store {r['store']:.3f}  raw engine {r['raw']:.3f}{fio}  "
           f"ratio vs raw {rep['read_ratio_store_vs_raw']:.3f}")  # fmt: skip
     if rep["read_ratio_store_vs_fio"] is not None:
-        print(f"ratio vs fio {rep['read_ratio_store_vs_fio']:.3f}")
+        print(f"read ratio vs fio {rep['read_ratio_store_vs_fio']:.3f}")
+    print(f"write then read, store vs raw engine: {rep['write_read_ratio_store_vs_raw']:.3f}")
     print(f"open+close per chunk: {rep['open_close_us_per_chunk']:.1f} us vs "
           f"{rep['chunk_read_us']:.0f} us to read a chunk "
           f"({100 * rep['open_close_share']:.2f}%)")  # fmt: skip
