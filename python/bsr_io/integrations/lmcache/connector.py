@@ -21,6 +21,20 @@ from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 
+def _whole_blocks(slots: torch.Tensor, block_size: int) -> torch.Tensor | None:
+    """Block ids when `slots` covers whole blocks, each in order; else None."""
+    n = len(slots)
+    if n == 0 or n % block_size:
+        return None
+    runs = slots.view(-1, block_size)
+    first = runs[:, 0]
+    if bool((first % block_size).any()) or not torch.equal(
+        runs, first[:, None] + torch.arange(block_size)
+    ):
+        return None
+    return first // block_size
+
+
 class CPUPagedConnector(GPUConnectorInterface):
     """Copies LMCache memory objects to and from paged KV caches in CPU memory.
 
@@ -97,9 +111,14 @@ class CPUPagedConnector(GPUConnectorInterface):
         # Tokens the destination already holds are left alone, as vLLM's connector does.
         skip = min(end - start, max(0, int(kwargs.get("vllm_cached_tokens", 0)) - start))
         slots = self._slots(kwargs, start, end)[skip:]
+        blocks = _whole_blocks(slots, caches[0].shape[2])
         for layer, cache in enumerate(caches):
-            flat = self._flat(cache)
-            flat[:, slots] = t[:, layer, skip:].to(flat.dtype)
+            src = t[:, layer, skip:].to(cache.dtype)
+            if blocks is not None:  # copy whole pages: far fewer indices than per token
+                per_block = cache.view(2, cache.shape[1], -1)
+                per_block.index_copy_(1, blocks, src.reshape(2, len(blocks), -1))
+            else:
+                self._flat(cache).index_copy_(1, slots, src)
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs) -> None:
         t = self._check(memory_obj, start, end)
