@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from bsr_io.layout import KVLayout
@@ -59,7 +60,7 @@ class PagedKVCache:
             )
         self.layout = layout
         self.tensors = list(tensors)
-        self._index: list[torch.Tensor] = []
+        self._ids: list[list[int]] = []
         for g, t, ids in zip(groups, tensors, block_ids, strict=True):
             want = (g.block_tokens, *g.token_shape)
             if t.dtype != g.dtype or tuple(t.shape[1:]) != want:
@@ -77,8 +78,15 @@ class PagedKVCache:
             idx = torch.as_tensor(list(ids), dtype=torch.long)
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= t.shape[0]):
                 raise ValueError(f"group {g.name!r}: block id out of range [0, {t.shape[0]})")
-            self._index.append(idx.to(t.device))
+            self._ids.append(idx.tolist())
         self._offsets = layout.group_offsets()
+        # Flat byte views of host tensors: installs there are plain memcpys through numpy,
+        # which stays at memory speed where torch's threaded copy stalls on a busy host.
+        self._host_bytes = [
+            t.reshape(-1).view(torch.uint8).numpy() if t.device.type == "cpu" else None
+            for t in self.tensors
+        ]
+        self._block_bytes = [g.block_tokens * g.token_bytes for g in groups]
         self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
 
     @classmethod
@@ -106,18 +114,26 @@ class PagedKVCache:
         ct = self.layout.chunk_tokens
         return min(
             len(ix) * g.block_tokens // ct
-            for g, ix in zip(self.layout.groups, self._index, strict=True)
+            for g, ix in zip(self.layout.groups, self._ids, strict=True)
         )
 
-    def _blocks(self, gi: int, chunk_index: int) -> torch.Tensor:
+    def _runs(self, gi: int, chunk_index: int) -> list[tuple[int, int, int]]:
+        """(first block, position in chunk, count) for each run of consecutive block ids:
+        a run is one memcpy, far faster than a gather or scatter kernel."""
         per = self.layout.chunk_tokens // self.layout.groups[gi].block_tokens
-        idx = self._index[gi][chunk_index * per : (chunk_index + 1) * per]
-        if idx.numel() != per:
+        ids = self._ids[gi][chunk_index * per : (chunk_index + 1) * per]
+        if len(ids) != per:
             raise IndexError(
                 f"chunk {chunk_index} lies beyond the {self.capacity_chunks} chunks "
                 "of block ids given for this request"
             )
-        return idx
+        runs = []
+        start = 0
+        for j in range(1, per + 1):
+            if j == per or ids[j] != ids[j - 1] + 1:
+                runs.append((ids[start], start, j - start))
+                start = j
+        return runs
 
     def _group_view(self, gi: int, payload: torch.Tensor) -> torch.Tensor:
         g = self.layout.groups[gi]
@@ -132,12 +148,22 @@ class PagedKVCache:
                 f"has {self.layout.chunk_bytes}"
             )
         cuda = self.device.type == "cuda"
+        host_src = None if cuda else payload.numpy()
         for gi, t in enumerate(self.tensors):
+            runs = self._runs(gi, chunk_index)
+            flat = self._host_bytes[gi]
+            if flat is not None and host_src is not None:
+                off, bb = self._offsets[gi][0], self._block_bytes[gi]
+                for block, pos, count in runs:
+                    np.copyto(
+                        flat[block * bb : (block + count) * bb],
+                        host_src[off + pos * bb : off + (pos + count) * bb],
+                    )
+                continue
             src = self._group_view(gi, payload)
-            if cuda:
-                # The slot is registered with CUDA, so this is an asynchronous DMA copy.
-                src = src.to(self.device, non_blocking=True)
-            t.index_copy_(0, self._blocks(gi, chunk_index), src)
+            for block, pos, count in runs:
+                # On a GPU the slot is registered with CUDA: an asynchronous DMA copy.
+                t[block : block + count].copy_(src[pos : pos + count], non_blocking=cuda)
         if cuda:
             event = torch.cuda.Event()
             event.record()
@@ -147,11 +173,8 @@ class PagedKVCache:
     def extract(self, chunk_index: int, out: torch.Tensor) -> None:
         for gi, t in enumerate(self.tensors):
             dst = self._group_view(gi, out)
-            blocks = self._blocks(gi, chunk_index)
-            if t.device == dst.device:
-                torch.index_select(t, 0, blocks, out=dst)
-            else:
-                dst.copy_(t.index_select(0, blocks))
+            for block, pos, count in self._runs(gi, chunk_index):
+                dst[pos : pos + count].copy_(t[block : block + count])
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

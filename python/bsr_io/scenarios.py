@@ -228,3 +228,25 @@ FAULT_MATRIX: list[dict[str, Any]] = [
         "kw": {"timeout_s": 3.0, "kill_at_chunk": 4, "kill_rank": 1},
     },
 ]
+
+
+def fill_on_rank(
+    rank: int,
+    world_size: int,
+    *,
+    root: str,
+    layout: str,
+    tokens: int,
+    layout_kw: dict | None = None,
+    seed: int = 11,
+    model: str = "scenario",
+    window: int = 8,
+) -> dict[str, Any]:
+    """Write one rank's synthetic state into `root`/l2 (records already there are kept)."""
+    lay = preset(layout, **(layout_kw or {}))
+    t0 = time.perf_counter()
+    with Engine(window, lay.chunk_bytes) as engine:
+        store = open_store(engine, Path(root) / "l2", layout=lay)
+        _, keys = fill_state(store.tier("L2"), lay, tokens, seed, rank, world_size, model)
+        store.close()
+    return {"rank": rank, "chunks": len(keys), "fill_s": time.perf_counter() - t0}

@@ -1,0 +1,240 @@
+"""`bsr-io bench sweep`: staging memory against state size, BSR vs whole-plan.
+
+For each state size: the state is on L2 (written once, the largest first: smaller
+states are prefixes of it), the page cache is dropped, and each rank restores in
+a fresh process so its VmHWM belongs to that restore alone. The whole-plan
+baseline is run at the same L1 budget (it fails and says what it needed) and, up
+to `--whole-plan-max`, with L1 large enough (its measured peak). In the same run
+the engine reads a plain file of the same size class through the same window, the
+`bench ssd` reference that BSR's throughput is reported against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bsr_io._core import Engine
+from bsr_io.cli.bench_ssd import engine_read, write_test_file
+from bsr_io.cli.sizes import fmt_size, parse_size
+from bsr_io.fio import drop_caches, fio_available, fio_read
+from bsr_io.layout import preset
+from bsr_io.ranks import launch
+
+GiB = 1 << 30
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser(
+        "sweep", help="RWS and VmHWM against state size: BSR vs whole-plan"
+    )
+    p.add_argument("--layout", default="deepseek-v4-flash")
+    p.add_argument(
+        "--tokens",
+        default="8192,32768,131072",
+        help="comma-separated prefix lengths (whole chunks are stored)",
+    )
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--ranks", type=int, default=1, help="ranks (processes) per restore")
+    p.add_argument("--dir", type=Path, default=None, help="store directory (on the SSD)")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="write the staging plot (PNG)")
+    p.add_argument("--l1", type=parse_size, default=None,
+                   help="whole-plan L1 budget (default: the BSR window's bytes)")  # fmt: skip
+    p.add_argument("--whole-plan-max", type=parse_size, default=parse_size("2GiB"),
+                   help="run whole-plan with ample L1 up to this state size")  # fmt: skip
+    p.add_argument("--dest-cap", type=parse_size, default=parse_size("1GiB"),
+                   help="host KV cache size; larger states cycle through its blocks")  # fmt: skip
+    p.add_argument("--ref-size", type=parse_size, default=parse_size("2GiB"),
+                   help="size of the engine/fio reference read")  # fmt: skip
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--keep", action="store_true", help="keep the store afterwards")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _parse_tokens(text: str) -> list[int]:
+    try:
+        vals = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise ValueError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    if not vals or vals[0] <= 0:
+        raise ValueError("--tokens needs at least one positive prefix length")
+    return vals
+
+
+def _say(args, msg: str) -> None:
+    if not args.quiet:
+        print(msg, flush=True)
+
+
+def _check(results: list[dict], what: str) -> list[dict]:
+    bad = [r for r in results if "outcome" not in r]
+    if bad:
+        raise RuntimeError(f"{what}: rank failed: {bad[0]}")
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    tokens = _parse_tokens(args.tokens)
+    if args.window < 1 or args.ranks < 1:
+        raise ValueError("--window and --ranks must be at least 1")
+    lay = preset(args.layout)
+    chunk = lay.chunk_bytes
+    l1 = args.l1 if args.l1 is not None else args.window * chunk
+    top = lay.state_bytes(tokens[-1])
+    root = args.dir or Path(tempfile.mkdtemp(prefix="bsr-sweep-", dir="."))
+    root.mkdir(parents=True, exist_ok=True)
+    need = top * args.ranks + args.ref_size + GiB
+    free = shutil.disk_usage(root).free
+    if need > free:
+        raise ValueError(
+            f"the sweep needs about {fmt_size(need)} free in {root}, only {fmt_size(free)} "
+            "is free; pass smaller --tokens or another --dir"
+        )
+    cold = drop_caches()
+    if not cold:
+        print("note: cannot drop the page cache (not root): reads may be warm", file=sys.stderr)
+    common = {"root": str(root / "store"), "layout": args.layout, "seed": args.seed}
+    try:
+        _say(args, f"writing {fmt_size(top)} per rank x {args.ranks} rank(s) to {root} ...")
+        t0 = time.perf_counter()
+        _check_fill = launch(
+            args.ranks, "bsr_io.scenarios:fill_on_rank", {**common, "tokens": tokens[-1]},
+            timeout_s=7200,
+        )  # fmt: skip
+        if any("chunks" not in r for r in _check_fill):
+            raise RuntimeError(f"fill failed: {_check_fill}")
+        _say(args, f"  written in {time.perf_counter() - t0:.1f} s")
+        rows = [_row(args, lay, n, l1, common) for n in tokens]
+        ref = _reference(args, root, chunk)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root / "store", ignore_errors=True)
+            if args.dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+    for r in rows:
+        r["vs_ssd"] = r["gib_s"] / ref["engine_gib_s"] if ref["engine_gib_s"] else None
+    doc = {
+        "layout": args.layout,
+        "window": args.window,
+        "ranks": args.ranks,
+        "chunk_bytes": chunk,
+        "l1_budget_bytes": l1,
+        "cold_cache": cold,
+        "reference": ref,
+        "rows": rows,
+    }
+    _print(doc)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        from bsr_io.plots import plot_sweep
+
+        plot_sweep(doc, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if all(r["outcome"] == "complete" for r in rows) else 1
+
+
+def _row(args, lay, n: int, l1: int, common: dict) -> dict[str, Any]:
+    state = lay.state_bytes(n)
+    dest_cap = args.dest_cap // lay.token_bytes
+    kw = {**common, "tokens": n, "window": args.window, "fill": False,
+          "dest_cap_tokens": dest_cap, "check_data": state <= 256 << 20}  # fmt: skip
+    _say(args, f"restoring {n} tokens ({fmt_size(state)} per rank) with BSR, W={args.window}")
+    drop_caches()
+    bsr = _check(launch(args.ranks, "bsr_io.scenarios:restore_on_rank", kw, timeout_s=3600), "bsr")
+    small = _check(
+        launch(args.ranks, "bsr_io.scenarios:restore_on_rank",
+               {**kw, "mode": "whole_plan", "l1_bytes": l1}),
+        "whole-plan at the L1 budget",
+    )  # fmt: skip
+    ample = None
+    if state <= args.whole_plan_max:
+        _say(args, "  whole-plan with ample L1")
+        drop_caches()
+        ample = _check(
+            launch(args.ranks, "bsr_io.scenarios:restore_on_rank",
+                   {**kw, "mode": "whole_plan", "dest_cap_tokens": None}, timeout_s=3600),
+            "whole-plan",
+        )  # fmt: skip
+    restore_s = max(r["restore_s"] for r in bsr)
+    outcomes = {r["outcome"] for r in bsr}
+    return {
+        "tokens": n,
+        "state_bytes": state,
+        "chunk_bytes": lay.chunk_bytes,
+        "chunks": n // lay.chunk_tokens,
+        "rws_peak_bytes": max(r["rws_peak_bytes"] for r in bsr),
+        "rws_peak_bytes_per_rank": [r["rws_peak_bytes"] for r in bsr],
+        "vmhwm_growth_bytes": max(r["vmhwm_growth_bytes"] for r in bsr),
+        "restore_s": restore_s,
+        "gib_s": state / restore_s / GiB if restore_s else 0.0,
+        "outcome": outcomes.pop() if len(outcomes) == 1 else "asymmetric",
+        "data_ok": all(r["data_ok"] for r in bsr) if bsr[0]["data_ok"] is not None else None,
+        "backend": bsr[0]["backend"],
+        "whole_plan_l1_budget_bytes": l1,
+        "whole_plan_at_budget": small[0]["outcome"],
+        "whole_plan_at_budget_reason": small[0]["reason"],
+        "whole_plan_l1_required_bytes": small[0]["l1_required_bytes"],
+        "whole_plan_l1_peak_bytes": (
+            max(r["rws_peak_bytes"] for r in ample) if ample else small[0]["l1_required_bytes"]
+        ),
+        "whole_plan_measured": ample is not None,
+        "whole_plan_vmhwm_growth_bytes": (
+            max(r["vmhwm_growth_bytes"] for r in ample) if ample else None
+        ),
+    }
+
+
+def _reference(args, root: Path, chunk: int) -> dict[str, Any]:
+    """The `bench ssd` engine read (same W, chunk-sized slots) and fio, same run."""
+    path = root / "bsr-io-sweep-ref.bin"
+    size = args.ref_size // chunk * chunk or chunk
+    _say(args, f"reference: engine and fio reading {fmt_size(size)} cold")
+    try:
+        write_test_file(path, size, min(args.window, 8), chunk)
+        drop_caches()
+        with Engine(args.window, chunk) as eng:
+            f = eng.open(path)
+            secs, _ = engine_read(eng, f, size)
+            f.close()
+        out: dict[str, Any] = {"size_bytes": size, "engine_gib_s": size / secs / GiB}
+        if fio_available():
+            drop_caches()
+            out["fio_gib_s"] = fio_read(path, size=size).gib_s
+        return out
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _print(doc: dict) -> None:
+    print(
+        f"\nlayout {doc['layout']}  W={doc['window']}  chunk {doc['chunk_bytes']} B  "
+        f"ranks {doc['ranks']}  cold cache: {doc['cold_cache']}"
+    )
+    hdr = (
+        f"{'tokens':>8} {'state/rank':>11} {'RWS peak':>11} {'VmHWM +':>11} {'GiB/s':>6} "
+        f"{'vs ssd':>6} {'outcome':>9} {'whole-plan L1':>14} {'at budget':>9}"
+    )
+    print(hdr)
+    for r in doc["rows"]:
+        vs = f"{r['vs_ssd']:.2f}" if r.get("vs_ssd") else "-"
+        print(
+            f"{r['tokens']:>8} {fmt_size(r['state_bytes']):>11} "
+            f"{fmt_size(r['rws_peak_bytes']):>11} "
+            f"{fmt_size(r['vmhwm_growth_bytes']):>11} {r['gib_s']:>6.2f} {vs:>6} "
+            f"{r['outcome']:>9} {fmt_size(r['whole_plan_l1_peak_bytes']):>14} "
+            f"{r['whole_plan_at_budget']:>9}"
+        )
+    ref = doc["reference"]
+    fio = f", fio {ref['fio_gib_s']:.2f} GiB/s" if "fio_gib_s" in ref else ""
+    print(f"reference: engine {ref['engine_gib_s']:.2f} GiB/s{fio}")
