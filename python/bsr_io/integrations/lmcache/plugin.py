@@ -85,6 +85,7 @@ class BsrStoragePlugin(StoragePluginInterface):
         self.tier = SSDTier(s.path, s.capacity, self.write_engine, layout=self.layout)
         self._pending: set[CacheEngineKey] = set()
         self._pending_lock = threading.Lock()
+        self._read_lock = threading.Lock()  # the read engine's W slots serve one get at a time
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="bsr-io-put", daemon=True)
         self._writer.start()
@@ -141,6 +142,10 @@ class BsrStoragePlugin(StoragePluginInterface):
         return self.batched_get_blocking([key])[0]
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        with self._read_lock:
+            return self._get_prefix(keys)
+
+    def _get_prefix(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         out: list[MemoryObj | None] = []
         inflight: list = []  # PendingChunk per key, submitted in order, at most W ahead
         try:
