@@ -1,0 +1,174 @@
+"""Progress bars (tqdm) for steps that take more than a second, silenced by `--quiet`.
+
+`bar()` is for work done in this process. Work done on ranks (child processes whose
+output `bsr_io.ranks.launch` captures) reports through small JSON files instead: each
+rank's `RankProgress` writes `<dir>/rank<r>.json`, and a `ProgressWatcher` in the
+parent polls them and draws one bar per phase, summed over ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+__all__ = ["ProgressWatcher", "RankProgress", "bar"]
+
+# A bar appears only once its step has run this long; shorter steps print nothing.
+DELAY_S = 1.0
+
+
+def bar(
+    total: float | None = None,
+    desc: str = "",
+    *,
+    quiet: bool = False,
+    unit: str = "B",
+    **kw: Any,
+) -> tqdm:
+    """A tqdm bar on stderr; bytes are shown in KiB/MiB/GiB. Disabled when `quiet`."""
+    byte_unit = unit == "B"
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=byte_unit,
+        unit_divisor=1024 if byte_unit else 1000,
+        disable=quiet,
+        delay=DELAY_S,
+        leave=False,
+        dynamic_ncols=True,
+        file=sys.stderr,
+        **kw,
+    )
+
+
+class RankProgress:
+    """Written by one rank: the current phase, its total and how much is done.
+
+    A `RankProgress(None, rank)` does nothing, so rank code need not check."""
+
+    def __init__(self, directory: str | os.PathLike[str] | None, rank: int) -> None:
+        self.path = Path(directory) / f"rank{rank}.json" if directory else None
+        self.phase_name = ""
+        self.total = 0
+        self.done = 0
+        self.unit = "B"
+        self._seq = 0
+        self._last = 0.0
+        self._started = time.perf_counter()
+        self.durations: dict[str, float] = {}  # seconds each finished phase took
+
+    def phase(self, name: str, total: int, unit: str = "B") -> None:
+        now = time.perf_counter()
+        if self.phase_name:
+            self.durations[self.phase_name] = now - self._started
+        self._started = now
+        self.phase_name, self.total, self.done, self.unit = name, total, 0, unit
+        self._seq += 1
+        self._write(force=True)
+
+    def advance(self, n: int) -> None:
+        self.done = min(self.total, self.done + n)
+        self._write(force=self.done == self.total)
+
+    def finish(self) -> None:
+        self.done = self.total
+        self._write(force=True)
+
+    def _write(self, force: bool = False) -> None:
+        if self.path is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < 0.1:
+            return
+        self._last = now
+        doc = {"seq": self._seq, "phase": self.phase_name, "total": self.total,
+               "done": self.done, "unit": self.unit}  # fmt: skip
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.path)  # readers see the old or the new document, never half
+
+
+class ProgressWatcher:
+    """Draws the ranks' phases as bars until stopped (a context manager)."""
+
+    def __init__(
+        self, directory: str | os.PathLike[str], world_size: int, *, quiet: bool = False
+    ) -> None:
+        self.dir = Path(directory)
+        self.world_size = world_size
+        self.quiet = quiet
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # (rank, seq) -> (phase, done, total, unit); bars by (seq, phase).
+        self._seen: dict[tuple[int, int], tuple[str, int, int, str]] = {}
+        self._bars: dict[tuple[int, str], tqdm] = {}
+        self._finished: set[tuple[int, str]] = set()
+
+    def __enter__(self) -> ProgressWatcher:
+        if not self.quiet:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._thread = threading.Thread(target=self._loop, name="bsr-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        for b in self._bars.values():
+            b.close()
+        self._bars.clear()
+
+    def _read(self) -> None:
+        for rank in range(self.world_size):
+            try:
+                doc = json.loads((self.dir / f"rank{rank}.json").read_text())
+            except (OSError, ValueError):
+                continue
+            seq = int(doc["seq"])
+            # A rank that moved on finished its earlier phases.
+            for (r, s), (ph, _done, total, unit) in list(self._seen.items()):
+                if r == rank and s < seq:
+                    self._seen[(r, s)] = (ph, total, total, unit)
+            self._seen[(rank, seq)] = (doc["phase"], doc["done"], doc["total"], doc["unit"])
+
+    def _draw(self) -> None:
+        sums: dict[tuple[int, str], list[Any]] = {}
+        for (_rank, seq), (phase, done, total, unit) in self._seen.items():
+            acc = sums.setdefault((seq, phase), [0, 0, unit, 0])
+            acc[0] += done
+            acc[1] += total
+            acc[3] += 1
+        for key, (done, total, unit, ranks) in sorted(sums.items()):
+            if key in self._finished:
+                continue
+            finished = ranks == self.world_size and done >= total
+            b = self._bars.get(key)
+            if b is None and not finished:
+                # One bar at a time: a newer phase on any rank ends the older bars.
+                for old in [k for k in self._bars if k < key]:
+                    self._bars.pop(old).close()
+                    self._finished.add(old)
+                b = self._bars[key] = bar(total, key[1], unit=unit)
+            if b is not None:
+                b.total = max(b.total or 0, total)
+                if done > b.n:
+                    b.update(done - b.n)
+                if finished:
+                    b.close()
+                    del self._bars[key]
+            if finished:
+                self._finished.add(key)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.1):
+            self._read()
+            self._draw()

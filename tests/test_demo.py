@@ -1,0 +1,60 @@
+"""`bsr-io demo` end to end at a small size: two real rank processes, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from bsr_io.cli import main
+from bsr_io.cli.demo import pick_base_dir
+
+
+def test_demo_small_end_to_end(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    # 4 chunks of deepseek-v4-flash per rank, W=2: the half state still fills the window.
+    rc = main(["demo", "--state", "64MiB", "--window", "2", "--quiet", "--dir", str(tmp_path),
+               "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    doc = json.loads(out.read_text())
+    assert doc["ranks"] == 2 and doc["chunks"] == 4 and doc["chunk_bytes"] == 16_408_576
+    assert doc["checks"]["all_ok"], doc["checks"]
+    runs = doc["runs"]
+    slot = doc["slot_bytes"]
+    # RWS is the window for both state sizes, on both ranks.
+    rws = {x["rws_peak_bytes"] for x in runs["bsr"] + runs["bsr_half"]}
+    assert rws == {2 * slot}
+    assert doc["half_state_bytes"] * 2 == doc["state_bytes"]
+    assert all(x["data_ok"] for x in runs["bsr"])
+    # Whole-plan at BSR's budget fails cleanly and names the L1 it needed.
+    for x in runs["whole_plan_same_l1"]:
+        assert x["outcome"] == "zero" and x["l1_required_bytes"] == doc["state_bytes"]
+    for x in runs["whole_plan_big_l1"]:
+        assert x["outcome"] == "complete" and x["l1_peak_bytes"] == doc["state_bytes"]
+        assert x["data_ok"]
+    # Fault round: zero on both ranks, then complete with the chunk served from L3.
+    assert [x["outcome"] for x in runs["fault_no_l3_copy"]] == ["zero", "zero"]
+    assert all(x["committed_tokens"] == 0 for x in runs["fault_no_l3_copy"])
+    assert [x["outcome"] for x in runs["fault_l3_copy"]] == ["complete", "complete"]
+    assert runs["fault_l3_copy"][1]["sources"].get("L3") == 1
+    assert "L3" not in runs["fault_l3_copy"][0]["sources"]
+    # Output names the figures; the temp store is gone.
+    assert "whole-plan" in text and "the same" in text
+    assert not list(tmp_path.glob("bsr-io-demo-*"))
+
+
+def test_demo_bad_input(tmp_path, capsys):
+    assert main(["demo", "--state", "1MiB", "--dir", str(tmp_path), "--quiet"]) == 2
+    assert "at least 2" in capsys.readouterr().err
+    assert main(["demo", "--window", "0", "--dir", str(tmp_path), "--quiet"]) == 2
+    with pytest.raises(SystemExit):
+        main(["demo", "--state", "lots"])
+
+
+def test_demo_refuses_memory_dirs(tmp_path):
+    assert pick_base_dir(tmp_path) == tmp_path
+    if os.path.isdir("/dev/shm"):
+        with pytest.raises(ValueError, match="in memory"):
+            pick_base_dir(Path("/dev/shm"))
