@@ -95,7 +95,9 @@ class Pending:
     def wait(self, timeout: float | None = None) -> Slot:
         """Block (GIL released) until complete; returns the slot. Raises the I/O error
         if the operation failed (the slot is then returned to the ring), TimeoutError
-        when `timeout` passes first (the operation keeps its slot until it completes)."""
+        when `timeout` passes first (the operation keeps its slot until it completes).
+        A read's slot is handed out once; the Pending keeps only a weak reference, so
+        a later wait returns the same Slot while it lives and ValueError after."""
 
 class Engine:
     def __init__(
@@ -151,8 +153,10 @@ class Engine:
     ) -> Pending:
         """Write slot bytes [0, length) (default len(slot)) at `offset`. On an O_DIRECT
         file an unaligned length is padded with zeros to the alignment and the file is
-        truncated back to offset+length if that is its new end. The slot stays leased
-        by the caller; it cannot be released until the write completes."""
+        truncated back to offset+length if that is its new end. Padding inside an
+        existing file carries the bytes already there, so nothing past `length` changes.
+        The slot stays leased by the caller; it cannot be released until the write
+        completes, and `fill_from`/`set_length` raise ValueError meanwhile."""
     def write(self, slot: Slot, file: File, offset: int, length: int | None = None) -> int: ...
     def free_slots(self) -> int: ...
     def live_bytes(self) -> int:

@@ -7,7 +7,7 @@ use crate::align::{is_aligned, round_up};
 use crate::arena::{Arena, SlotLease, PAGE};
 use crate::backend::pread::PreadPool;
 use crate::backend::uring::{UringConfig, UringDriver};
-use crate::backend::{OpKind, OpState};
+use crate::backend::{OpKind, OpState, Pending};
 use crate::error::{describe_errno, Error, Result};
 use crate::file::{EngineFile, OpenOptions};
 
@@ -242,23 +242,19 @@ impl Engine {
         Ok(Arc::new(self.arena.try_lease()?))
     }
 
-    fn submit(&self, op: Arc<OpState>) -> Result<Arc<OpState>> {
+    fn submit(&self, op: Arc<OpState>) -> Result<Pending> {
+        let pending = Pending::new(Arc::clone(&op));
         let guard = self.driver();
         let Some(driver) = guard.as_ref() else {
             op.fail_now(Error::Closed("engine"));
             return Err(Error::Closed("engine"));
         };
-        driver.submit(Arc::clone(&op))?;
-        Ok(op)
+        driver.submit(op)?;
+        Ok(pending)
     }
 
     /// Read exactly `length` bytes at `offset` into a free slot.
-    pub fn submit_read(
-        &self,
-        file: &Arc<EngineFile>,
-        offset: u64,
-        length: u64,
-    ) -> Result<Arc<OpState>> {
+    pub fn submit_read(&self, file: &Arc<EngineFile>, offset: u64, length: u64) -> Result<Pending> {
         self.check_open()?;
         file.check_open()?;
         let capacity = self.arena.slot_bytes() as u64;
@@ -303,7 +299,7 @@ impl Engine {
         file: &Arc<EngineFile>,
         offset: u64,
         length: Option<u64>,
-    ) -> Result<Arc<OpState>> {
+    ) -> Result<Pending> {
         self.check_open()?;
         file.check_open()?;
         if !Arc::ptr_eq(slot.arena(), &self.arena) {
@@ -562,6 +558,44 @@ mod tests {
             assert_eq!(op.wait(None).unwrap(), data.len() as u64);
             assert_eq!(std::fs::read(path).unwrap(), data, "{b:?}");
             assert_eq!(f.size(), data.len() as u64);
+        }
+    }
+
+    #[test]
+    fn dropped_handle_frees_slot_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, pattern(1 << 20)).unwrap();
+        let path = path.to_str().unwrap();
+        for b in backends() {
+            let e = Engine::new(EngineConfig {
+                backend: b,
+                ..EngineConfig::new(2, 64 << 10)
+            })
+            .unwrap();
+            let f = e
+                .open(
+                    path,
+                    OpenOptions {
+                        direct: true,
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
+            // Wait, drop, resubmit at once: the slot must be free the moment the
+            // handle is gone, whatever the I/O thread still holds.
+            let mut ops = std::collections::VecDeque::new();
+            for i in 0..400u64 {
+                if ops.len() == 2 {
+                    let op: Pending = ops.pop_front().unwrap();
+                    op.wait(None).unwrap();
+                }
+                ops.push_back(e.submit_read(&f, (i % 16) * (64 << 10), 64 << 10).unwrap());
+            }
+            // Dropped before completion: freed when the read completes.
+            drop(ops);
+            e.close();
+            assert_eq!(e.arena().free_slots(), 2, "{b:?}");
         }
     }
 

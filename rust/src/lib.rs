@@ -15,7 +15,7 @@ pub mod file;
 mod python;
 
 pub use arena::{Arena, SlotLease};
-pub use backend::OpState;
+pub use backend::{OpState, Pending};
 pub use engine::{BackendChoice, Engine, EngineConfig, Features};
 pub use error::{Error, Result};
 pub use file::{EngineFile, OpenOptions};

@@ -16,7 +16,7 @@ use pyo3::types::{PyDict, PyTuple, PyType, PyWeakrefReference};
 use pyo3::{create_exception, ffi};
 
 use crate::arena::SlotLease;
-use crate::backend::{OpKind, OpState};
+use crate::backend::{OpKind, Pending};
 use crate::checksum;
 use crate::engine::{BackendChoice, Engine, EngineConfig};
 use crate::error::Error;
@@ -408,7 +408,7 @@ enum Handoff {
 
 #[pyclass(name = "Pending", module = "bsr_io._core", frozen)]
 struct PyPending {
-    op: Arc<OpState>,
+    op: Pending,
     handoff: Mutex<Handoff>,
 }
 
@@ -429,8 +429,8 @@ impl PyPending {
                 )))
             }
         };
-        let op = Arc::clone(&self.op);
-        py.detach(move || op.wait(timeout))?;
+        let op = &self.op;
+        py.detach(|| op.wait(timeout))?;
         let state = std::mem::replace(&mut *self.lock(), Handoff::Busy);
         let slot = match state {
             Handoff::Read => {
@@ -493,7 +493,7 @@ impl PyEngine {
         file: &PyFile,
         offset: i64,
         length: i64,
-    ) -> PyResult<Arc<OpState>> {
+    ) -> PyResult<Pending> {
         let offset = non_negative("offset", offset)?;
         let length = positive("length", length)?;
         let f = file.get()?;
@@ -507,7 +507,7 @@ impl PyEngine {
         file: &PyFile,
         offset: i64,
         length: Option<i64>,
-    ) -> PyResult<Arc<OpState>> {
+    ) -> PyResult<Pending> {
         let offset = non_negative("offset", offset)?;
         let length = length.map(|l| positive("length", l)).transpose()?;
         let f = file.get()?;

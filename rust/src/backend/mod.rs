@@ -26,6 +26,8 @@ struct Progress {
     eof_at: Option<u64>,
     /// Set once every request ended: bytes done, or the error.
     result: Option<Result<u64>>,
+    /// The caller dropped its handle: nobody will take the slot of this read.
+    abandoned: bool,
 }
 
 /// One read or write between a slot and a file range. It owns its slot (through the
@@ -142,6 +144,9 @@ impl OpState {
         if let (OpKind::Write, Some(l)) = (self.kind, lease.as_ref()) {
             l.write_ended();
         }
+        if p.abandoned {
+            lease.take();
+        }
         match (&result, self.kind) {
             (Ok(n), OpKind::Read) => {
                 if let Some(l) = lease.as_ref() {
@@ -191,6 +196,44 @@ impl OpState {
     /// Hand the filled slot of a successful read to the caller (once).
     pub fn take_lease(&self) -> Option<Arc<SlotLease>> {
         locked(&self.lease).take()
+    }
+
+    /// The caller gave up its handle: free a slot nobody took, now if the op is done,
+    /// else as it completes. Deterministic, whatever the I/O thread still holds.
+    fn abandon(&self) {
+        let mut p = locked(&self.progress);
+        if p.result.is_some() {
+            drop(p);
+            locked(&self.lease).take();
+        } else {
+            p.abandoned = true;
+        }
+    }
+}
+
+/// The caller's handle on a submitted operation.
+#[derive(Debug)]
+pub struct Pending {
+    op: Arc<OpState>,
+}
+
+impl Pending {
+    pub fn new(op: Arc<OpState>) -> Pending {
+        Pending { op }
+    }
+}
+
+impl std::ops::Deref for Pending {
+    type Target = OpState;
+
+    fn deref(&self) -> &OpState {
+        &self.op
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.op.abandon();
     }
 }
 
