@@ -75,9 +75,9 @@ def new_cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
     """A DynamicCache for `model`, holding `kv` (per layer keys, values) if given."""
     from transformers import DynamicCache
 
-    if kv is None:
-        return DynamicCache(config=model.config)
     try:
+        if kv is None:
+            return DynamicCache(config=model.config)
         return DynamicCache(ddp_cache_data=kv, config=model.config)
     except TypeError:  # transformers 4.x: no config argument
-        return DynamicCache.from_legacy_cache(tuple(kv))
+        return DynamicCache() if kv is None else DynamicCache.from_legacy_cache(tuple(kv))
