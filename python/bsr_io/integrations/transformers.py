@@ -10,6 +10,14 @@ zero outcome, a short hit, or the tail that is not a whole chunk) is recomputed
 by `prefill`, which runs the model in chunk-aligned pieces. When the original
 cache was built by the same `prefill`, the restored continuation is the same
 computation as the original one, so its logits are bit-identical.
+
+    layout = kv_layout(model.config, chunk_tokens=256, dtype=model.dtype)
+    restorer = Restorer(store, layout, window=32, model="my-model")
+    cache, _ = prefill(model, prompt_ids, chunk_tokens=256)
+    save_prefix(restorer, prompt_ids, cache)
+    ...
+    cache, result = restore_prefix(restorer, model, prompt_ids)  # later, any process
+    logits, cache = forward(model, next_ids[None], cache)
 """
 
 from __future__ import annotations
