@@ -2,12 +2,14 @@
 
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
-from bsr_io import Engine
-from bsr_io.errors import CapacityError, ChunkMissing, LayoutError
+from bsr_io import Engine, NoFreeSlot
+from bsr_io.errors import CapacityError, ChunkCorrupt, ChunkMissing, LayoutError
+from bsr_io.faults import Fault, FaultPlan
 from bsr_io.keys import chunk_keys
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
@@ -221,3 +223,59 @@ def _host():
     from bsr_io.tiers import files
 
     return files._HOST
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_failed_reads_give_their_slot_back(kind, tmp_path, keys):
+    # One slot only: a corrupt read whose exception we keep must not hold it.
+    with Engine(1, LAYOUT.chunk_bytes) as one:
+        tier = make_tier(kind, tmp_path, one)
+        for i in range(2):
+            tier.write(keys[i], payload(i), LAYOUT)
+        faulty = FaultPlan([Fault("corrupt", tier=kind, chunks=[0])]).wrap(tier)
+        faulty.bind(keys)
+        kept = []
+        with pytest.raises(ChunkCorrupt) as info:
+            faulty.read_into(keys[0], one)
+        kept.append(info.value)
+        assert one.free_slots() == 1
+        assert read_bytes(tier, keys[1], one) == payload(1).tobytes()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_ring_is_not_a_chunk_error(kind, tmp_path, keys):
+    with Engine(1, LAYOUT.chunk_bytes) as one:
+        tier = make_tier(kind, tmp_path, one)
+        tier.write(keys[0], payload(0), LAYOUT)
+        held = one.lease()
+        with pytest.raises(NoFreeSlot):
+            tier.read_into(keys[0], one)
+        del held
+        assert tier.contains(keys[0])
+        assert read_bytes(tier, keys[0], one) == payload(0).tobytes()
+
+
+@pytest.mark.parametrize("kind", ["L2", "L3"])
+def test_concurrent_writers_respect_capacity(kind, tmp_path, engine, keys):
+    tier = make_tier(kind, tmp_path, engine, records=3)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: tier.write(keys[i], payload(i), LAYOUT), range(8)))
+    on_disk = list(tier.chunks_dir.rglob("*.chunk"))
+    assert len(on_disk) == tier.stats()["records"] <= 3
+    assert tier.stats()["bytes"] <= tier.capacity_bytes
+
+
+def test_bad_record_in_a_read_only_store_is_not_advertised_again(tmp_path, engine, keys):
+    tier = make_tier("L3", tmp_path, engine)
+    tier.write(keys[0], payload(0), LAYOUT)
+    path = tier.path_of(keys[0])
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x10
+    path.write_bytes(raw)
+    # Root ignores permissions; a file where the quarantine directory should be makes
+    # the move fail the way a read-only store would.
+    tier.quarantine_dir.write_text("not a directory")
+    with pytest.raises(ChunkCorrupt):
+        tier.read_into(keys[0], engine)
+    assert path.exists()  # could not be moved aside...
+    assert not tier.contains(keys[0])  # ...but is no longer advertised

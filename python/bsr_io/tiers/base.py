@@ -14,12 +14,16 @@ from typing import Any
 
 import torch
 
-from bsr_io._core import Engine, Slot
+from bsr_io._core import Engine, EngineClosedError, NoFreeSlot, Slot
 from bsr_io.errors import CapacityError, LayoutError
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 
 Payload = Any  # Slot | torch.Tensor (uint8, CPU) | any contiguous buffer of chunk_bytes
+
+# The caller's engine state, not the tier's: passed through unchanged, never turned into
+# a ChunkError (a full ring is back-pressure, not a failed chunk).
+ENGINE_ERRORS = (NoFreeSlot, EngineClosedError)
 
 
 class PendingChunk:
@@ -160,6 +164,18 @@ def payload_view(payload: Payload, layout: KVLayout) -> memoryview:
             f"payload is {view.nbytes} bytes, a chunk of layout {layout.name} is {want} bytes"
         )
     return view
+
+
+def check_payload(payload: Payload, layout: KVLayout) -> None:
+    """LayoutError unless `payload` is exactly one chunk of `layout`."""
+    if isinstance(payload, Slot):
+        if len(payload) != layout.chunk_bytes:
+            raise LayoutError(
+                f"slot holds {len(payload)} bytes, a chunk of layout {layout.name} is "
+                f"{layout.chunk_bytes} (call slot.set_length after filling it)"
+            )
+    else:
+        payload_view(payload, layout).release()
 
 
 def check_capacity(tier: str, capacity_bytes: int | None, record_bytes: int | None) -> None:

@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import socket
+import threading
 import time
 from abc import abstractmethod
 from collections import OrderedDict
@@ -43,7 +44,7 @@ from bsr_io.errors import (
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.record import HEADER_BYTES, RecordFormatError, RecordHeader, decode_header
-from bsr_io.tiers.base import Payload, Tier, check_capacity
+from bsr_io.tiers.base import Payload, Tier, check_capacity, check_payload
 
 SUFFIX = ".chunk"
 _NS_RE = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{32}-w\d+r\d+$")
@@ -145,6 +146,9 @@ class FileTier(Tier):
         self.evict_to = evict_to
         self._index: OrderedDict[ChunkKey, _Entry] = OrderedDict()
         self._used = 0
+        self._reserved = 0  # bytes of writes in progress, so concurrent writers fit too
+        self._room = threading.Condition(self._lock)
+        self._unmovable: set[tuple[int, int, int]] = set()  # bad files we could not move
         self.problems: list[Problem] = []
         try:
             _mkdir(self.chunks_dir)
@@ -258,6 +262,8 @@ class FileTier(Tier):
             entry = self._index.get(key)
             if entry is not None and (entry.ino, entry.mtime_ns) == (st.st_ino, st.st_mtime_ns):
                 return True
+            if (st.st_ino, st.st_mtime_ns, st.st_size) in self._unmovable:
+                return False
         # Written (or replaced) by another process: adopt it after a header check.
         try:
             header = self._read_header_path(path)
@@ -310,7 +316,11 @@ class FileTier(Tier):
             pass
         except OSError:
             # Cannot move it (read-only store): at least stop advertising it here.
-            pass
+            try:
+                st = os.stat(path)
+                self._unmovable.add((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                pass
 
     def _corrupt(self, key: ChunkKey, path: Path, ino: int | None, reason: str) -> ChunkCorrupt:
         self._quarantine(path, ino, key, reason)
@@ -343,11 +353,19 @@ class FileTier(Tier):
         return True
 
     def _make_room(self, nbytes: int) -> None:
-        if self.capacity_bytes is None:
-            return
+        """Evict until `nbytes` more fit, and reserve them (the caller must `_release`)."""
         while True:
-            with self._lock:
-                if self._used + nbytes <= self.capacity_bytes or not self._index:
+            with self._room:
+                cap = self.capacity_bytes
+                while (
+                    cap is not None
+                    and self._used + self._reserved + nbytes > cap
+                    and not self._index
+                    and self._reserved
+                ):
+                    self._room.wait()  # only writes in flight fill it: evict them once done
+                if cap is None or self._used + self._reserved + nbytes <= cap or not self._index:
+                    self._reserved += nbytes
                     return
                 key, entry = self._index.popitem(last=False)
                 self._used -= entry.nbytes
@@ -363,17 +381,31 @@ class FileTier(Tier):
             except FileNotFoundError:
                 pass
 
+    def _release(self, nbytes: int) -> None:
+        with self._room:
+            self._reserved -= nbytes
+            self._room.notify_all()
+
     def write(self, key: ChunkKey, payload: Payload, layout: KVLayout) -> bool:
         if key.layout_fingerprint != layout.fingerprint():
             raise LayoutError(
                 f"chunk {key.short()} was keyed for another layout than {layout.name}"
             )
         check_capacity(self.name, self.capacity_bytes, HEADER_BYTES + layout.chunk_bytes)
-        staged = self._stage(payload, layout)  # validate input before touching the disk
+        check_payload(payload, layout)  # bad input is refused before the disk is touched
         if self.contains(key):
             self._touch(key)
             return False
-        self._make_room(HEADER_BYTES + layout.chunk_bytes)
+        staged = self._stage(payload, layout)
+        nbytes = HEADER_BYTES + layout.chunk_bytes
+        self._make_room(nbytes)
+        try:
+            return self._publish(key, layout, staged)
+        finally:
+            staged = None  # a leased staging slot goes back to the ring even on error
+            self._release(nbytes)
+
+    def _publish(self, key: ChunkKey, layout: KVLayout, staged: Any) -> bool:
         final = self.path_of(key)
         tmp = self._tmp_path(final)
         try:
@@ -406,6 +438,12 @@ class FileTier(Tier):
         if self.contains(key):
             return False
         self._make_room(header.record_bytes)
+        try:
+            return self._copy_in(key, src, header)
+        finally:
+            self._release(header.record_bytes)
+
+    def _copy_in(self, key: ChunkKey, src: Path, header: RecordHeader) -> bool:
         final = self.path_of(key)
         tmp = self._tmp_path(final)
         try:

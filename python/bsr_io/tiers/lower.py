@@ -10,11 +10,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bsr_io._core import Engine, xxh3_64
+from bsr_io._core import Engine, Slot, xxh3_64
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.record import HEADER_BYTES, RecordHeader, make_header
-from bsr_io.tiers.base import Payload, PendingChunk, check_slot_fits, payload_view
+from bsr_io.tiers.base import (
+    ENGINE_ERRORS,
+    Payload,
+    PendingChunk,
+    check_slot_fits,
+    payload_view,
+)
 from bsr_io.tiers.files import FileTier
 
 
@@ -70,21 +76,35 @@ class LowerTier(FileTier):
             n = header.payload_len
             check_slot_fits(self.name, engine, key, n)
             slot = engine.lease()
-            slot.set_length(n)
-            view = memoryview(slot).cast("B")[:n]
-            done = 0
-            while done < n:
-                got = os.preadv(fd, [view[done:]], HEADER_BYTES + done)
-                if got == 0:
-                    raise self._corrupt(key, path, st.st_ino, "record truncated while reading")
-                done += got
-            view.release()
+            try:
+                slot.set_length(n)
+                done = _pread_into(fd, slot, HEADER_BYTES)
+                good = done == n and slot.checksum(0, n) == header.payload_xxh3
+            except BaseException:
+                del slot  # back to the ring now: a kept exception must not hold it
+                raise
+        except ENGINE_ERRORS:
+            raise
         except OSError as exc:
             raise self._read_error(key, path, exc) from exc
         finally:
             os.close(fd)
-        if slot.checksum(0, n) != header.payload_xxh3:
-            raise self._corrupt(key, path, st.st_ino, "payload checksum mismatch")
+        if not good:
+            del slot
+            why = "payload checksum mismatch" if done == n else "record truncated while reading"
+            raise self._corrupt(key, path, st.st_ino, why)
         self._touch(key)
         self._count(hits=1, reads=1, bytes_read=n)
         return PendingChunk.ready(key, slot)
+
+
+def _pread_into(fd: int, slot: Slot, offset: int) -> int:
+    """Fill the slot's valid bytes from `fd` at `offset`; returns how many were read."""
+    done = 0
+    with memoryview(slot) as raw, raw.cast("B") as view:
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                break
+            done += got
+    return done

@@ -13,7 +13,13 @@ from bsr_io.errors import LayoutError
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.record import HEADER_BYTES, RecordHeader, make_header
-from bsr_io.tiers.base import Payload, PendingChunk, check_slot_fits, payload_view
+from bsr_io.tiers.base import (
+    ENGINE_ERRORS,
+    Payload,
+    PendingChunk,
+    check_slot_fits,
+    payload_view,
+)
 from bsr_io.tiers.files import FileTier
 
 _local = threading.local()
@@ -94,6 +100,8 @@ class SSDTier(FileTier):
         path = self.path_of(key)
         try:
             f = engine.open(path)
+        except ENGINE_ERRORS:
+            raise
         except FileNotFoundError as exc:
             raise self._missing(key, exc) from None
         except OSError as exc:
@@ -110,6 +118,9 @@ class SSDTier(FileTier):
             n = header.payload_len
             check_slot_fits(self.name, engine, key, n)
             pending = engine.submit_read(f, HEADER_BYTES, n)
+        except ENGINE_ERRORS:
+            f.close()
+            raise
         except OSError as exc:
             f.close()
             raise self._read_error(key, path, exc) from exc
@@ -130,6 +141,7 @@ class SSDTier(FileTier):
                 raise self._read_error(key, path, exc) from exc
             f.close()
             if slot.checksum(0, n) != header.payload_xxh3:
+                del slot  # back to the ring now: a kept exception must not hold it
                 raise self._corrupt(key, path, st.st_ino, "payload checksum mismatch")
             self._touch(key)
             self._count(hits=1, reads=1, bytes_read=n)
