@@ -136,7 +136,7 @@ def restore_on_rank(
     wall = time.perf_counter() - t1
     growth = vmhwm_bytes() - hwm0
     data_ok = None
-    if check_data and res.complete and dest_cap_tokens is None:
+    if check_data and res.complete and (dest_cap_tokens or hit_tokens) >= hit_tokens:
         data_ok = all(
             dest.chunk_bytes(i) == synthetic_chunk(lay, seed, i, rank).tobytes()
             for i in range(res.committed_chunks)

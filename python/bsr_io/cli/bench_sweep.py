@@ -198,12 +198,13 @@ def _row(args, lay, n: int, l1: int, common: dict) -> dict[str, Any]:
 def _reference(args, root: Path, chunk: int) -> dict[str, Any]:
     """The `bench ssd` engine read (same W, chunk-sized slots) and fio, same run."""
     path = root / "bsr-io-sweep-ref.bin"
-    size = args.ref_size // chunk * chunk or chunk
+    slot = -(-chunk // 4096) * 4096  # the engine's slot for this chunk size
+    size = args.ref_size // slot * slot or slot
     _say(args, f"reference: engine and fio reading {fmt_size(size)} cold")
     try:
-        write_test_file(path, size, min(args.window, 8), chunk)
+        write_test_file(path, size, min(args.window, 8), slot)
         drop_caches()
-        with Engine(args.window, chunk) as eng:
+        with Engine(args.window, slot) as eng:
             f = eng.open(path)
             secs, _ = engine_read(eng, f, size)
             f.close()
