@@ -62,7 +62,7 @@ def _rank_main(rank, port, root, family, queue):
 
 
 def _scenario(rank, root, family):
-    from bsr_io import Engine
+    from bsr_io import Engine, Restorer, SSDTier, Store
     from bsr_io.integrations.tiny_models import tiny_model
     from bsr_io.integrations.transformers import (
         continue_greedy,
@@ -70,9 +70,6 @@ def _scenario(rank, root, family):
         prefill,
         save_prefix,
     )
-    from bsr_io.restore import Restorer
-    from bsr_io.store import Store
-    from bsr_io.tiers.ssd import SSDTier
 
     model = tiny_model(family, heads=8, kv_heads=4)
     layout = kv_layout(

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from bsr_io import Engine  # noqa: E402
+from bsr_io import Engine, Restorer, SSDTier, Store  # noqa: E402
 from bsr_io.integrations.hf_compat import kv_tensors, new_cache  # noqa: E402
 from bsr_io.integrations.tiny_models import tiny_model  # noqa: E402
 from bsr_io.integrations.transformers import (  # noqa: E402
@@ -23,9 +23,6 @@ from bsr_io.integrations.transformers import (  # noqa: E402
     restore_prefix,
     save_prefix,
 )
-from bsr_io.restore import Restorer  # noqa: E402
-from bsr_io.store import Store  # noqa: E402
-from bsr_io.tiers.ssd import SSDTier  # noqa: E402
 
 CT = 16  # chunk tokens
 SUFFIX = 5
@@ -149,8 +146,8 @@ def test_damaged_chunk_gives_zero_then_recompute_same_tokens(tmp_path, family, f
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_l1_read_error_falls_back_to_l2_and_still_restores(tmp_path, family):
     """An I/O error in L1 (injected by the faults test double) is served from L2."""
+    from bsr_io import MemoryTier
     from bsr_io.faults import Fault, FaultPlan
-    from bsr_io.tiers.memory import MemoryTier
 
     s = Setup(tmp_path, family)
     l1 = MemoryTier(16 * s.layout.chunk_bytes, layout=s.layout)

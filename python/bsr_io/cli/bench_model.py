@@ -126,12 +126,9 @@ def run(args) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
-    from bsr_io import Engine
+    from bsr_io import Engine, Restorer, SSDTier, Store
     from bsr_io.integrations.tiny_models import tiny_model
     from bsr_io.integrations.transformers import kv_layout
-    from bsr_io.restore import Restorer
-    from bsr_io.store import Store
-    from bsr_io.tiers.ssd import SSDTier
 
     lengths = [int(s) for s in args.prefix_tokens.split(",") if s.strip()]
     if not lengths or min(lengths) < args.chunk_tokens:
