@@ -19,6 +19,7 @@ import torch
 from bsr_io._core import Engine
 from bsr_io.commit import Agreement
 from bsr_io.discovery import Plan, discover
+from bsr_io.engine import register_cuda
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import Destination
 from bsr_io.layout import KVLayout
@@ -143,6 +144,9 @@ class Restorer:
             # Every rank agreed on zero at probe time, so no vote is needed.
             return RestoreResult(ZERO, 0, 0, 0, reason=plan.reason or "no reusable prefix")
         vote = self.agreement.open_vote(_first_hash(plan.keys))
+        if getattr(dest, "device", None) is not None and dest.device.type == "cuda":
+            # Page-locked slots make each install an asynchronous DMA copy.
+            register_cuda(self.engine)
         self.engine.reset_peak()
         error = ""
         capacity = getattr(dest, "capacity_chunks", n)
