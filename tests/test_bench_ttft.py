@@ -1,0 +1,48 @@
+"""`bsr-io bench ttft` at a tiny size: real files, real engine, fio, cold cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bsr_io.cli import main
+from bsr_io.fio import fio_available
+
+KEYS = ("naive_s", "fast_s", "fio_s", "speedup", "fast_vs_fio", "rws_naive_bytes",
+        "rws_fast_bytes")  # fmt: skip
+
+
+@pytest.mark.skipif(not fio_available(), reason="fio is not installed")
+def test_ttft_tiny_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "ttft.json", tmp_path / "ttft.png"
+    # 8 chunks of the tiny layout (2,112 B each, not a multiple of 4096), W=3.
+    argv = ["bench", "ttft", "--layout", "tiny", "--tokens", "128", "--window", "3"]
+    argv += ["--dir", str(tmp_path), "--quiet", "--json", str(out), "--plot", str(png)]
+    rc = main(argv)
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    for k in KEYS:
+        assert k in doc, k
+        assert doc[k] > 0
+    assert doc["chunks"] == 8 and doc["data_ok"]
+    assert doc["speedup"] == pytest.approx(doc["naive_s"] / doc["fast_s"])
+    assert doc["fast_vs_fio"] == pytest.approx(doc["fast_s"] / doc["fio_s"])
+    # The naive path stages the whole state; the fast path at most W slots.
+    assert doc["rws_naive_bytes"] == doc["state_bytes"]
+    assert doc["rws_fast_bytes"] <= 3 * 4096
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "speedup naive/fast" in capsys.readouterr().out
+    assert not list(tmp_path.glob("bsr-io-ttft-*"))  # cleaned up
+
+
+def test_ttft_refuses_when_disk_is_too_small(tmp_path, capsys):
+    rc = main(["bench", "ttft", "--tokens", str(1 << 40), "--dir", str(tmp_path), "--quiet"])
+    assert rc == 2
+    assert "not enough free space" in capsys.readouterr().err
+
+
+def test_ttft_bad_arguments(tmp_path, capsys):
+    assert main(["bench", "ttft", "--tokens", "10", "--dir", str(tmp_path)]) == 2
+    assert "less than one chunk" in capsys.readouterr().err
+    assert main(["bench", "ttft", "--window", "0", "--dir", str(tmp_path)]) == 2
+    assert main(["bench", "ttft", "--rounds", "0", "--dir", str(tmp_path)]) == 2
