@@ -32,6 +32,9 @@ pub struct EngineFile {
     /// Logical size: at open, then the furthest end written through the engine.
     size: AtomicU64,
     closed: AtomicBool,
+    /// Set by the io_uring thread the first time it sees the file (even if the table
+    /// had no room), so registration is tried once.
+    registration_tried: AtomicBool,
     registration: OnceLock<Registration>,
 }
 
@@ -92,6 +95,7 @@ impl EngineFile {
             align,
             size: AtomicU64::new(st.st_size as u64),
             closed: AtomicBool::new(false),
+            registration_tried: AtomicBool::new(false),
             registration: OnceLock::new(),
         })
     }
@@ -197,6 +201,11 @@ impl EngineFile {
         } else {
             Ok(())
         }
+    }
+
+    /// True the first time only: whoever gets it tries to register the file.
+    pub fn claim_registration(&self) -> bool {
+        !self.registration_tried.swap(true, Ordering::AcqRel)
     }
 
     pub fn set_registration(&self, reg: Registration) {

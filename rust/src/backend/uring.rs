@@ -4,8 +4,7 @@
 //! and registered files, then plain reads and writes on raw descriptors.
 
 use std::collections::VecDeque;
-use std::os::fd::RawFd;
-use std::sync::mpsc::{self, Receiver, Sender, SyncSender};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -39,7 +38,6 @@ pub struct UringInfo {
 
 enum Command {
     Op(Arc<OpState>),
-    Register(RawFd, SyncSender<Option<u32>>),
     Unregister(u32),
     Shutdown,
 }
@@ -58,12 +56,13 @@ impl UringDriver {
     pub fn start(cfg: UringConfig, arena: Arc<Arena>) -> std::result::Result<Self, SetupError> {
         let (tx, rx) = mpsc::channel();
         let (setup_tx, setup_rx) = mpsc::sync_channel(1);
+        let unregister_tx = tx.clone();
         let request_bytes = cfg.request_bytes;
         let thread = std::thread::Builder::new()
             .name("bsr-io-uring".into())
             .spawn(move || {
                 // The ring is created on the thread that will be its only submitter.
-                match RingLoop::setup(&cfg, arena) {
+                match RingLoop::setup(&cfg, arena, unregister_tx) {
                     Ok((ring_loop, info)) => {
                         let _ = setup_tx.send(Ok(info));
                         ring_loop.run(rx);
@@ -112,31 +111,6 @@ impl UringDriver {
         self.request_bytes
     }
 
-    /// Put the file in the ring's file table (when there is one and it has room).
-    pub fn register_file(&self, file: &EngineFile) {
-        if !self.info.registered_files {
-            return;
-        }
-        let (reply_tx, reply_rx) = mpsc::sync_channel(1);
-        if self
-            .tx
-            .send(Command::Register(file.fd(), reply_tx))
-            .is_err()
-        {
-            return;
-        }
-        if let Ok(Some(index)) = reply_rx.recv() {
-            let tx = self.tx.clone();
-            file.set_registration(Registration {
-                index,
-                release: Box::new(move |i| {
-                    // The ring may be gone already; its table went with it.
-                    let _ = tx.send(Command::Unregister(i));
-                }),
-            });
-        }
-    }
-
     /// Finish every queued and in-flight operation, then stop the thread.
     pub fn shutdown(&mut self) {
         let _ = self.tx.send(Command::Shutdown);
@@ -165,6 +139,9 @@ struct RingLoop {
     fixed_buffers: bool,
     file_table: Vec<bool>,
     reaped: Vec<(u64, i32)>,
+    /// Handed to registered files so their drop frees the table entry (in order with
+    /// the operations already queued).
+    unregister_tx: Sender<Command>,
     _arena: Arc<Arena>,
 }
 
@@ -176,6 +153,7 @@ impl RingLoop {
     fn setup(
         cfg: &UringConfig,
         arena: Arc<Arena>,
+        unregister_tx: Sender<Command>,
     ) -> std::result::Result<(RingLoop, UringInfo), SetupError> {
         let mut info = UringInfo::default();
         let entries = cfg.queue_depth.next_power_of_two();
@@ -221,6 +199,7 @@ impl RingLoop {
                 }
             ],
             reaped: Vec::with_capacity(cfg.queue_depth as usize),
+            unregister_tx,
             _arena: arena,
         };
         Ok((ring_loop, info))
@@ -252,11 +231,11 @@ impl RingLoop {
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
             Command::Op(op) => {
+                if !self.file_table.is_empty() && op.file.claim_registration() {
+                    self.register(&op.file);
+                }
                 let reqs = op.requests(self.request_bytes);
                 self.queue.extend(reqs);
-            }
-            Command::Register(fd, reply) => {
-                let _ = reply.send(self.register_fd(fd));
             }
             Command::Unregister(index) => {
                 if let Some(used) = self.file_table.get_mut(index as usize) {
@@ -269,20 +248,30 @@ impl RingLoop {
         false
     }
 
-    fn register_fd(&mut self, fd: RawFd) -> Option<u32> {
-        let index = self.file_table.iter().position(|used| !used)?;
-        let index_u32 = index as u32;
-        match self
+    /// Put the file in the ring's file table on its first operation; a full table
+    /// leaves it on its raw descriptor.
+    fn register(&mut self, file: &EngineFile) {
+        let Some(index) = self.file_table.iter().position(|used| !used) else {
+            return;
+        };
+        let index = index as u32;
+        if self
             .ring
             .submitter()
-            .register_files_update(index_u32, &[fd])
+            .register_files_update(index, &[file.fd()])
+            .is_err()
         {
-            Ok(_) => {
-                self.file_table[index] = true;
-                Some(index_u32)
-            }
-            Err(_) => None,
+            return;
         }
+        self.file_table[index as usize] = true;
+        let tx = self.unregister_tx.clone();
+        file.set_registration(Registration {
+            index,
+            release: Box::new(move |i| {
+                // The ring may be gone already; its table went with it.
+                let _ = tx.send(Command::Unregister(i));
+            }),
+        });
     }
 
     /// Queue requests up to the queue depth.
