@@ -3,9 +3,10 @@
 One run writes a long prefix of a KV layout through the L2 tier once, then, with
 the page cache dropped before each measurement:
 
-- naive: the whole-plan baseline with one buffered Python read per chunk record into
-  L1 (`open(path, 'rb')`, `readinto` of the payload, as LMCache's local disk backend
-  reads a chunk file), then the install of every staged chunk;
+- naive: the whole-plan path as LMCache 0.5.6's local disk backend runs it: an L1
+  buffer for every hit chunk from a resident pool, one buffered Python `readinto` per
+  chunk file on 4 reader threads (its `disk_io_threads`), then the install of every
+  staged chunk;
 - fast: BSR through the engine (O_DIRECT, W staging slots, reads overlapped with the
   install, checksums verified), into the same destination;
 - fio: fio (io_uring, O_DIRECT) reading the same number of bytes from a file on the
@@ -18,8 +19,6 @@ the drive.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import json
 import os
 import shutil
@@ -47,7 +46,6 @@ from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.store import Store, synthetic_tokens
 from bsr_io.tiers import SSDTier
-from bsr_io.whole_plan import WholePlanRestorer
 
 GiB = 1 << 30
 METHODS = ("naive", "fast", "fio")
@@ -69,6 +67,12 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--rounds", type=int, default=1, help="rounds of all three (median kept)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", type=Path, default=None, help="bar chart of the three times (PNG)")
+    p.add_argument(
+        "--naive-threads",
+        type=int,
+        default=4,
+        help="reader threads of the naive path (LMCache's disk_io_threads, default 4)",
+    )
     p.add_argument("--backend", default=None, help="engine backend (default: auto)")
     p.add_argument("--keep", action="store_true", help="keep the store afterwards")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -135,35 +139,49 @@ def write_fio_file(path: Path, size: int, engine: Engine, quiet: bool) -> None:
 
 
 # -- the naive path --------------------------------------------------------------------
-def buffered_reader(tier, key, out: torch.Tensor) -> None:
-    """One buffered Python read of the chunk file's payload into the L1 buffer `out`."""
-    with open(tier.path_of(key), "rb") as f:
+def buffered_read(path: str | os.PathLike[str], out: torch.Tensor) -> None:
+    """One buffered Python read of a chunk record's payload into the L1 buffer `out`."""
+    with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
         got = f.readinto(out.numpy())
     if got != out.numel():
-        raise OSError(f"short read of {tier.path_of(key)}: {got} of {out.numel()} bytes")
+        raise OSError(f"short read of {path}: {got} of {out.numel()} bytes")
 
 
-def _keep_heap(state_bytes: int, chunk_bytes: int) -> bool:
-    """Let L1 buffers come from a heap that is not handed back to the kernel between
-    restores, then fault it in once: LMCache allocates its L1 pool up front, so its
-    retrieve does not pay first-touch page faults, and neither should the baseline here.
-    Returns False where glibc's mallopt is not available."""
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = libc.mallopt(m_mmap_threshold, ctypes.c_int(min(chunk_bytes * 2, 1 << 30)))
-        ok &= libc.mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
-    except (OSError, AttributeError):
-        return False
-    if not ok:
-        return False
-    bufs = [torch.ones(chunk_bytes, dtype=torch.uint8) for _ in range(state_bytes // chunk_bytes)]
-    del bufs
-    return True
+class NaiveRestorer:
+    """The whole-plan path as LMCache 0.5.6 runs it from local disk.
+
+    `LocalDiskBackend.batched_get_blocking` takes an L1 buffer for every hit chunk from
+    the pre-allocated CPU pool, then reads each chunk file with one buffered `readinto`
+    on a pool of `disk_io_threads` threads (default 4); only when the whole hit is staged
+    is it installed. The L1 pool here is allocated and faulted in up front, as LMCache's
+    is, so the restore does not pay first-touch page faults. No checksum is computed
+    (LMCache computes none)."""
+
+    def __init__(self, tier: SSDTier, lay: KVLayout, l1_bytes: int, threads: int = 4) -> None:
+        if threads < 1:
+            raise ValueError(f"naive reader threads must be at least 1, got {threads}")
+        self.tier, self.lay, self.threads = tier, lay, threads
+        self.pool = torch.ones(l1_bytes, dtype=torch.uint8)  # resident, like a pinned pool
+        self.l1_peak_bytes = 0
+
+    def restore(self, plan, dest: PagedKVCache) -> dict[str, Any]:
+        n, cb = plan.hit_chunks, self.lay.chunk_bytes
+        if n * cb > self.pool.numel():
+            raise RuntimeError(
+                f"whole-plan needs {n * cb} bytes of L1, the pool has {self.pool.numel()}"
+            )
+        t0 = time.perf_counter()
+        bufs = [self.pool[i * cb : (i + 1) * cb] for i in range(n)]
+        paths = [self.tier.path_of(k) for k in plan.keys[:n]]
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="naive-read") as pool:
+            list(pool.map(buffered_read, paths, bufs))
+        t1 = time.perf_counter()
+        for i, buf in enumerate(bufs):
+            dest.install(i, buf)
+        dest.synchronize()
+        self.l1_peak_bytes = n * cb
+        return {"stage_s": t1 - t0, "install_s": time.perf_counter() - t1}
 
 
 # -- one run ---------------------------------------------------------------------------
@@ -181,23 +199,20 @@ class _Bench:
         self.store = Store([self.l2])
         self.fast = Restorer(self.store, lay, window=args.window, engine=self.engine, model=MODEL)
         self.dest: PagedKVCache | None = None
+        self.naive_restorer: NaiveRestorer | None = None
 
     def naive(self) -> dict[str, Any]:
-        wp = WholePlanRestorer(
-            self.store, self.lay, l1_bytes=self.state, engine=self.engine, reader=buffered_reader
-        )
+        if self.naive_restorer is None:
+            self.naive_restorer = NaiveRestorer(
+                self.l2, self.lay, self.state, self.args.naive_threads
+            )
         t0 = time.perf_counter()
         plan = self.fast.probe(self.token_ids)
-        res = wp.restore(plan, self.dest)
+        if plan.hit_chunks != self.chunks:
+            raise RuntimeError(f"probe found {plan.hit_chunks} of {self.chunks} chunks")
+        parts = self.naive_restorer.restore(plan, self.dest)
         seconds = time.perf_counter() - t0
-        if not res.complete:
-            raise RuntimeError(f"naive restore failed: {res.reason}")
-        return {
-            "seconds": seconds,
-            "rws_bytes": wp.l1_peak_bytes,
-            "stage_s": res.timings["stage_s"],
-            "install_s": res.timings["install_s"],
-        }
+        return {"seconds": seconds, "rws_bytes": self.naive_restorer.l1_peak_bytes, **parts}
 
     def fast_path(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -261,6 +276,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--window must be at least 1, got {args.window}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
+    if args.naive_threads < 1:
+        raise ValueError(f"--naive-threads must be at least 1, got {args.naive_threads}")
     have_fio = fio_available()
     if not have_fio:
         raise ValueError("fio is not installed (Debian/Ubuntu: apt-get install fio); it is the "
@@ -307,7 +324,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     b.dest = PagedKVCache.allocate(lay, b.tokens)
     for t in b.dest.tensors:
         t.zero_()  # fault the destination in once: a serving engine's KV pool is resident
-    heap_kept = _keep_heap(b.state, lay.chunk_bytes)
+    b.naive_restorer = NaiveRestorer(b.l2, lay, b.state, args.naive_threads)
     rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
     cold = True
     ok = True
@@ -350,7 +367,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
         "rws_fast_bytes": max(x["rws_bytes"] for x in rounds["fast"]),
         "data_ok": ok,
         "write_s": write_s,
-        "naive_l1_prefaulted": heap_kept,
+        "naive_threads": args.naive_threads,
         "fast_profile_s": profile,
         "naive_profile_s": {
             k: statistics.median(x[k] for x in rounds["naive"]) for k in ("stage_s", "install_s")
