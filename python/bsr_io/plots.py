@@ -117,7 +117,7 @@ def plot_ttft(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     _need(doc, keys, "ttft document")
     plt = _pyplot()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-    names = ["naive\n(whole-plan,\nbuffered reads)", "fast\n(BSR, engine)", "fio\n(same bytes)"]
+    names = ["naive\n(whole-plan,\nbuffered readinto)", "fast\n(BSR, engine)", "fio\n(same bytes)"]
     secs = [doc["naive_s"], doc["fast_s"], doc["fio_s"]]
     colors = ["#c0392b", "#1f6fb2", "#7f8c8d"]
     bars = ax.bar(names, secs, color=colors)

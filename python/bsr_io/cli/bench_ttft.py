@@ -41,6 +41,7 @@ from bsr_io.fio import drop_caches, fio_available, fio_read
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, KVLayout, preset
+from bsr_io.metrics import RestoreMetrics
 from bsr_io.progress import bar
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
@@ -197,6 +198,7 @@ class _Bench:
         self.engine = Engine(args.window, lay.chunk_bytes, backend=args.backend)
         self.l2 = SSDTier(root / "l2", None, self.engine, layout=lay)
         self.store = Store([self.l2])
+        self.metrics = RestoreMetrics()
         self.fast = Restorer(self.store, lay, window=args.window, engine=self.engine, model=MODEL)
         self.dest: PagedKVCache | None = None
         self.naive_restorer: NaiveRestorer | None = None
@@ -219,6 +221,7 @@ class _Bench:
         plan = self.fast.probe(self.token_ids)
         res = self.fast.restore(plan, self.dest)
         seconds = time.perf_counter() - t0
+        self.metrics.observe(res)
         if not res.complete:
             raise RuntimeError(f"fast restore failed: {res.reason}")
         return {
@@ -373,6 +376,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
             k: statistics.median(x[k] for x in rounds["naive"]) for k in ("stage_s", "install_s")
         },
         "per_round": rounds,
+        "metrics": b.metrics.snapshot(),
         "dir": os.fspath(root),
     }
     b.engine.close()
