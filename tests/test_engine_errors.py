@@ -162,3 +162,22 @@ def test_bad_io_arguments(backend: str, tmp_path: Path) -> None:
     del slot
     assert eng.free_slots() == 1
     assert (tmp_path / "f").read_bytes() == b"a" * 8192
+
+
+def test_forked_child_gets_a_clear_error(backend: str, tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"a" * 4096)
+    eng = Engine(1, 4096, backend=backend)
+    f = eng.open(tmp_path / "f")
+    pid = os.fork()
+    if pid == 0:  # child: the I/O threads are not here
+        code = 1
+        try:
+            eng.read(f, 0, 4096)
+        except ValueError as exc:
+            code = 0 if "fork" in str(exc) else 2
+        finally:
+            eng.close()  # must not hang on threads that are not in this process
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert bytes(eng.read(f, 0, 4096)) == b"a" * 4096  # the parent is unaffected

@@ -127,6 +127,8 @@ pub struct Engine {
     arena: Arc<Arena>,
     driver: Mutex<Option<Driver>>,
     features: Features,
+    /// The I/O threads live in this process only; a forked child must not use them.
+    pid: u32,
 }
 
 impl std::fmt::Debug for Engine {
@@ -200,6 +202,7 @@ impl Engine {
             arena,
             driver: Mutex::new(Some(driver)),
             features,
+            pid: std::process::id(),
         })
     }
 
@@ -220,6 +223,14 @@ impl Engine {
     }
 
     fn check_open(&self) -> Result<()> {
+        if std::process::id() != self.pid {
+            return Err(Error::invalid(format!(
+                "this engine was created in process {} and its I/O threads did not survive \
+                 fork; create a new Engine in process {}",
+                self.pid,
+                std::process::id()
+            )));
+        }
         if self.is_closed() {
             Err(Error::Closed("engine"))
         } else {
@@ -352,6 +363,12 @@ impl Engine {
     /// leases drop.
     pub fn close(&self) {
         let driver = self.driver().take();
+        if std::process::id() != self.pid {
+            // A forked child has a copy of the handles but not the threads: joining
+            // them would hang. Leave them to the parent.
+            std::mem::forget(driver);
+            return;
+        }
         match driver {
             Some(Driver::Uring(mut d)) => d.shutdown(),
             Some(Driver::Pread(mut p)) => p.shutdown(),
