@@ -94,3 +94,14 @@ def test_store_needs_distinct_tiers():
         Store([])
     with pytest.raises(ValueError, match="unique"):
         Store([MemoryTier(REC), MemoryTier(REC)])
+
+
+def test_l2_evictions_are_demoted_to_l3(tmp_path, engine):
+    store = open_store(engine, tmp_path / "l2", ssd_bytes=REC * 2, lower_dir=tmp_path / "l3")
+    keys = chunk_keys(range(LAYOUT.chunk_tokens * 5), LAYOUT, "m")
+    for i, key in enumerate(keys):
+        store.write(key, synthetic_chunk(LAYOUT, 8, i), LAYOUT, through=False)
+    assert store.source_of(keys) == [1, 1, 1, 0, 0]
+    for i, key in enumerate(keys):
+        assert chunk_of(store.read_into(key, engine)) == synthetic_chunk(LAYOUT, 8, i).tobytes()
+    assert store.tiers[0].stats()["evictions"] == 3
