@@ -197,3 +197,18 @@ def test_store_root_gone_is_tier_down(tmp_path, engine):
     shutil.rmtree(tmp_path / "s")
     with pytest.raises(TierDown, match="gone"):
         tier.read_into(keys[0], engine)
+
+
+@pytest.mark.parametrize("kind", ["L2", "L3"])
+def test_links_in_the_store_are_never_records(kind, tmp_path, engine):
+    tier = make(kind, tmp_path / "s", engine)
+    _, keys = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens * 2, seed=SEED)
+    outside = tmp_path / "outside"
+    shutil.copyfile(tier.path_of(keys[0]), outside)  # a valid record, but out of the store
+    os.symlink(outside, tier.path_of(keys[1]).with_name("0123456789abcdef.chunk"))
+    tier.path_of(keys[1]).unlink()
+    os.symlink(outside, tier.path_of(keys[1]))
+    again = make(kind, tmp_path / "s", engine)
+    assert again.problems == [] and again.keys() == [keys[0]]
+    assert again.probe(keys) == 1 and not again.contains(keys[1])
+    assert outside.exists()

@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import threading
 import time
 from abc import abstractmethod
@@ -193,6 +194,8 @@ class FileTier(Tier):
                 if not f.name.endswith(SUFFIX) or not _STEM_RE.match(stem):
                     continue
                 path = Path(f.path)
+                if not f.is_file(follow_symlinks=False):
+                    continue  # a link or anything else is not a record we wrote
                 try:
                     st = f.stat(follow_symlinks=False)
                     header = self._read_header_path(path)
@@ -225,7 +228,7 @@ class FileTier(Tier):
             pass  # gone already, or not ours to remove
 
     def _read_header_path(self, path: Path) -> RecordHeader:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             return decode_header(os.pread(fd, HEADER_BYTES, 0))
         finally:
@@ -252,12 +255,15 @@ class FileTier(Tier):
     def contains(self, key: ChunkKey, group: str | None = None) -> bool:
         path = self.path_of(key)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             self._forget(key)
             return False
         except OSError as exc:
             raise TierDown(f"cannot stat {path}", key=key, tier=self.name, cause=exc) from exc
+        if not stat.S_ISREG(st.st_mode):
+            self._forget(key)
+            return False  # records are regular files, never links
         with self._lock:
             entry = self._index.get(key)
             if entry is not None and (entry.ino, entry.mtime_ns) == (st.st_ino, st.st_mtime_ns):

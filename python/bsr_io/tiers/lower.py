@@ -61,7 +61,7 @@ class LowerTier(FileTier):
     def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
         path = self.path_of(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError as exc:
             raise self._missing(key, exc) from None
         except OSError as exc:
