@@ -181,3 +181,17 @@ def test_forked_child_gets_a_clear_error(backend: str, tmp_path: Path) -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert bytes(eng.read(f, 0, 4096)) == b"a" * 4096  # the parent is unaffected
+
+
+def test_arena_too_big_for_memory() -> None:
+    with pytest.raises(BsrIoError) as exc:
+        Engine(1, 1 << 44)  # 16 TiB of staging on a machine with far less
+    assert exc.value.errno == errno.ENOMEM
+
+
+def test_fill_from_own_view(backend: str) -> None:
+    eng = Engine(1, 8192, backend=backend)
+    slot = eng.lease()
+    slot.fill_from(bytes(range(256)) * 32)
+    slot.fill_from(memoryview(slot)[0:4096], 100)  # overlapping source and target
+    assert bytes(slot)[100:4196] == (bytes(range(256)) * 32)[:4096]

@@ -88,7 +88,11 @@ impl Arena {
                 .push("arena is not a multiple of 2 MiB: no huge pages".into());
         }
         // Populate after the huge page advice so faults can use 2 MiB pages.
-        populate(base, map_bytes);
+        if let Err(errno) = populate(base, map_bytes) {
+            // SAFETY: unmapping the mapping created above; nothing else refers to it.
+            unsafe { libc::munmap(ptr, map_bytes) };
+            return Err(Error::os("populate staging arena", None, errno));
+        }
         // SAFETY: locks pages of our own mapping; failure is reported, not fatal.
         let rc = unsafe { libc::mlock(ptr, map_bytes) };
         features.mlock = rc == 0;
@@ -182,15 +186,24 @@ impl Arena {
     }
 }
 
-/// Fault every page in now so the first read does not pay for it.
-fn populate(base: NonNull<u8>, bytes: usize) {
+/// Fault every page in now so the first read does not pay for it. Fails (rather than
+/// being killed later) when the memory is not there.
+fn populate(base: NonNull<u8>, bytes: usize) -> std::result::Result<(), i32> {
     // SAFETY: populating our own private mapping, writable by construction.
     let rc = unsafe { libc::madvise(base.as_ptr().cast(), bytes, libc::MADV_POPULATE_WRITE) };
-    if rc != 0 {
-        for off in (0..bytes).step_by(PAGE as usize) {
-            // SAFETY: `off < bytes`, inside the mapping we own; nothing else uses it yet.
-            unsafe { base.as_ptr().add(off).write_volatile(0) };
+    if rc == 0 {
+        return Ok(());
+    }
+    match crate::error::last_errno() {
+        // Kernels before 5.14 do not know the advice: touch each page instead.
+        libc::EINVAL => {
+            for off in (0..bytes).step_by(PAGE as usize) {
+                // SAFETY: `off < bytes`, inside the mapping we own; nothing uses it yet.
+                unsafe { base.as_ptr().add(off).write_volatile(0) };
+            }
+            Ok(())
         }
+        errno => Err(errno),
     }
 }
 
@@ -285,16 +298,21 @@ impl SlotLease {
 
     /// Copy `src` into the slot at `offset`.
     pub fn copy_in(&self, offset: usize, src: &[u8]) -> Result<()> {
+        // SAFETY: `src` is a live slice for the whole call.
+        unsafe { self.copy_in_raw(offset, src.as_ptr(), src.len()) }
+    }
+
+    /// Copy `len` bytes from `src` into the slot at `offset`; `src` may overlap the slot
+    /// (a Python view of this very slot).
+    ///
+    /// # Safety
+    /// `src..src+len` must be readable memory for the duration of the call.
+    pub unsafe fn copy_in_raw(&self, offset: usize, src: *const u8, len: usize) -> Result<()> {
         self.check_no_write()?;
-        self.check_range(offset, src.len())?;
-        // SAFETY: in bounds; the slot is leased to us, so no other lease targets it.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.as_ptr(),
-                (self.addr() + offset) as *mut u8,
-                src.len(),
-            )
-        };
+        self.check_range(offset, len)?;
+        // SAFETY: destination in bounds and the slot is leased to us; the source is
+        // readable by the caller's promise; `copy` is memmove, so overlap is fine.
+        unsafe { std::ptr::copy(src, (self.addr() + offset) as *mut u8, len) };
         Ok(())
     }
 

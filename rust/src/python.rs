@@ -347,8 +347,7 @@ impl PySlot {
         py.detach(move || {
             // SAFETY: `src` stays exported (and its memory valid) until it drops after
             // this closure returns; `addr..addr+len` is that export.
-            let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) };
-            lease.copy_in(offset, bytes)
+            unsafe { lease.copy_in_raw(offset, addr as *const u8, len) }
         })?;
         drop(src);
         Ok(())
