@@ -105,27 +105,43 @@ class CPUPagedConnector(GPUConnectorInterface):
             raise ValueError(f"memory object shape {got} does not match {want}")
         return t
 
+    def _rows(self, cache: torch.Tensor, slots: torch.Tensor):
+        """(per-kv row views of `cache` as 8-byte words, row ids) for `slots`: whole pages
+        when the slots cover them, else single tokens. index_copy_/index_select along dim 0
+        on words are row memcpys; along other dims, or on bf16, CPU torch is far slower."""
+        blocks = _whole_blocks(slots, cache.shape[2])
+        if blocks is not None:
+            rows, idx = cache.view(2, cache.shape[1], -1), blocks
+        else:
+            rows, idx = self._flat(cache), slots
+        word = torch.int64 if (rows.shape[-1] * rows.element_size()) % 8 == 0 else torch.uint8
+        return [rows[kv].view(word) for kv in range(2)], idx, word
+
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs) -> None:
         t = self._check(memory_obj, start, end)
         caches = self._caches(kwargs)
         # Tokens the destination already holds are left alone, as vLLM's connector does.
         skip = min(end - start, max(0, int(kwargs.get("vllm_cached_tokens", 0)) - start))
         slots = self._slots(kwargs, start, end)[skip:]
-        blocks = _whole_blocks(slots, caches[0].shape[2])
+        if len(slots) == 0:
+            return
         for layer, cache in enumerate(caches):
-            src = t[:, layer, skip:].to(cache.dtype)
-            if blocks is not None:  # copy whole pages: far fewer indices than per token
-                per_block = cache.view(2, cache.shape[1], -1)
-                per_block.index_copy_(1, blocks, src.reshape(2, len(blocks), -1))
-            else:
-                self._flat(cache).index_copy_(1, slots, src)
+            rows, idx, word = self._rows(cache, slots)
+            for kv in range(2):
+                src = t[kv, layer, skip:].to(cache.dtype).contiguous().view(word)
+                rows[kv].index_copy_(0, idx, src.view(len(idx), -1))
 
     def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs) -> None:
         t = self._check(memory_obj, start, end)
         caches = self._caches(kwargs)
         slots = self._slots(kwargs, start, end)
         for layer, cache in enumerate(caches):
-            t[:, layer].copy_(self._flat(cache)[:, slots])
+            if cache.dtype != t.dtype:
+                raise ValueError(f"KV cache is {cache.dtype}, the memory object {t.dtype}")
+            rows, idx, word = self._rows(cache, slots)
+            for kv in range(2):
+                got = rows[kv].index_select(0, idx)
+                t[kv, layer].view(word).view(len(idx), -1).copy_(got)
 
     def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs) -> None:
         objs = list(memory_objs or [])
