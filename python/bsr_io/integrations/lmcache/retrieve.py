@@ -142,8 +142,12 @@ class BoundedRetriever:
             logger.exception("bsr-io retrieve failed")
             ok, reason = False, f"{type(exc).__name__}: {exc}"
         if vote is not None:
-            decision = vote.cast(ok, reason)
-            ok, reason = decision.commit, decision.reason
+            try:
+                decision = vote.cast(ok, reason)
+                ok, reason = decision.commit, decision.reason
+            except Exception as exc:  # the agreement itself failed: nobody may commit alone
+                logger.exception("bsr-io retrieve: rank agreement failed")
+                ok, reason = False, f"rank agreement failed: {type(exc).__name__}: {exc}"
         if ok and chunk_infos:
             for _, start, end in chunk_infos:
                 ret_mask[start:end] = True
