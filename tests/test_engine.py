@@ -216,3 +216,11 @@ def test_concurrent_submitters(backend: str, tmp_path: Path) -> None:
         for t in threads:
             t.join()
     assert not errors
+
+
+def test_direct_refused_falls_back_to_buffered(backend: str) -> None:
+    # procfs refuses O_DIRECT with EINVAL: the engine opens it buffered and says so.
+    with Engine(1, 4096, backend=backend) as eng:
+        f = eng.open("/proc/meminfo")
+        assert not f.direct and f.alignment == 1
+        assert bytes(eng.read(f, 0, 9)) == b"MemTotal:"

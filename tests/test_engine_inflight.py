@@ -98,3 +98,22 @@ def test_close_waits_for_in_flight(uring_backend: str, fifo: Path) -> None:
     t.join(timeout=10)
     assert closed.is_set()
     assert pending.done() and pending.wait() is slot
+
+
+def test_wait_releases_the_gil(uring_backend: str, fifo: Path) -> None:
+    eng = Engine(1, MiB, backend=uring_backend)
+    f = eng.open(fifo, write=True)
+    pending = eng.submit_read(f, 0, 4096)
+    result: list[bytes] = []
+    waiter = threading.Thread(target=lambda: result.append(bytes(pending.wait(timeout=10))))
+    waiter.start()
+    # While the other thread waits inside the engine, this one keeps running Python.
+    spins, deadline = 0, time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        spins += 1
+    assert spins > 10_000 and waiter.is_alive()
+    fd = os.open(fifo, os.O_WRONLY)
+    os.write(fd, b"g" * 4096)
+    os.close(fd)
+    waiter.join(timeout=10)
+    assert result == [b"g" * 4096]
