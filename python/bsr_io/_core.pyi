@@ -116,7 +116,7 @@ class Engine:
         explicitly requested backend cannot start."""
     @property
     def backend(self) -> str:
-        """ "io_uring" or "pread": the path actually taken."""
+        """The path actually taken: "io_uring" or "pread"."""
     @property
     def features(self) -> dict[str, bool | int | str]:
         """What the probe found: fixed_buffers, registered_files, mlock, hugepages,
