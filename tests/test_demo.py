@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from bsr_io.cli import main
 from bsr_io.cli.demo import pick_base_dir
+from bsr_io.progress import ProgressWatcher, RankProgress
 
 
 def test_demo_small_end_to_end(tmp_path, capsys):
@@ -58,3 +59,23 @@ def test_demo_refuses_memory_dirs(tmp_path):
     if os.path.isdir("/dev/shm"):
         with pytest.raises(ValueError, match="in memory"):
             pick_base_dir(Path("/dev/shm"))
+
+
+def test_rank_progress_files_and_watcher(tmp_path):
+    a, b = RankProgress(tmp_path, 0), RankProgress(tmp_path, 1)
+    a.phase("save", 100)
+    b.phase("save", 100)
+    a.advance(60)
+    b.advance(100)
+    w = ProgressWatcher(tmp_path, 2)
+    w._read()
+    w._draw()
+    assert (1, "save") not in w._finished  # rank 0 is not done yet
+    a.phase("restore", 50)  # moving on finishes the earlier phase
+    w._read()
+    w._draw()
+    assert (1, "save") in w._finished
+    assert set(a.durations) == {"save"} and a.durations["save"] >= 0
+    RankProgress(None, 0).phase("nothing", 1)  # no directory: does nothing
+    with ProgressWatcher(tmp_path / "quiet", 2, quiet=True) as q:
+        assert q._thread is None

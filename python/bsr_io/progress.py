@@ -32,7 +32,8 @@ def bar(
     unit: str = "B",
     **kw: Any,
 ) -> tqdm:
-    """A tqdm bar on stderr; bytes are shown in KiB/MiB/GiB. Disabled when `quiet`."""
+    """A tqdm bar on stderr; bytes are shown in KiB/MiB/GiB. Disabled when `quiet`, and
+    when stderr is not a terminal (logs get no carriage-return noise)."""
     byte_unit = unit == "B"
     return tqdm(
         total=total,
@@ -40,7 +41,7 @@ def bar(
         unit=unit,
         unit_scale=byte_unit,
         unit_divisor=1024 if byte_unit else 1000,
-        disable=quiet,
+        disable=True if quiet else None,  # None: only when stderr is a terminal
         delay=DELAY_S,
         leave=False,
         dynamic_ncols=True,
