@@ -19,6 +19,8 @@ def _sweep(measured_up_to: int = 65536) -> dict:
             "vmhwm_growth_bytes": rws + (40 << 20), "restore_s": 1.0, "gib_s": 1.0,
             "outcome": "complete", "whole_plan_l1_peak_bytes": state,
             "whole_plan_measured": tokens <= measured_up_to,
+            "whole_plan_vmhwm_growth_bytes": state + (60 << 20) if tokens <= measured_up_to
+            else None,
         })  # fmt: skip
     return {"layout": "deepseek-v4-flash", "window": 32, "chunk_bytes": CHUNK, "ranks": 2,
             "rows": rows}  # fmt: skip

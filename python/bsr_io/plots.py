@@ -77,6 +77,11 @@ def plot_sweep(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
             facecolors="white", edgecolors="#c0392b", zorder=3,
             label="whole-plan, L1 it needed (not run)",
         )  # fmt: skip
+    wp_rss = [(s, r.get("whole_plan_vmhwm_growth_bytes")) for s, r in zip(state, rows, strict=True)]
+    wp_rss = [(s, v / GiB) for s, v in wp_rss if v is not None]
+    if wp_rss:
+        ax.plot(*zip(*wp_rss, strict=True), color="#c0392b", lw=1, ls="--", marker=".",
+                label="whole-plan: process peak RSS growth (VmHWM)")  # fmt: skip
     ax.plot(state, rws, color="#1f6fb2", lw=2, marker="o", label="BSR: RWS peak (measured)")
     if all("vmhwm_growth_bytes" in r for r in rows):
         ax.plot(
