@@ -46,3 +46,16 @@ def test_ttft_bad_arguments(tmp_path, capsys):
     assert "less than one chunk" in capsys.readouterr().err
     assert main(["bench", "ttft", "--window", "0", "--dir", str(tmp_path)]) == 2
     assert main(["bench", "ttft", "--rounds", "0", "--dir", str(tmp_path)]) == 2
+
+
+@pytest.mark.skipif(not fio_available(), reason="fio is not installed")
+def test_ttft_skip_naive(tmp_path, capsys):
+    out = tmp_path / "ttft.json"
+    argv = ["bench", "ttft", "--layout", "tiny", "--tokens", "64", "--window", "2", "--quiet"]
+    argv += ["--dir", str(tmp_path), "--skip-naive", "--json", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["naive_s"] is None and doc["speedup"] is None and not doc["naive_measured"]
+    assert doc["fast_s"] > 0 and doc["fio_s"] > 0
+    assert doc["rws_naive_bytes"] == doc["state_bytes"]  # the L1 it would need
+    assert "skipped" in capsys.readouterr().out

@@ -54,3 +54,9 @@ def test_bad_documents(tmp_path):
         plot_ttft(doc, tmp_path / "x.png")
     with pytest.raises(ValueError, match="PNG"):
         plot_ttft(_ttft(), tmp_path / "x.svg")
+
+
+def test_plot_ttft_without_naive(tmp_path):
+    doc = {**_ttft(), "naive_s": None}
+    out = plot_ttft(doc, tmp_path / "t.png")
+    assert out.read_bytes()[:8] == PNG
