@@ -170,6 +170,11 @@ def measure(args: argparse.Namespace, path: Path, have_fio: bool) -> dict[str, A
         "rounds": args.rounds,
         "results": {**{"fio": {"gib_s": None}}, **results},
         "ratio_vs_fio": results["bsr_io"]["gib_s"] / fio if fio else None,
+        # Same-round ratios (runs seconds apart) show how much of the spread is the
+        # drive (shared, virtual) rather than the engine.
+        "ratio_vs_fio_rounds": (
+            [b / f for b, f in zip(rounds["bsr_io"], rounds["fio"], strict=True)] if fio else None
+        ),
         "rws_peak_bytes": peak,
         "rws_bound_bytes": args.window * slot_bytes,
         "features": features,
@@ -192,7 +197,11 @@ def print_table(rep: dict[str, Any]) -> None:
         rounds = " ".join(f"{x:.2f}" for x in r["rounds_gib_s"])
         print(f"{m:<10} {r['gib_s']:>7.3f}   {rounds}")
     ratio = rep["ratio_vs_fio"]
-    print(f"ratio bsr_io/fio: {'n/a' if ratio is None else f'{ratio:.3f}'}")
+    if ratio is None:
+        print("ratio bsr_io/fio: n/a")
+    else:
+        per_round = " ".join(f"{x:.2f}" for x in rep["ratio_vs_fio_rounds"])
+        print(f"ratio bsr_io/fio: {ratio:.3f}   (per round: {per_round})")
     print(
         f"RWS peak: {fmt_size(rep['rws_peak_bytes'])} "
         f"(bound W x slot = {fmt_size(rep['rws_bound_bytes'])})"
