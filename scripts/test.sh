@@ -11,3 +11,7 @@ cargo test --no-default-features
 ruff check python tests benches
 ruff format --check python tests benches
 python -m pytest -q "$@"
+# The store and restore layers again on the pread fallback (the engine tests already
+# run every backend through their fixture).
+BSR_IO_BACKEND=pread python -m pytest -q tests/test_tiers.py tests/test_store.py \
+    tests/test_store_faults.py tests/test_restore.py tests/test_rws.py tests/test_ranks.py
