@@ -95,13 +95,16 @@ def _main(argv: list[str]) -> int:
     # that was killed on purpose, so this waits on the store with a deadline instead.
     from torch.distributed import distributed_c10d as c10d
 
-    store = c10d._get_default_store()
-    store.set(f"bsr-io/exit/{a.rank}", "1")
-    if a.rank == 0:
-        deadline = time.monotonic() + float(os.environ.get("BSR_IO_EXIT_WAIT_S", "60"))
-        keys = [f"bsr-io/exit/{r}" for r in range(a.world_size)]
-        while time.monotonic() < deadline and not all(store.check([k]) for k in keys):
-            time.sleep(0.01)
+    try:
+        store = c10d._get_default_store()
+        store.set(f"bsr-io/exit/{a.rank}", "1")
+        if a.rank == 0:
+            deadline = time.monotonic() + float(os.environ.get("BSR_IO_EXIT_WAIT_S", "60"))
+            keys = [f"bsr-io/exit/{r}" for r in range(a.world_size)]
+            while time.monotonic() < deadline and not all(store.check([k]) for k in keys):
+                time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - rank 0 already left (a stalled-rank scenario)
+        pass
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown, which can block on dead peers
 
