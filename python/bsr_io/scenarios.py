@@ -111,7 +111,9 @@ def restore_on_rank(
     dest = _destination(lay, max(hit_tokens, lay.chunk_tokens), dest_cap_tokens)
     # Baseline before the engine exists: growth then includes the staging ring itself.
     hwm0 = vmhwm_bytes()
-    engine = Engine(window, lay.chunk_bytes, backend=backend)
+    # Whole-plan stages in L1 buffers of its own; its engine needs only one slot.
+    slots = window if mode == "bsr" else 1
+    engine = Engine(slots, lay.chunk_bytes, backend=backend)
     store = open_store(
         engine, base / "l2", layout=lay, lower_dir=base / "l3" if l3 != "none" else None
     )
@@ -120,7 +122,7 @@ def restore_on_rank(
     agreement = (
         Agreement.from_process_group(timeout_s=timeout_s) if world_size > 1 else Agreement.local()
     )
-    r = Restorer(store, lay, window=window, engine=engine, model=model, agreement=agreement)
+    r = Restorer(store, lay, window=slots, engine=engine, model=model, agreement=agreement)
     t1 = time.perf_counter()
     plan = r.probe(token_ids)
     target = dest
@@ -129,7 +131,8 @@ def restore_on_rank(
     if mode == "bsr":
         res = r.restore(plan, target)
     elif mode == "whole_plan":
-        wp = WholePlanRestorer(store, lay, l1_bytes=l1_bytes if l1_bytes is not None else 1 << 62)
+        budget = l1_bytes if l1_bytes is not None else 1 << 62
+        wp = WholePlanRestorer(store, lay, l1_bytes=budget, engine=engine)
         res = wp.restore(plan, target)
     else:
         raise ValueError(f"mode must be 'bsr' or 'whole_plan', got {mode!r}")
