@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             if args.dir is None:
                 shutil.rmtree(root, ignore_errors=True)
     for r in rows:
-        r["vs_ssd"] = r["gib_s"] / ref["engine_gib_s"] if ref["engine_gib_s"] else None
+        r["vs_ssd"] = r["aggregate_gib_s"] / ref["engine_gib_s"] if ref["engine_gib_s"] else None
     doc = {
         "layout": args.layout,
         "window": args.window,
@@ -178,6 +178,8 @@ def _row(args, lay, n: int, l1: int, common: dict) -> dict[str, Any]:
         "vmhwm_growth_bytes": max(r["vmhwm_growth_bytes"] for r in bsr),
         "restore_s": restore_s,
         "gib_s": state / restore_s / GiB if restore_s else 0.0,
+        # Ranks here share one drive, so the drive's rate is the sum over ranks.
+        "aggregate_gib_s": args.ranks * state / restore_s / GiB if restore_s else 0.0,
         "outcome": outcomes.pop() if len(outcomes) == 1 else "asymmetric",
         "data_ok": all(r["data_ok"] for r in bsr) if bsr[0]["data_ok"] is not None else None,
         "backend": bsr[0]["backend"],
