@@ -56,9 +56,14 @@ impl Arena {
             return Err(Error::invalid("slot_bytes must be positive, got 0"));
         }
         let slot_bytes = round_up(slot_bytes as u64, PAGE) as usize;
-        let map_bytes = slot_bytes
+        let span = slot_bytes
             .checked_mul(window)
             .ok_or_else(|| Error::invalid("window * slot_bytes overflows"))?;
+        // Map whole 2 MiB pages even when the slots end inside one: the kernel then aligns
+        // the mapping to 2 MiB and MADV_HUGEPAGE can back it with huge pages. On 4 KiB
+        // pages a 1 MiB O_DIRECT request is 256 discontiguous segments, more than a
+        // virtio-blk queue takes at once (max_segments 254), so every request is split.
+        let map_bytes = round_up(span as u64, HUGE_PAGE as u64) as usize;
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
         let ptr = unsafe {
             libc::mmap(
@@ -75,17 +80,11 @@ impl Arena {
         }
         let base = NonNull::new(ptr.cast::<u8>()).expect("mmap returned NULL");
         let mut features = ArenaFeatures::default();
-        if map_bytes % HUGE_PAGE == 0 {
-            // SAFETY: advice on the mapping we just created and own.
-            let rc = unsafe { libc::madvise(ptr, map_bytes, libc::MADV_HUGEPAGE) };
-            features.hugepages = rc == 0;
-            if rc != 0 {
-                features.notes.push("madvise(MADV_HUGEPAGE) refused".into());
-            }
-        } else {
-            features
-                .notes
-                .push("arena is not a multiple of 2 MiB: no huge pages".into());
+        // SAFETY: advice on the mapping we just created and own.
+        let rc = unsafe { libc::madvise(ptr, map_bytes, libc::MADV_HUGEPAGE) };
+        features.hugepages = rc == 0;
+        if rc != 0 {
+            features.notes.push("madvise(MADV_HUGEPAGE) refused".into());
         }
         // Populate after the huge page advice so faults can use 2 MiB pages.
         if let Err(errno) = populate(base, map_bytes) {
@@ -134,7 +133,8 @@ impl Arena {
     }
 
     pub fn map_bytes(&self) -> usize {
-        self.map_bytes
+        // The slots' span; the mapping itself runs on to the next 2 MiB boundary.
+        self.slot_bytes * self.window
     }
 
     /// Address of slot `index`.
