@@ -24,7 +24,7 @@ def test_ttft_tiny_json_and_plot(tmp_path, capsys):
     for k in KEYS:
         assert k in doc, k
         assert doc[k] > 0
-    assert doc["chunks"] == 8 and doc["data_ok"]
+    assert doc["chunks"] == 8 and doc["data_ok"] and doc["fast_vs_fio_paired"] > 0
     assert doc["speedup"] == pytest.approx(doc["naive_s"] / doc["fast_s"])
     assert doc["fast_vs_fio"] == pytest.approx(doc["fast_s"] / doc["fio_s"])
     # The naive path stages the whole state; the fast path at most W slots.
