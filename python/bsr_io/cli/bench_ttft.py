@@ -65,7 +65,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--layout", default="deepseek-v4-flash", choices=sorted(PRESETS))
     p.add_argument("--window", type=int, default=32, help="W: BSR staging slots")
     p.add_argument("--dir", type=Path, default=None, help="where to put the store (on disk)")
-    p.add_argument("--rounds", type=int, default=1, help="rounds of all three (median kept)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of all three (median kept)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", type=Path, default=None, help="bar chart of the three times (PNG)")
     p.add_argument(
