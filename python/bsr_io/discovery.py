@@ -39,7 +39,7 @@ class Plan:
         return [self.tier_names[t] for t in self.sources]
 
 
-def _holds(tier, key: ChunkKey, group: str | None = None) -> bool:
+def holds(tier, key: ChunkKey, group: str | None = None) -> bool:
     try:
         return tier.contains(key, group)
     except TierDown:
@@ -54,7 +54,7 @@ def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tup
             bind(keys)
     sources: list[int] = []
     for key in keys:
-        src = next((i for i, t in enumerate(tiers) if _holds(t, key)), None)
+        src = next((i for i, t in enumerate(tiers) if holds(t, key)), None)
         if src is None:
             break
         sources.append(src)
@@ -62,7 +62,7 @@ def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tup
     for g in layout.groups:
         n = 0
         for key in keys:
-            if not any(_holds(t, key, g.name) for t in tiers):
+            if not any(holds(t, key, g.name) for t in tiers):
                 break
             n += 1
         group_hits[g.name] = n

@@ -154,11 +154,8 @@ class Restorer:
             error = f"destination has blocks for {capacity} chunks, the hit is {n}"
             report = None
         else:
-            window = Window(
-                self.engine, self.tiers[: len(plan.tier_names)], self.layout.chunk_bytes
-            )
-            if self.window < self.engine.window:
-                window.width = self.window
+            tiers = self.tiers[: len(plan.tier_names)]
+            window = Window(self.engine, tiers, self.layout.chunk_bytes, self.window)
             report = window.run(plan.keys[:n], plan.sources[:n], dest, should_stop=vote.aborted)
             error = report.error
         t_installed = time.perf_counter()

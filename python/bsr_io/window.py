@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from bsr_io._core import Engine
-from bsr_io.discovery import _holds
+from bsr_io.discovery import holds
 from bsr_io.errors import ChunkError
 from bsr_io.keys import ChunkKey
 from bsr_io.kvcache import Destination
@@ -54,11 +54,15 @@ def _as_bytes(slot, length: int) -> torch.Tensor:
 class Window:
     """Reads hit chunks through `engine` (W slots) and installs them in order."""
 
-    def __init__(self, engine: Engine, tiers: Sequence, chunk_bytes: int) -> None:
+    def __init__(
+        self, engine: Engine, tiers: Sequence, chunk_bytes: int, width: int | None = None
+    ) -> None:
+        if width is not None and not 1 <= width <= engine.window:
+            raise ValueError(f"window width {width} must be in [1, {engine.window}] slots")
         self.engine = engine
         self.tiers = list(tiers)
         self.chunk_bytes = chunk_bytes
-        self.width = engine.window
+        self.width = width or engine.window
 
     def _submit(self, key: ChunkKey, source: int):
         """Start the read in the source tier; a failure to start is kept for `_finish`."""
@@ -81,7 +85,7 @@ class Window:
         self._invalidate(source, key, causes[-1])
         for ti in range(source + 1, len(self.tiers)):
             tier = self.tiers[ti]
-            if not _holds(tier, key):
+            if not holds(tier, key):
                 continue
             try:
                 return tier.read_into(key, self.engine), ti, causes
