@@ -25,6 +25,7 @@ from bsr_io.cli.bench_ssd import engine_read, write_test_file
 from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.fio import drop_caches, fio_available, fio_read
 from bsr_io.layout import preset
+from bsr_io.progress import bar
 from bsr_io.ranks import launch
 
 GiB = 1 << 30
@@ -112,7 +113,11 @@ def run(args: argparse.Namespace) -> int:
         if any("chunks" not in r for r in _check_fill):
             raise RuntimeError(f"fill failed: {_check_fill}")
         _say(args, f"  written in {time.perf_counter() - t0:.1f} s")
-        rows = [_row(args, lay, n, l1, common) for n in tokens]
+        rows = []
+        with bar(len(tokens), "sweep", quiet=args.quiet, unit="state") as progress:
+            for n in tokens:
+                rows.append(_row(args, lay, n, l1, common))
+                progress.update(1)
         ref = _reference(args, root, chunk)
     finally:
         if not args.keep:
