@@ -52,20 +52,19 @@ def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tup
         bind = getattr(t, "bind", None)  # fault injection places chunks by request position
         if bind is not None:
             bind(keys)
+    names = [g.name for g in layout.groups]
+    # A chunk is restorable from the first tier whose record holds every group.
     sources: list[int] = []
     for key in keys:
-        src = next((i for i, t in enumerate(tiers) if holds(t, key)), None)
+        src = next((i for i, t in enumerate(tiers) if all(holds(t, key, g) for g in names)), None)
         if src is None:
             break
         sources.append(src)
+    # Every group reaches at least that far; past it, say how far each one alone goes.
     group_hits = {}
-    for g in layout.groups:
-        n = 0
-        for key in keys:
-            if not any(holds(t, key, g.name) for t in tiers):
-                break
+    for g in names:
+        n = len(sources)
+        while n < len(keys) and any(holds(t, keys[n], g) for t in tiers):
             n += 1
-        group_hits[g.name] = n
-    # A chunk is restorable only when one record holds every group.
-    hit = min([len(sources), *group_hits.values()])
-    return sources[:hit], group_hits
+        group_hits[g] = n
+    return sources, group_hits

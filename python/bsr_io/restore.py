@@ -41,6 +41,7 @@ class RestoreResult:
     rws_peak_bytes: int = 0
     bytes_read: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    l1_required_bytes: int | None = None  # whole-plan only: L1 it needs to stage the hit
 
     @property
     def complete(self) -> bool:

@@ -8,7 +8,6 @@ matrix below is the one the tests and `bsr-io bench faults` run.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -19,7 +18,7 @@ import torch
 
 from bsr_io._core import Engine
 from bsr_io.commit import Agreement
-from bsr_io.faults import FaultPlan
+from bsr_io.faults import Fault, FaultPlan
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import preset
 from bsr_io.restore import Restorer
@@ -100,7 +99,8 @@ def restore_on_rank(
     t0 = time.perf_counter()
     if fill:
         with Engine(1, lay.chunk_bytes, backend=backend) as fill_engine:
-            fstore = open_store(fill_engine, base / "l2", layout=lay, lower_dir=base / "l3")
+            lower = base / "l3" if l3 == "copy" else None
+            fstore = open_store(fill_engine, base / "l2", layout=lay, lower_dir=lower)
             fill_state(fstore.tier("L2"), lay, tokens, seed, rank, world_size, model)
             if l3 == "copy":
                 fill_state(fstore.tier("L3"), lay, tokens, seed, rank, world_size, model)
@@ -117,7 +117,7 @@ def restore_on_rank(
     store = open_store(
         engine, base / "l2", layout=lay, lower_dir=base / "l3" if l3 != "none" else None
     )
-    plan_faults = FaultPlan.from_json(json.dumps(faults or []))
+    plan_faults = FaultPlan([Fault(**f) for f in faults or []])
     store = Store(plan_faults.wrap_all(store.tiers, rank))
     agreement = (
         Agreement.from_process_group(timeout_s=timeout_s) if world_size > 1 else Agreement.local()

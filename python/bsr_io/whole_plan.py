@@ -52,8 +52,7 @@ class WholePlanRestorer:
         n = plan.hit_chunks
         chunk = self.layout.chunk_bytes
         need = n * chunk
-        result = RestoreResult(ZERO, 0, 0, n)
-        result.timings["l1_required_bytes"] = need
+        result = RestoreResult(ZERO, 0, 0, n, l1_required_bytes=need)
         if n == 0:
             result.reason = plan.reason or "no reusable prefix"
             return result

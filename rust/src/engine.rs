@@ -267,27 +267,7 @@ impl Engine {
         self.check_open()?;
         file.check_open()?;
         let capacity = self.arena.slot_bytes() as u64;
-        if length == 0 {
-            return Err(Error::invalid("length must be positive, got 0"));
-        }
-        if length > capacity {
-            return Err(Error::invalid(format!(
-                "length {length} exceeds slot_bytes {capacity}"
-            )));
-        }
-        let align = file.alignment();
-        if !is_aligned(offset, align) {
-            return Err(Error::Alignment(format!(
-                "offset {offset} is not a multiple of {align}, the O_DIRECT alignment of {}",
-                file.path()
-            )));
-        }
-        let extent = round_up(length, align);
-        if extent > capacity {
-            return Err(Error::Alignment(format!(
-                "length {length} rounded up to the alignment {align} exceeds slot_bytes {capacity}"
-            )));
-        }
+        let extent = checked_extent(file, offset, length, capacity, "slot_bytes")?;
         let lease = Arc::new(self.arena.try_lease()?);
         let op = OpState::new(
             OpKind::Read,
@@ -322,27 +302,7 @@ impl Engine {
         }
         let capacity = slot.capacity() as u64;
         let length = length.unwrap_or(slot.len() as u64);
-        if length == 0 {
-            return Err(Error::invalid("length must be positive, got 0"));
-        }
-        if length > capacity {
-            return Err(Error::invalid(format!(
-                "length {length} exceeds the slot capacity {capacity}"
-            )));
-        }
-        let align = file.alignment();
-        if !is_aligned(offset, align) {
-            return Err(Error::Alignment(format!(
-                "offset {offset} is not a multiple of {align}, the O_DIRECT alignment of {}",
-                file.path()
-            )));
-        }
-        let extent = round_up(length, align);
-        if extent > capacity {
-            return Err(Error::Alignment(format!(
-                "length {length} padded to the alignment {align} exceeds the slot capacity {capacity}"
-            )));
-        }
+        let extent = checked_extent(file, offset, length, capacity, "the slot capacity")?;
         if extent > length {
             fill_tail_block(slot, file, offset, length, extent)?;
         }
@@ -458,6 +418,39 @@ impl Drop for Engine {
     fn drop(&mut self) {
         self.close();
     }
+}
+
+/// The bytes an operation of `length` at `offset` moves on `file`: `length` rounded up
+/// to the file's O_DIRECT alignment. Both must fit in `capacity` (`what` names it).
+fn checked_extent(
+    file: &EngineFile,
+    offset: u64,
+    length: u64,
+    capacity: u64,
+    what: &str,
+) -> Result<u64> {
+    if length == 0 {
+        return Err(Error::invalid("length must be positive, got 0"));
+    }
+    if length > capacity {
+        return Err(Error::invalid(format!(
+            "length {length} exceeds {what} {capacity}"
+        )));
+    }
+    let align = file.alignment();
+    if !is_aligned(offset, align) {
+        return Err(Error::Alignment(format!(
+            "offset {offset} is not a multiple of {align}, the O_DIRECT alignment of {}",
+            file.path()
+        )));
+    }
+    let extent = round_up(length, align);
+    if extent > capacity {
+        return Err(Error::Alignment(format!(
+            "length {length} rounded up to the alignment {align} exceeds {what} {capacity}"
+        )));
+    }
+    Ok(extent)
 }
 
 #[cfg(test)]

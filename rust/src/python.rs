@@ -643,11 +643,7 @@ impl PyEngine {
         offset: i64,
         length: i64,
     ) -> PyResult<Py<PySlot>> {
-        let pending = PyPending {
-            op: self.read_op(py, file, offset, length)?,
-            handoff: Mutex::new(Handoff::Read),
-        };
-        pending.wait(py, None)
+        self.submit_read(py, file, offset, length)?.wait(py, None)
     }
 
     #[pyo3(signature = (slot, file, offset, length = None))]

@@ -9,12 +9,12 @@ outcome, all ranks agree, and a complete restore installed exactly the saved byt
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from bsr_io.cli.report import write_json
 from bsr_io.ranks import launch
 from bsr_io.scenarios import FAULT_MATRIX
 
@@ -95,8 +95,5 @@ def run(args: argparse.Namespace) -> int:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
     doc = {"ranks": args.ranks, "chunks": args.chunks, "window": args.window, "scenarios": rows}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, doc)
     return 0 if all(r["passed"] for r in rows) else 1

@@ -13,7 +13,6 @@ connector interface over CPU tensors); everything else is the real lmcache packa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -21,6 +20,7 @@ import sys
 import tempfile
 import time
 
+from bsr_io.cli.report import write_json
 from bsr_io.cli.sizes import fmt_size, parse_size
 
 
@@ -184,9 +184,7 @@ def run(args) -> int:
         "bsr": bsr,
     }
     print(table(report))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json, report)
     ok = all(r["result"] == "ok" and r["data_ok"] for r in bsr)
     return 0 if ok else 1
 

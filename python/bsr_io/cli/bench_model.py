@@ -14,7 +14,6 @@ so the ratio understates what a real model gains.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import shutil
 import statistics
@@ -22,6 +21,7 @@ import sys
 import tempfile
 import time
 
+from bsr_io.cli.report import write_json
 from bsr_io.cli.sizes import fmt_size
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -160,7 +160,5 @@ def run(args) -> int:
         if args.dir is None:
             shutil.rmtree(root, ignore_errors=True)
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": vars(args) | {"func": None}, "rows": rows}, f, indent=2)
+    write_json(args.json, {"config": vars(args) | {"func": None}, "rows": rows})
     return 0 if all(r["bit_identical"] for r in rows) else 1

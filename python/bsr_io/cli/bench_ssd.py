@@ -4,7 +4,6 @@ file and a plain buffered Python read, interleaved, cold cache, median of rounds
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from bsr_io._core import Engine, File
+from bsr_io.cli.report import write_json
 from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.engine import as_numpy
 from bsr_io.fio import drop_caches, fio_available, fio_read
@@ -117,10 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.keep:
             path.unlink(missing_ok=True)
     print_table(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0
 
 

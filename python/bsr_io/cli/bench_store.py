@@ -5,7 +5,6 @@ in the same run. Also times the per-chunk open+close that one file per record co
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -20,6 +19,7 @@ import numpy as np
 
 from bsr_io._core import Engine
 from bsr_io.cli.bench_ssd import engine_read
+from bsr_io.cli.report import write_json
 from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.engine import as_numpy
 from bsr_io.fio import drop_caches, fio_available, fio_read
@@ -121,10 +121,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print_report(report)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, report)
     return 0
 
 

@@ -12,7 +12,6 @@ the engine reads a plain file of the same size class through the same window, th
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -22,6 +21,7 @@ from typing import Any
 
 from bsr_io._core import Engine
 from bsr_io.cli.bench_ssd import engine_read, write_test_file
+from bsr_io.cli.report import write_json
 from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.fio import drop_caches, fio_available, fio_read
 from bsr_io.layout import preset
@@ -106,12 +106,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         _say(args, f"writing {fmt_size(top)} per rank x {args.ranks} rank(s) to {root} ...")
         t0 = time.perf_counter()
-        _check_fill = launch(
+        filled = launch(
             args.ranks, "bsr_io.scenarios:fill_on_rank", {**common, "tokens": tokens[-1]},
             timeout_s=7200,
         )  # fmt: skip
-        if any("chunks" not in r for r in _check_fill):
-            raise RuntimeError(f"fill failed: {_check_fill}")
+        if any("chunks" not in r for r in filled):
+            raise RuntimeError(f"fill failed: {filled}")
         _say(args, f"  written in {time.perf_counter() - t0:.1f} s")
         rows = []
         with bar(len(tokens), "sweep", quiet=args.quiet, unit="state") as progress:
@@ -137,10 +137,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": rows,
     }
     _print(doc)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, doc)
     if args.plot:
         from bsr_io.plots import plot_sweep
 

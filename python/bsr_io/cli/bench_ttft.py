@@ -19,7 +19,6 @@ the drive.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -35,6 +34,7 @@ import torch
 
 from bsr_io._core import Engine, Slot
 from bsr_io.cli.demo import _mem_available, pick_base_dir
+from bsr_io.cli.report import write_json
 from bsr_io.cli.sizes import fmt_size
 from bsr_io.engine import as_numpy
 from bsr_io.fio import drop_caches, fio_available, fio_read
@@ -312,10 +312,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     print_table(doc)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, doc)
     if args.plot:
         from bsr_io.plots import plot_ttft
 

@@ -14,7 +14,6 @@ Every number printed is measured in the run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -28,6 +27,7 @@ import numpy as np
 import torch
 
 from bsr_io._core import Engine, xxh3_64
+from bsr_io.cli.report import write_json
 from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.commit import Agreement
 from bsr_io.faults import Fault, FaultPlan
@@ -250,7 +250,7 @@ def demo_rank(
         return {
             "outcome": res.outcome,
             "l1_bytes": l1_bytes,
-            "l1_required_bytes": int(res.timings["l1_required_bytes"]),
+            "l1_required_bytes": res.l1_required_bytes,
             "l1_peak_bytes": wp.l1_peak_bytes if res.complete else 0,
             "committed_tokens": res.committed_tokens,
             "time_to_commit_s": wall,
@@ -400,10 +400,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     doc = summarize(results, time.perf_counter() - t0, root, args.keep)
     print_report(doc)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, doc)
     return 0 if doc["checks"]["all_ok"] else 1
 
 
