@@ -18,3 +18,12 @@ def backend(request: pytest.FixtureRequest) -> str:
         except BackendUnavailable as exc:
             pytest.skip(f"{name} unavailable here: {exc}")
     return name
+
+
+@pytest.fixture
+def engines():
+    """LMCache engines (real lmcache 0.5.6) of the default test shape, closed afterwards."""
+    h = pytest.importorskip("bsr_io.integrations.lmcache.harness")
+    e = h.Engines(h.Shape())
+    yield e
+    e.close()

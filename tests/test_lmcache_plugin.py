@@ -24,13 +24,6 @@ SHAPE = h.Shape()
 CB = SHAPE.chunk_bytes
 
 
-@pytest.fixture
-def engines():
-    e = h.Engines(SHAPE)
-    yield e
-    e.close()
-
-
 def bsr_engine(engines, path, l1_chunks, window, **bsr):
     eng = engines(l1_chunks=l1_chunks, settings=lmcache_settings(path, window=window, **bsr))
     plugin = eng.storage_manager.storage_backends.get("bsr")

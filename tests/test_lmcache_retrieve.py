@@ -19,13 +19,6 @@ SHAPE = h.Shape()
 CB = SHAPE.chunk_bytes
 
 
-@pytest.fixture
-def engines():
-    e = h.Engines(SHAPE)
-    yield e
-    e.close()
-
-
 def stored_engine(engines, tmp_path, n_chunks, l1_chunks, seed=0):
     eng = engines(l1_chunks=l1_chunks, disk=tmp_path)
     src = h.make_state(SHAPE, n_chunks, seed=seed)
