@@ -28,4 +28,11 @@ PY
 fi
 # bsr-io itself, built into this venv (abi3 extension), with the test tools.
 python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "psutil>=5.9" "prometheus-client>=0.19"
-maturin develop --release -q
+# The extension lands in python/bsr_io/ (shared with ./.venv) and the cargo target dir is
+# shared with the main venv's builds: a concurrent build can race the staging rename, so retry.
+for attempt in 1 2 3; do
+    if maturin develop --release -q; then break; fi
+    [ "$attempt" = 3 ] && exit 1
+    sleep 10
+done
+python -c "import vllm, bsr_io._core; print('vllm', vllm.__version__)"
