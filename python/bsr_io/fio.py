@@ -1,25 +1,65 @@
-"""fio as the reference for SSD read speed, and dropping the page cache between runs."""
+"""fio as the reference for SSD read speed, and dropping the page cache between runs.
+
+fio's default buffers are 4 KiB pages. Where the disk queue takes few segments per
+request (`/sys/block/<dev>/queue/max_segments`, 254 on a virtio disk), a 1 MiB read
+into such a buffer is split in two, while the engine's arena is backed by 2 MiB pages
+and its requests are not: fio on plain pages is a handicapped reference. So every
+bench runs fio twice: as before (`fio`) and with huge-page buffers on hugetlbfs
+(`fio_hugemem`, `--iomem=mmaphuge`), which is the drive's real limit. Huge pages
+are reserved for the run (root only) and the previous reservation is restored.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FioResult", "drop_caches", "fio_available", "fio_read"]
+__all__ = [
+    "FioResult",
+    "HugeMem",
+    "drop_caches",
+    "fio_available",
+    "fio_read",
+    "fio_read_payloads",
+    "huge_page_buffers",
+]
 
 GiB = 1 << 30
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
+_LOCK = Path(tempfile.gettempdir()) / "bsr-io-hugepages.lock"
 
 
 @dataclass(frozen=True)
 class FioResult:
     gib_s: float
     bytes_read: int
-    seconds: float
+    seconds: float  # fio's own runtime of the job(s) (ms resolution)
     command: list[str]
+    wall_s: float = 0.0  # the fio process, start to exit (open, buffer setup included)
+
+
+@dataclass(frozen=True)
+class HugeMem:
+    """Where fio may put huge-page buffers; `mount` is None when it cannot (see `note`)."""
+
+    mount: str | None
+    note: str = ""
+    pages: int = 0  # huge pages reserved for the run (on top of what was there)
+
+    def iomem(self, name: str) -> str | None:
+        """fio's `--iomem` value for one job's buffer (None: fio's default memory)."""
+        if self.mount is None:
+            return None
+        return f"mmaphuge:{self.mount}/bsr-io-fio-{os.getpid()}-{name}.buf"
 
 
 def fio_available() -> bool:
@@ -38,6 +78,110 @@ def drop_caches() -> bool:
     return True
 
 
+def _meminfo(field: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(field + ":"):
+            parts = line.split()
+            return int(parts[1]) * (1024 if len(parts) > 2 else 1)
+    raise OSError(f"{field} not in /proc/meminfo")
+
+
+def _hugetlbfs_mount(page_bytes: int) -> str | None:
+    """An existing hugetlbfs mount of the default page size, if any."""
+    want = f"pagesize={page_bytes >> 20}M"
+    for line in Path("/proc/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) > 3 and parts[2] == "hugetlbfs":
+            opts = parts[3].split(",")
+            if want in opts or not any(o.startswith("pagesize=") for o in opts):
+                if os.access(parts[1], os.W_OK):
+                    return parts[1]
+    return None
+
+
+@contextmanager
+def huge_page_buffers(buffer_bytes: int) -> Iterator[HugeMem]:
+    """Huge pages for `buffer_bytes` of fio buffers, for the duration of the block.
+
+    Reserves what is missing through /proc/sys/vm/nr_hugepages, mounts hugetlbfs if no
+    mount exists, and afterwards unmounts and restores the previous reservation. When
+    any step is refused, yields a HugeMem whose `mount` is None and whose `note` says
+    why (the caller reports fio on plain pages only)."""
+    if os.geteuid() != 0:
+        yield HugeMem(None, "huge pages need root (to reserve them in /proc/sys/vm/nr_hugepages)")
+        return
+    try:
+        page = _meminfo("Hugepagesize")
+    except (OSError, ValueError) as exc:
+        yield HugeMem(None, f"this kernel reports no huge pages ({exc})")
+        return
+    # fio aligns each job's buffer; one page of slack per job is plenty.
+    need = -(-buffer_bytes // page) + 2
+    with open(_LOCK, "a+") as lock:
+        # Another bench changing the reservation at the same time would restore it wrong.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        prev = int(NR_HUGEPAGES.read_text())
+        mounted: str | None = None
+        try:
+            free = _meminfo("HugePages_Free")
+            if free < need:
+                try:
+                    NR_HUGEPAGES.write_text(f"{prev + need - free}\n")
+                except OSError as exc:
+                    yield HugeMem(None, f"cannot reserve huge pages: {exc}")
+                    return
+                free = _meminfo("HugePages_Free")
+                if free < need:
+                    yield HugeMem(
+                        None,
+                        f"the kernel reserved only {free} of the {need} huge pages fio needs "
+                        "(memory too fragmented)",
+                    )
+                    return
+            mount = _hugetlbfs_mount(page)
+            if mount is None:
+                mounted = tempfile.mkdtemp(prefix="bsr-io-hugetlbfs-")
+                out = subprocess.run(
+                    ["mount", "-t", "hugetlbfs", "-o", f"pagesize={page >> 20}M", "none",
+                     mounted], capture_output=True, text=True,
+                )  # fmt: skip
+                if out.returncode != 0:
+                    os.rmdir(mounted)
+                    mounted = None
+                    yield HugeMem(None, f"cannot mount hugetlbfs: {out.stderr.strip()}")
+                    return
+                mount = mounted
+            yield HugeMem(mount, pages=max(0, int(NR_HUGEPAGES.read_text()) - prev))
+        finally:
+            if mounted is not None:
+                for f in Path(mounted).glob(f"bsr-io-fio-{os.getpid()}-*.buf"):
+                    f.unlink(missing_ok=True)
+                subprocess.run(["umount", mounted], capture_output=True)
+                try:
+                    os.rmdir(mounted)
+                except OSError:
+                    pass
+            if int(NR_HUGEPAGES.read_text()) != prev:
+                NR_HUGEPAGES.write_text(f"{prev}\n")
+
+
+def _run(cmd: list[str], timeout_s: float, stdin: str | None = None) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, input=stdin)
+    wall = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[-500:]}")
+    # fio may print notes before the JSON document.
+    return json.loads(out.stdout[out.stdout.index("{") :]), wall
+
+
+def _exe() -> str:
+    exe = shutil.which("fio")
+    if exe is None:
+        raise FileNotFoundError("fio is not installed (Debian/Ubuntu: apt-get install fio)")
+    return exe
+
+
 def fio_read(
     path: str | os.PathLike[str],
     *,
@@ -45,17 +189,16 @@ def fio_read(
     iodepth: int = 32,
     size: int | None = None,
     timeout_s: float = 600.0,
+    iomem: str | None = None,
 ) -> FioResult:
     """One sequential O_DIRECT read of `path` (whole file unless `size`) with fio's
-    io_uring engine, fixed buffers and registered files. Returns the bandwidth."""
-    exe = shutil.which("fio")
-    if exe is None:
-        raise FileNotFoundError("fio is not installed (Debian/Ubuntu: apt-get install fio)")
+    io_uring engine, fixed buffers and registered files. `iomem`: fio's buffer memory
+    (e.g. `HugeMem.iomem(...)`; None is fio's default, 4 KiB pages)."""
     size = os.path.getsize(path) if size is None else size
     if size <= 0:
         raise ValueError(f"nothing to read: {path} is empty")
     cmd = [
-        exe,
+        _exe(),
         "--name=bsr-io-ref",
         f"--filename={os.fspath(path)}",
         "--ioengine=io_uring",
@@ -70,14 +213,64 @@ def fio_read(
         "--readonly",
         "--output-format=json",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    if out.returncode != 0:
-        raise RuntimeError(f"fio failed ({out.returncode}): {out.stderr.strip()[-500:]}")
-    # fio may print notes before the JSON document.
-    report = json.loads(out.stdout[out.stdout.index("{") :])
+    if iomem:
+        cmd.append(f"--iomem={iomem}")
+    report, wall = _run(cmd, timeout_s)
     read = report["jobs"][0]["read"]
     bw = float(read["bw_bytes"])
     if bw <= 0:
         raise RuntimeError(f"fio reported no bandwidth: {read}")
     seconds = read["runtime"] / 1000.0
-    return FioResult(gib_s=bw / GiB, bytes_read=int(read["io_bytes"]), seconds=seconds, command=cmd)
+    return FioResult(bw / GiB, int(read["io_bytes"]), seconds, cmd, wall)
+
+
+def fio_read_payloads(
+    directory: str | os.PathLike[str],
+    *,
+    payload_offset: int,
+    payload_bytes: int,
+    files: int,
+    block_bytes: int = 1 << 20,
+    iodepth: int = 32,
+    timeout_s: float = 3600.0,
+    hugemem: HugeMem | None = None,
+) -> FioResult:
+    """fio reading the payload range `[payload_offset, payload_offset + payload_bytes)` of
+    every file in `directory` (record files: header, then payload), O_DIRECT, io_uring.
+
+    fio issues whole blocks only, so a payload that is not a multiple of `block_bytes` is
+    read as two concurrent jobs, as the engine splits it: the whole blocks, and each
+    file's tail in one request. The time is fio's measured runtime (the longer job)."""
+    body = payload_bytes // block_bytes * block_bytes
+    tail = payload_bytes - body
+    if payload_bytes <= 0 or files <= 0:
+        raise ValueError("nothing to read: no payload bytes or no files")
+    if tail % 4096 or payload_offset % 4096:
+        raise ValueError("payload offset and tail must be 4096-byte aligned for O_DIRECT")
+    jobs = []
+    tail_depth = min(2, iodepth - 1) if body and tail else 0
+    common = (
+        f"opendir={os.fspath(directory)}\nioengine=io_uring\ndirect=1\nfixedbufs=1\n"
+        "rw=read\nfile_service_type=sequential\n"
+    )
+    if body:
+        jobs.append(("body", payload_offset, block_bytes, iodepth - tail_depth, body))
+    if tail:
+        jobs.append(("tail", payload_offset + body, tail, tail_depth or iodepth, tail))
+    text = ""
+    for name, off, bs, depth, per_file in jobs:
+        mem = hugemem.iomem(name) if hugemem else None
+        text += (
+            f"[{name}]\n{common}offset={off}\nbs={bs}\niodepth={depth}\n"
+            f"io_size={per_file * files}\n" + (f"iomem={mem}\n" if mem else "")
+        )
+    cmd = [_exe(), "--readonly", "--output-format=json", "-"]
+    report, wall = _run(cmd, timeout_s, stdin=text)
+    nbytes = sum(int(j["read"]["io_bytes"]) for j in report["jobs"])
+    seconds = max(j["read"]["runtime"] for j in report["jobs"]) / 1000.0
+    want = payload_bytes * files
+    if nbytes != want:
+        raise RuntimeError(f"fio read {nbytes} bytes of the payloads' {want}: {text}")
+    if seconds <= 0:
+        raise RuntimeError(f"fio reported no runtime: {report['jobs']}")
+    return FioResult(nbytes / seconds / GiB, nbytes, seconds, [*cmd, text], wall)
