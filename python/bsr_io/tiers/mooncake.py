@@ -1,0 +1,614 @@
+"""A tier in a Mooncake Store pool (a distributed KV pool shared by a fleet).
+
+One object per chunk record, named "<prefix>/<key namespace>/<chunk hash>", holding
+the same bytes as a record file: the 4096-byte header, then the payload.
+
+- Discovery: one `batch_is_exist` per probe (`probe`, or `bind` before discovery's
+  per-chunk questions); metadata only, no payload read.
+- Reads scatter the object into a small registered header buffer and straight into an
+  engine slot (the engine's arena is registered with the client once), then the same
+  key, layout and checksum checks as every tier. Nothing is staged outside the W slots
+  but the 4 KiB headers.
+- Writes gather header and payload from registered memory; Mooncake's put is
+  write-once and silent, so an existing object is reported as already held.
+- Every client call runs on a worker thread with a deadline (`timeout_s`): a silent
+  storage node costs a chunk failure after the deadline, never a hang. A read past
+  its deadline keeps its slot until the transfer engine gives up on it, so the slot
+  is never reused while Mooncake may still write into it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from bsr_io._core import Engine, Slot, xxh3_64
+from bsr_io.errors import (
+    ChunkCorrupt,
+    ChunkError,
+    ChunkMissing,
+    ChunkReadError,
+    ChunkWriteError,
+    LayoutError,
+    TierDown,
+)
+from bsr_io.keys import ChunkKey
+from bsr_io.layout import KVLayout
+from bsr_io.record import HEADER_BYTES, RecordFormatError, decode_header, make_header
+from bsr_io.tiers.base import (
+    ENGINE_ERRORS,
+    Payload,
+    PendingChunk,
+    Tier,
+    check_payload,
+    check_slot_fits,
+    payload_view,
+)
+from bsr_io.tiers.mooncake_config import MooncakeConfig
+
+# Mooncake's ErrorCode values (mooncake-store/include/types.h) the tier tells apart.
+NO_HANDLE = -200  # no available handle: pool full, or no storage node
+INVALID_PARAMS = -600  # e.g. buffer sizes that do not add up to the object's size
+NOT_FOUND = -704
+HAS_LEASE = -706
+LEASE_EXPIRED = -707
+TRANSFER_FAIL = -800
+RPC_FAIL = -900
+RPC_TIMEOUT = -901
+_NAMES = {
+    NO_HANDLE: "NO_AVAILABLE_HANDLE",
+    INVALID_PARAMS: "INVALID_PARAMS",
+    NOT_FOUND: "OBJECT_NOT_FOUND",
+    HAS_LEASE: "OBJECT_HAS_LEASE",
+    LEASE_EXPIRED: "LEASE_EXPIRED",
+    TRANSFER_FAIL: "TRANSFER_FAIL",
+    RPC_FAIL: "RPC_FAIL",
+    RPC_TIMEOUT: "RPC_TIMEOUT",
+}
+
+
+def code_name(rc: int) -> str:
+    return f"{_NAMES.get(rc, 'error')} ({rc})"
+
+
+class CallTimeout(Exception):
+    """A pool call passed its deadline (the call itself may still be running)."""
+
+
+class _Call:
+    """One client call on a worker thread. `hold` keeps the memory the call may touch
+    (a slot, a header buffer, a payload) alive until the call has returned; then the
+    waiter takes it back, or, when the waiter gave up, it is let go."""
+
+    __slots__ = ("fn", "args", "hold", "done", "result", "error", "started", "abandoned", "_lock")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, hold: tuple) -> None:
+        self.fn, self.args, self.hold = fn, args, hold
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.started = False
+        self.abandoned = False
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        with self._lock:
+            skip = self.abandoned
+            self.started = not skip
+        try:
+            if not skip:
+                self.result = self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            self.error = exc
+        finally:
+            with self._lock:
+                if self.abandoned:
+                    self.hold = ()  # nobody waits: the memory may be reused now
+                self.done.set()
+
+    def wait(self, timeout: float | None) -> Any:
+        if not self.done.wait(timeout):
+            raise CallTimeout
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def take(self) -> tuple:
+        """The memory the call held (once it has returned)."""
+        hold, self.hold = self.hold, ()
+        return hold
+
+    def abandon(self) -> None:
+        """Give up waiting. A call not yet started never runs and lets go of its memory;
+        a running one lets go when it returns."""
+        with self._lock:
+            self.abandoned = True
+            if not self.started or self.done.is_set():
+                self.hold = ()
+
+
+class _Workers:
+    """Daemon threads running client calls, so a stuck call cannot hold up exit."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._q: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self) -> None:
+        while (call := self._q.get()) is not None:
+            call.run()
+
+    def submit(self, fn: Callable[..., Any], *args: Any, hold: tuple = ()) -> _Call:
+        call = _Call(fn, args, hold)
+        self._q.put(call)
+        return call
+
+    def stop(self) -> None:
+        for _ in self._threads:
+            self._q.put(None)
+
+
+class _HeaderBuffers:
+    """Registered 4 KiB buffers for record headers, allocated in blocks and reused."""
+
+    BLOCK = 32
+
+    def __init__(self, register: Callable[[int, int], int]) -> None:
+        self._register = register
+        self._blocks: list[np.ndarray] = []
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> np.ndarray:
+        with self._lock:
+            if not self._free:
+                block = np.zeros(self.BLOCK * HEADER_BYTES, dtype=np.uint8)
+                rc = self._register(block.ctypes.data, block.nbytes)
+                if rc != 0:
+                    raise TierDown(f"cannot register header buffers with the pool: {code_name(rc)}")
+                self._blocks.append(block)
+                self._free += [block[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
+                               for i in range(self.BLOCK)]  # fmt: skip
+            return self._free.pop()
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    def blocks(self) -> list[np.ndarray]:
+        return list(self._blocks)
+
+
+def open_client(config: MooncakeConfig) -> Any:
+    """A set-up `MooncakeDistributedStore`; TierDown when the pool cannot be reached."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise ImportError(
+            "the Mooncake tier needs the mooncake package: pip install 'bsr-io[mooncake]' "
+            "(mooncake-transfer-engine-non-cuda for TCP, mooncake-transfer-engine for RDMA)"
+        ) from exc
+    config.apply_env()
+    client = MooncakeDistributedStore()
+    rc = client.setup(config.setup_dict())
+    if rc != 0:
+        raise TierDown(
+            f"cannot join the Mooncake pool (master {config.master}, metadata "
+            f"{config.metadata_server}): setup returned {rc}"
+        )
+    return client
+
+
+class MooncakeTier(Tier):
+    """Chunk records as objects in a Mooncake Store pool. Thread-safe.
+
+    `keys()` and `stats()["records"]` cover what this process wrote or read (the client
+    cannot list the pool). `layout` (optional) lets reads of its chunks skip a size
+    query on the first read and check the group table as well.
+    """
+
+    def __init__(
+        self,
+        config: MooncakeConfig,
+        *,
+        layout: KVLayout | None = None,
+        name: str = "L3",
+        client: Any = None,
+    ) -> None:
+        super().__init__(name)
+        self.config = config
+        self._counts.update(exist_calls=0, timeouts=0)
+        self._meta = _Workers(2, f"bsr-mc-meta-{name}")
+        self._data = _Workers(config.io_threads, f"bsr-mc-data-{name}")
+        try:
+            self.client = client if client is not None else self._open(config)
+        except BaseException:
+            self._meta.stop()
+            self._data.stop()
+            raise
+        self._replicas = self._replicate_config()
+        self._headers = _HeaderBuffers(self.client.register_buffer)
+        self._arenas: dict[int, int] = {}  # registered engine arenas: address -> bytes
+        self._layouts: dict[str, KVLayout] = {}
+        self._payload_len: dict[str, int] = {}  # layout fingerprint -> payload bytes
+        if layout is not None:
+            self._learn(layout)
+        self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # seen here: payload bytes
+        self._withdrawn: set[str] = set()  # invalidated here, in case the remove failed
+        self._snapshot: dict[str, tuple[float, int]] = {}
+        self._closed = False
+
+    def _open(self, config: MooncakeConfig) -> Any:
+        call = self._meta.submit(open_client, config)
+        try:
+            return call.wait(max(config.timeout_s, 30.0))  # start-up includes a handshake
+        except CallTimeout:
+            call.abandon()
+            raise TierDown(f"no answer from the Mooncake master {config.master}") from None
+
+    def _replicate_config(self) -> Any:
+        from mooncake.store import ReplicateConfig
+
+        rc = ReplicateConfig()
+        rc.replica_num = self.config.replica_num
+        return rc
+
+    # -- names and calls ----------------------------------------------------------------
+    def object_name(self, key: ChunkKey) -> str:
+        return f"{self.config.key_prefix}/{key.namespace()}/{key.file_stem()}"
+
+    def _learn(self, layout: KVLayout) -> None:
+        fp = layout.fingerprint()
+        with self._lock:
+            self._layouts[fp] = layout
+            self._payload_len[fp] = layout.chunk_bytes
+
+    def _meta_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A metadata call with the tier's deadline; TierDown when the pool does not answer."""
+        if self._closed:
+            raise TierDown("the Mooncake tier is closed", tier=self.name)
+        call = self._meta.submit(fn, *args)
+        try:
+            return call.wait(self.config.timeout_s)
+        except CallTimeout:
+            call.abandon()
+            self._count(timeouts=1)
+            raise TierDown(f"{what}: no answer from the pool within {self.config.timeout_s} s",
+                           tier=self.name) from None  # fmt: skip
+
+    def _exists(self, names: list[str]) -> list[int]:
+        self._count(exist_calls=1)
+        out = self._meta_call("existence check", self.client.batch_is_exist, names)
+        if len(out) != len(names):
+            raise TierDown(f"existence check answered {len(out)} of {len(names)} keys",
+                           tier=self.name)  # fmt: skip
+        with self._lock:
+            return [0 if n in self._withdrawn else int(r) for n, r in zip(names, out, strict=True)]
+
+    # -- discovery ----------------------------------------------------------------------
+    def bind(self, keys: Sequence[ChunkKey]) -> None:
+        """One existence check for a request's keys; discovery's per-chunk `contains`
+        questions that follow are answered from it for `snapshot_s`."""
+        if not keys or self.config.snapshot_s <= 0:
+            return
+        names = [self.object_name(k) for k in keys]
+        try:
+            found = self._exists(names)
+        except TierDown:
+            return  # contains() asks again and reports the tier down
+        now = time.monotonic()
+        with self._lock:
+            self._snapshot = {n: (now, r) for n, r in zip(names, found, strict=True)}
+
+    def contains(self, key: ChunkKey, group: str | None = None) -> bool:
+        name = self.object_name(key)
+        with self._lock:
+            seen = self._snapshot.get(name)
+            if name in self._withdrawn:
+                return False
+        if seen is not None and time.monotonic() - seen[0] <= self.config.snapshot_s:
+            r = seen[1]
+        else:
+            (r,) = self._exists([name])
+        if r < 0:
+            raise TierDown("existence check failed", key=key, tier=self.name)
+        return r == 1
+
+    def probe(self, keys: Sequence[ChunkKey], group: str | None = None) -> int:
+        if not keys:
+            return 0
+        found = self._exists([self.object_name(k) for k in keys])
+        n = 0
+        for r in found:
+            if r < 0:
+                raise TierDown("existence check failed", key=keys[n], tier=self.name)
+            if r != 1:
+                self._count(misses=1)
+                break
+            n += 1
+        return n
+
+    # -- reads --------------------------------------------------------------------------
+    def _register_arena(self, engine: Engine) -> None:
+        addr, nbytes = engine.arena_address, engine.arena_bytes
+        with self._lock:
+            if self._arenas.get(addr) == nbytes:
+                return
+            rc = self.client.register_buffer(addr, nbytes)
+            if rc != 0:
+                raise TierDown(f"cannot register the engine's staging arena with the pool: "
+                               f"{code_name(rc)}", tier=self.name)  # fmt: skip
+            self._arenas[addr] = nbytes
+
+    def _expected_len(self, key: ChunkKey, name: str) -> int:
+        with self._lock:
+            n = self._payload_len.get(key.layout_fingerprint)
+        if n is not None:
+            return n
+        size = int(self._meta_call("size query", self.client.get_size, name))
+        if size < 0:
+            raise self._read_failure(key, name, size)
+        if size <= HEADER_BYTES:
+            raise self._corrupt(key, name, f"object is {size} bytes, not a chunk record")
+        return size - HEADER_BYTES
+
+    def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
+        name = self.object_name(key)
+        with self._lock:
+            if name in self._withdrawn:
+                raise ChunkMissing("invalidated here", key=key, tier=self.name)
+        self._register_arena(engine)
+        n = self._expected_len(key, name)
+        check_slot_fits(self.name, engine, key, n)
+        slot = engine.lease()  # NoFreeSlot / EngineClosedError: the caller's state
+        try:
+            slot.set_length(n)
+            hdr = self._headers.take()
+        except BaseException:
+            del slot
+            raise
+        call = self._data.submit(
+            self.client.batch_get_into_multi_buffers,
+            [name],
+            [[hdr.ctypes.data, slot.address]],
+            [[HEADER_BYTES, n]],
+            hold=(slot, hdr),
+        )
+        deadline = time.monotonic() + self.config.timeout_s
+        del slot, hdr  # from here the call owns them until it returns
+
+        def finish(timeout: float | None) -> Slot:
+            left = deadline - time.monotonic()
+            wait = left if timeout is None else min(timeout, left)
+            try:
+                out = call.wait(max(0.0, wait))
+            except CallTimeout:
+                if timeout is not None and timeout < left:
+                    raise TimeoutError(f"chunk {key.short()} still in flight") from None
+                call.abandon()  # its slot stays leased until the call returns
+                self._count(timeouts=1)
+                raise ChunkReadError(
+                    f"no answer from the pool within {self.config.timeout_s} s (storage node "
+                    "stalled?); the slot is held until the transfer gives up",
+                    key=key, tier=self.name,
+                ) from None  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - the binding raised
+                self._headers.give(call.take()[1])
+                raise ChunkReadError("pool read raised", key=key, tier=self.name,
+                                     cause=exc) from exc  # fmt: skip
+            return self._verify(key, name, n, call, out)
+
+        return PendingChunk(key, finish, call.done.is_set)
+
+    def _verify(self, key: ChunkKey, name: str, n: int, call: _Call, out: list[int]) -> Slot:
+        slot, hdr = call.take()  # the call has returned: its memory is ours again
+        try:
+            rc = int(out[0]) if out else RPC_FAIL
+            if rc != HEADER_BYTES + n:
+                raise self._read_failure(key, name, rc, expected=HEADER_BYTES + n)
+            try:
+                header = decode_header(hdr.tobytes())
+            except RecordFormatError as exc:
+                raise self._corrupt(key, name, f"bad header: {exc}") from None
+            with self._lock:
+                layout = self._layouts.get(key.layout_fingerprint)
+            problem = header.check(key, layout)
+            if problem is None and header.payload_len != n:
+                problem = f"payload is {header.payload_len} bytes, object holds {n}"
+            if problem is None and slot.checksum(0, n) != header.payload_xxh3:
+                problem = "payload checksum mismatch"
+            if problem:
+                raise self._corrupt(key, name, problem)
+        except BaseException:
+            self._headers.give(hdr)
+            del slot  # back to the ring now: a kept exception must not hold it
+            raise
+        self._headers.give(hdr)
+        with self._lock:
+            self._payload_len.setdefault(key.layout_fingerprint, n)
+            self._index.pop(key, None)
+            self._index[key] = n
+        self._count(hits=1, reads=1, bytes_read=n)
+        return slot
+
+    def _read_failure(
+        self, key: ChunkKey, name: str, rc: int, expected: int | None = None
+    ) -> ChunkError:
+        if rc >= 0:  # a short transfer: the object is not the record it should be
+            return self._corrupt(key, name, f"object is {rc} bytes, expected {expected}")
+        self._count(misses=1)
+        if rc == NOT_FOUND:
+            self._forget(key)
+            return ChunkMissing("no object in the pool", key=key, tier=self.name,
+                                cause=code_name(rc))  # fmt: skip
+        if rc in (INVALID_PARAMS, TRANSFER_FAIL) and expected is not None:
+            # Both also mean "the object's size is not header + chunk": ask which it was.
+            try:
+                size = int(self._meta_call("size query", self.client.get_size, name))
+            except TierDown:
+                size = -1
+            if size >= 0 and size != expected:
+                return self._corrupt(key, name, f"object is {size} bytes, a record of this "
+                                     f"chunk is {expected}")  # fmt: skip
+        if rc in (RPC_FAIL, RPC_TIMEOUT):
+            return TierDown("pool RPC failed", key=key, tier=self.name, cause=code_name(rc))
+        return ChunkReadError("pool read failed", key=key, tier=self.name, cause=code_name(rc))
+
+    def _corrupt(self, key: ChunkKey, name: str, reason: str) -> ChunkCorrupt:
+        self._withdraw(key, name, reason)
+        return ChunkCorrupt(f"{reason}; object removed from the pool", key=key, tier=self.name,
+                            cause=name)  # fmt: skip
+
+    # -- writes -------------------------------------------------------------------------
+    def write(self, key: ChunkKey, payload: Payload, layout: KVLayout) -> bool:
+        if key.layout_fingerprint != layout.fingerprint():
+            raise LayoutError(
+                f"chunk {key.short()} was keyed for another layout than {layout.name}"
+            )
+        check_payload(payload, layout)
+        self._learn(layout)
+        name = self.object_name(key)
+        with self._lock:
+            withdrawn = name in self._withdrawn
+        if withdrawn:
+            # A bad copy must be gone before a put, which would keep it silently.
+            rc = self._remove_name(name)
+            if rc not in (0, NOT_FOUND):
+                raise ChunkWriteError("cannot replace an invalidated object", key=key,
+                                      tier=self.name, cause=code_name(rc))  # fmt: skip
+            with self._lock:
+                self._withdrawn.discard(name)
+        try:
+            (present,) = self._exists([name])
+        except TierDown as exc:
+            raise ChunkWriteError("pool unreachable; nothing stored", key=key, tier=self.name,
+                                  cause=exc) from None  # fmt: skip
+        if present == 1:
+            self._touch(key, layout.chunk_bytes)
+            return False
+        n = layout.chunk_bytes
+        addr, keep, checksum, registered = self._payload_memory(payload, layout)
+        hdr = self._headers.take()
+        hdr[:] = np.frombuffer(make_header(key, layout, checksum).encode(), dtype=np.uint8)
+        call = self._data.submit(
+            self.client.batch_put_from_multi_buffers,
+            [name],
+            [[hdr.ctypes.data, addr]],
+            [[HEADER_BYTES, n]],
+            self._replicas,
+            hold=(keep, hdr),
+        )
+        try:
+            out = call.wait(self.config.timeout_s)
+        except CallTimeout:
+            call.abandon()
+            self._count(timeouts=1)
+            raise ChunkWriteError(f"no answer from the pool within {self.config.timeout_s} s",
+                                  key=key, tier=self.name) from None  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - the binding raised
+            raise ChunkWriteError("pool put raised", key=key, tier=self.name,
+                                  cause=exc) from exc  # fmt: skip
+        finally:
+            if call.done.is_set():
+                call.take()
+                self._headers.give(hdr)
+                if registered:
+                    self.client.unregister_buffer(addr)
+        rc = int(out[0]) if out else RPC_FAIL
+        if rc != 0:
+            why = "pool full or no storage node" if rc == NO_HANDLE else "pool put failed"
+            raise ChunkWriteError(f"{why}; nothing stored", key=key, tier=self.name,
+                                  cause=code_name(rc))  # fmt: skip
+        self._touch(key, n)
+        self._count(writes=1, bytes_written=n)
+        return True
+
+    def _payload_memory(self, payload: Payload, layout: KVLayout) -> tuple[int, Any, int, bool]:
+        """(address, owner to keep alive, xxh3, registered here) of the payload bytes."""
+        n = layout.chunk_bytes
+        if isinstance(payload, Slot):
+            return payload.address, payload, payload.checksum(0, n), False
+        if isinstance(payload, torch.Tensor) and payload.device.type == "cpu":
+            view = payload_view(payload, layout)
+            arr = np.frombuffer(view, dtype=np.uint8)
+        else:
+            arr = np.frombuffer(payload_view(payload, layout), dtype=np.uint8)
+        addr = arr.ctypes.data
+        inside = any(a <= addr and addr + n <= a + b for a, b in self._arenas.items())
+        registered = False
+        if not inside:
+            rc = self.client.register_buffer(addr, n)
+            if rc != 0:
+                raise ChunkWriteError(f"cannot register the payload with the pool: "
+                                      f"{code_name(rc)}", tier=self.name)  # fmt: skip
+            registered = True
+        return addr, arr, xxh3_64(arr), registered
+
+    def _touch(self, key: ChunkKey, n: int) -> None:
+        with self._lock:
+            self._index.pop(key, None)
+            self._index[key] = n
+
+    def _forget(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._index.pop(key, None)
+
+    def _remove_name(self, name: str) -> int:
+        return int(self._meta_call("remove", self.client.remove, name, True))
+
+    def remove(self, key: ChunkKey) -> bool:
+        name = self.object_name(key)
+        self._forget(key)
+        rc = self._remove_name(name)
+        if rc == 0:
+            return True
+        if rc == NOT_FOUND:
+            return False
+        raise TierDown("pool remove failed", key=key, tier=self.name, cause=code_name(rc))
+
+    def _withdraw(self, key: ChunkKey, name: str, reason: str) -> None:
+        with self._lock:
+            first = name not in self._withdrawn
+            self._withdrawn.add(name)
+            self._snapshot.pop(name, None)
+        self._forget(key)
+        if first:
+            self._count(quarantined=1)
+        try:
+            self._remove_name(name)  # forced: a reader's lease must not keep a bad copy
+        except TierDown:
+            pass  # the local withdrawal still keeps this process from advertising it
+
+    def invalidate(self, key: ChunkKey, reason: str) -> None:
+        self._withdraw(key, self.object_name(key), reason)
+
+    def keys(self) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._index)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out = self._stats(len(self._index), sum(self._index.values()), None)
+            out["withdrawn"] = len(self._withdrawn)
+        out["master"] = self.config.master
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._meta.stop()
+        self._data.stop()
+        # The client is left to its destructor: close() can block on a stalled peer.
+
