@@ -170,6 +170,19 @@ class PagedKVCache:
             return event
         return None
 
+    def host_runs(self, chunk_index: int) -> tuple[list, list[tuple[int, int, int, int]]] | None:
+        """Where chunk `chunk_index`'s payload goes, for the fused install (install.py):
+        the groups' flat host byte views and (view index, offset in it, payload offset,
+        length) per run of consecutive blocks, in payload order. None on a GPU."""
+        if any(b is None for b in self._host_bytes):
+            return None
+        runs = []
+        for gi in range(len(self.tensors)):
+            off, bb = self._offsets[gi][0], self._block_bytes[gi]
+            for block, pos, count in self._runs(gi, chunk_index):
+                runs.append((gi, block * bb, off + pos * bb, count * bb))
+        return self._host_bytes, runs
+
     def extract(self, chunk_index: int, out: torch.Tensor) -> None:
         for gi, t in enumerate(self.tensors):
             dst = self._group_view(gi, out)

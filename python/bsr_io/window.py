@@ -5,7 +5,9 @@ full on its own I/O thread) while chunk i is installed into the destination.
 A new read starts only when an earlier chunk's slot has been installed and
 dropped, so reads in flight plus slots awaiting an asynchronous install never
 exceed W. A chunk that fails in its source tier is invalidated there and read
-again from the next tier that holds it, inside the same window position.
+again from the next tier that holds it, inside the same window position. Tiers
+that can (`defers_verify`) leave the payload check to the install, which hashes
+while it copies (install.py); a mismatch there is a chunk failure like the others.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from bsr_io._core import Engine
 from bsr_io.discovery import holds
 from bsr_io.errors import ChunkError
+from bsr_io.install import install_chunk
 from bsr_io.keys import ChunkKey
 from bsr_io.kvcache import Destination
 
@@ -45,17 +46,16 @@ class InstallReport:
     install_s: float = 0.0
 
 
-def _as_bytes(slot, length: int) -> torch.Tensor:
-    # torch.frombuffer keeps a reference to the Slot itself (view.obj), so the slot
-    # stays leased for as long as this tensor lives.
-    return torch.frombuffer(slot, dtype=torch.uint8, count=length)
-
-
 class Window:
     """Reads hit chunks through `engine` (W slots) and installs them in order."""
 
     def __init__(
-        self, engine: Engine, tiers: Sequence, chunk_bytes: int, width: int | None = None
+        self,
+        engine: Engine,
+        tiers: Sequence,
+        chunk_bytes: int,
+        width: int | None = None,
+        fused: bool = True,
     ) -> None:
         if width is not None and not 1 <= width <= engine.window:
             raise ValueError(f"window width {width} must be in [1, {engine.window}] slots")
@@ -63,22 +63,36 @@ class Window:
         self.tiers = list(tiers)
         self.chunk_bytes = chunk_bytes
         self.width = width or engine.window
+        self.fused = fused  # verify while copying where the destination allows it
+        self._install_s = 0.0
 
     def _submit(self, key: ChunkKey, source: int):
         """Start the read in the source tier; a failure to start is kept for `_finish`."""
+        tier = self.tiers[source]
         try:
-            return self.tiers[source].submit_read(key, self.engine)
+            if tier.defers_verify:
+                return tier.submit_read(key, self.engine, verify=False)
+            return tier.submit_read(key, self.engine)
         except (ChunkError, OSError) as exc:
             return f"{self.tiers[source].name}: {exc}"
 
-    def _finish(self, index: int, key: ChunkKey, source: int, pending):
-        """The verified slot of chunk `index`: from its source tier, else from a lower one."""
+    def _install(self, dest: Destination, index: int, slot, pending=None):
+        t0 = time.perf_counter()
+        try:
+            return install_chunk(dest, index, slot, self.chunk_bytes, pending, self.fused)
+        finally:
+            self._install_s += time.perf_counter() - t0
+
+    def _finish(self, index: int, key: ChunkKey, source: int, pending, dest: Destination):
+        """Install chunk `index` verified, from its source tier, else from a lower one.
+        Returns (slot, fence of the install or None, tier index, causes)."""
         causes: list[str] = []
         if isinstance(pending, str):
             causes.append(pending)
         else:
             try:
-                return pending.wait(), source, causes
+                slot = pending.wait()
+                return slot, self._install(dest, index, slot, pending), source, causes
             except (ChunkError, OSError) as exc:
                 causes.append(f"{self.tiers[source].name}: {exc}")
             # Outside the except block, so the traceback (and any slot it holds) is gone.
@@ -88,7 +102,8 @@ class Window:
             if not holds(tier, key):
                 continue
             try:
-                return tier.read_into(key, self.engine), ti, causes
+                slot = tier.read_into(key, self.engine)  # checked by the tier
+                return slot, self._install(dest, index, slot), ti, causes
             except (ChunkError, OSError) as exc:
                 causes.append(f"{tier.name}: {exc}")
             self._invalidate(ti, key, causes[-1])
@@ -121,21 +136,22 @@ class Window:
                     reads.append(self._submit(keys[next_read], sources[next_read]))
                     next_read += 1
                 t0 = time.perf_counter()
-                slot, tier_index, causes = self._finish(i, keys[i], sources[i], reads.popleft())
+                self._install_s = 0.0
+                slot, fence, tier_index, causes = self._finish(
+                    i, keys[i], sources[i], reads.popleft(), dest
+                )
                 t1 = time.perf_counter()
-                report.read_wait_s += t1 - t0
+                report.read_wait_s += t1 - t0 - self._install_s
                 name = self.tiers[tier_index].name
                 if causes:
                     report.fallbacks.append({"chunk": i, "tier": name, "causes": causes})
                 report.bytes_read[name] = report.bytes_read.get(name, 0) + self.chunk_bytes
-                payload = _as_bytes(slot, self.chunk_bytes)
-                fence = dest.install(i, payload)
                 if fence is not None:
-                    held.append((slot, payload, fence))
+                    held.append((slot, fence))
                     if len(held) >= self.width:
-                        held.popleft()[2].synchronize()
-                del payload, slot  # without a fence the slot returns to the ring here
-                report.install_s += time.perf_counter() - t1
+                        held.popleft()[1].synchronize()
+                del slot  # without a fence the slot returns to the ring here
+                report.install_s += self._install_s + time.perf_counter() - t1
                 report.installed += 1
                 report.sources.append(name)
                 if (i + 1) % stop_every == 0 and should_stop():

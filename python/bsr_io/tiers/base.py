@@ -31,6 +31,11 @@ class PendingChunk:
 
     `wait` raises a ChunkError subclass if the read or its verification failed, and
     TimeoutError (the read stays in flight, call wait again) if `timeout` passes first.
+
+    A read submitted with `verify=False` (tiers with `defers_verify`) returns the slot
+    unchecked: `expected_xxh3` is the record header's payload hash, which the caller
+    must compare (install.py hashes while it copies), and `reject(reason)` quarantines
+    the record and returns the `ChunkCorrupt` to raise when it differs.
     """
 
     def __init__(
@@ -38,11 +43,22 @@ class PendingChunk:
         key: ChunkKey,
         finish: Callable[[float | None], Slot],
         done: Callable[[], bool] = lambda: True,
+        *,
+        expected_xxh3: int | None = None,
+        reject: Callable[[str], Exception] | None = None,
     ) -> None:
         self.key = key
         self._finish = finish
         self._done = done
         self._slot: Slot | None = None
+        self.expected_xxh3 = expected_xxh3
+        self._reject = reject
+
+    def reject(self, reason: str) -> Exception:
+        """The payload failed the caller's check: withdraw the record, get the error."""
+        if self._reject is None:
+            raise RuntimeError("this read was verified by its tier; nothing to reject")
+        return self._reject(reason)
 
     @classmethod
     def ready(cls, key: ChunkKey, slot: Slot) -> PendingChunk:
@@ -66,6 +82,9 @@ class Tier(ABC):
     """One place chunk records live."""
 
     name: str
+    # Whether `submit_read(..., verify=False)` is supported: the payload check is then
+    # left to the caller (see PendingChunk), which can fuse it with the install copy.
+    defers_verify: bool = False
 
     def __init__(self, name: str) -> None:
         self.name = name
