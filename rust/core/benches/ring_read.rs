@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use _core::{BackendChoice, Engine, EngineConfig, EngineFile, OpenOptions};
+use bsr_io_core::{BackendChoice, Engine, EngineConfig, EngineFile, OpenOptions};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 
 const WINDOW: usize = 4;

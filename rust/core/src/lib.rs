@@ -1,5 +1,6 @@
 //! bsr-io engine: io_uring O_DIRECT reads and writes between files and a ring of W
-//! page-aligned staging slots. Plain Rust; `python.rs` is the only PyO3 module.
+//! page-aligned staging slots. Plain Rust, no Python: the `bsr-io-python` crate binds it
+//! as `bsr_io._core`.
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
@@ -10,9 +11,7 @@ pub mod checksum;
 pub mod engine;
 pub mod error;
 pub mod file;
-
-#[cfg(feature = "python")]
-mod python;
+pub mod install;
 
 pub use arena::{Arena, SlotLease};
 pub use backend::{OpState, Pending};

@@ -1,0 +1,261 @@
+//! `Engine`: the window of W slots and its backend, as a Python object. Every submit
+//! and wait releases the GIL.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
+
+use crate::errors::Raise;
+use crate::file::PyFile;
+use crate::pending::{Handoff, PyPending};
+use crate::slot::PySlot;
+use crate::{non_negative, positive};
+
+#[pyclass(name = "Engine", module = "bsr_io._core", frozen)]
+pub(crate) struct PyEngine {
+    inner: Engine,
+}
+
+impl PyEngine {
+    fn read_op(
+        &self,
+        py: Python<'_>,
+        file: &PyFile,
+        offset: i64,
+        length: i64,
+    ) -> PyResult<Pending> {
+        let offset = non_negative("offset", offset)?;
+        let length = positive("length", length)?;
+        let f = file.get()?;
+        py.detach(|| self.inner.submit_read(&f, offset, length))
+            .raise()
+    }
+
+    fn write_op(
+        &self,
+        py: Python<'_>,
+        slot: &Bound<'_, PySlot>,
+        file: &PyFile,
+        offset: i64,
+        length: Option<i64>,
+    ) -> PyResult<Pending> {
+        let offset = non_negative("offset", offset)?;
+        let length = length.map(|l| positive("length", l)).transpose()?;
+        let f = file.get()?;
+        // The write owns the slot until it completes: no writable view may outlive it.
+        slot.get().check_no_views()?;
+        let lease = Arc::clone(&slot.get().lease);
+        py.detach(|| self.inner.submit_write(&lease, &f, offset, length))
+            .raise()
+    }
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (window, slot_bytes, *, queue_depth = 32, request_bytes = 1 << 20, backend = None))]
+    fn new(
+        py: Python<'_>,
+        window: i64,
+        slot_bytes: i64,
+        queue_depth: i64,
+        request_bytes: i64,
+        backend: Option<&str>,
+    ) -> PyResult<Self> {
+        let as_usize = |name: &str, v: i64, min: i64| {
+            if v < min {
+                Err(PyValueError::new_err(format!(
+                    "{name} must be at least {min}, got {v}"
+                )))
+            } else {
+                Ok(v as usize)
+            }
+        };
+        let cfg = EngineConfig {
+            window: as_usize("window", window, 1)?,
+            slot_bytes: as_usize("slot_bytes", slot_bytes, 1)?,
+            queue_depth: as_usize("queue_depth", queue_depth, 1)?,
+            request_bytes: as_usize("request_bytes", request_bytes, 1)?,
+            backend: BackendChoice::resolve(backend).raise()?,
+        };
+        let inner = py.detach(|| Engine::new(cfg)).raise()?;
+        Ok(PyEngine { inner })
+    }
+
+    #[getter]
+    fn backend(&self) -> &'static str {
+        self.inner.features().backend
+    }
+
+    #[getter]
+    fn features<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let f = self.inner.features();
+        let d = PyDict::new(py);
+        d.set_item("backend", f.backend)?;
+        d.set_item("fixed_buffers", f.fixed_buffers)?;
+        d.set_item("registered_files", f.registered_files)?;
+        d.set_item("mlock", f.mlock)?;
+        d.set_item("hugepages", f.hugepages)?;
+        d.set_item("queue_depth", f.queue_depth)?;
+        d.set_item("request_bytes", f.request_bytes)?;
+        d.set_item("notes", f.notes.join("; "))?;
+        Ok(d)
+    }
+
+    #[getter]
+    fn window(&self) -> usize {
+        self.inner.arena().window()
+    }
+
+    #[getter]
+    fn slot_bytes(&self) -> usize {
+        self.inner.arena().slot_bytes()
+    }
+
+    #[getter]
+    fn arena_address(&self) -> usize {
+        self.inner.arena().base_addr()
+    }
+
+    #[getter]
+    fn arena_bytes(&self) -> usize {
+        self.inner.arena().map_bytes()
+    }
+
+    #[pyo3(signature = (path, *, write = false, create = false, direct = true))]
+    fn open(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        write: bool,
+        create: bool,
+        direct: bool,
+    ) -> PyResult<PyFile> {
+        let path = path
+            .to_str()
+            .ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?
+            .to_owned();
+        let opts = OpenOptions {
+            write,
+            create,
+            direct,
+        };
+        let f = py.detach(|| self.inner.open(&path, opts)).raise()?;
+        Ok(PyFile {
+            path,
+            direct: f.direct(),
+            writable: f.writable(),
+            alignment: f.alignment(),
+            last_size: AtomicU64::new(f.size()),
+            file: Mutex::new(Some(f)),
+        })
+    }
+
+    fn lease(&self) -> PyResult<PySlot> {
+        Ok(PySlot::new(self.inner.lease().raise()?))
+    }
+
+    fn submit_read(
+        &self,
+        py: Python<'_>,
+        file: &PyFile,
+        offset: i64,
+        length: i64,
+    ) -> PyResult<PyPending> {
+        let op = self.read_op(py, file, offset, length)?;
+        Ok(PyPending {
+            op,
+            handoff: Mutex::new(Handoff::Read),
+        })
+    }
+
+    fn read(
+        &self,
+        py: Python<'_>,
+        file: &PyFile,
+        offset: i64,
+        length: i64,
+    ) -> PyResult<Py<PySlot>> {
+        self.submit_read(py, file, offset, length)?.wait(py, None)
+    }
+
+    #[pyo3(signature = (slot, file, offset, length = None))]
+    fn submit_write(
+        &self,
+        py: Python<'_>,
+        slot: &Bound<'_, PySlot>,
+        file: &PyFile,
+        offset: i64,
+        length: Option<i64>,
+    ) -> PyResult<PyPending> {
+        let op = self.write_op(py, slot, file, offset, length)?;
+        Ok(PyPending {
+            op,
+            handoff: Mutex::new(Handoff::Write(slot.clone().unbind())),
+        })
+    }
+
+    #[pyo3(signature = (slot, file, offset, length = None))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        slot: &Bound<'_, PySlot>,
+        file: &PyFile,
+        offset: i64,
+        length: Option<i64>,
+    ) -> PyResult<u64> {
+        let op = self.write_op(py, slot, file, offset, length)?;
+        py.detach(|| op.wait(None)).raise()
+    }
+
+    fn free_slots(&self) -> usize {
+        self.inner.arena().free_slots()
+    }
+
+    fn live_bytes(&self) -> usize {
+        self.inner.arena().live_bytes()
+    }
+
+    fn peak_bytes(&self) -> usize {
+        self.inner.arena().peak_bytes()
+    }
+
+    fn reset_peak(&self) {
+        self.inner.arena().reset_peak()
+    }
+
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.close())
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) {
+        self.close(py)
+    }
+
+    fn __repr__(&self) -> String {
+        let a = self.inner.arena();
+        format!(
+            "Engine(window={}, slot_bytes={}, backend={:?}, live_bytes={})",
+            a.window(),
+            a.slot_bytes(),
+            self.inner.features().backend,
+            a.live_bytes()
+        )
+    }
+}

@@ -1,0 +1,80 @@
+//! PyO3 bindings of `bsr-io-core`: the `bsr_io._core` extension module. Converts between
+//! Python objects and the engine, releases the GIL around every submit and wait, and maps
+//! the core's `Error` onto an exception tree (errors.rs). One module per exposed type.
+
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+mod engine;
+mod errors;
+mod file;
+mod pending;
+mod slot;
+
+use std::path::PathBuf;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use bsr_io_core::{align, checksum};
+
+use crate::errors::{
+    file_missing, file_permission, AlignmentError, BackendUnavailable, BsrIoError,
+    EngineClosedError, NoFreeSlot, NoSpaceError, Raise, ShortReadError,
+};
+use crate::slot::Exported;
+
+pub(crate) fn non_negative(name: &str, v: i64) -> PyResult<u64> {
+    u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {v}")))
+}
+
+pub(crate) fn positive(name: &str, v: i64) -> PyResult<u64> {
+    match v {
+        1.. => Ok(v as u64),
+        _ => Err(PyValueError::new_err(format!(
+            "{name} must be positive, got {v}"
+        ))),
+    }
+}
+
+#[pyfunction]
+fn xxh3_64(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let src = Exported::get(data, false)?;
+    let (addr, len) = (src.addr(), src.len());
+    let h = py.detach(move || {
+        // SAFETY: the export `src` keeps `addr..addr+len` valid until it drops below.
+        checksum::xxh3_64(unsafe { std::slice::from_raw_parts(addr as *const u8, len) })
+    });
+    drop(src);
+    Ok(h)
+}
+
+#[pyfunction]
+fn dio_alignment(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u64)> {
+    let path = path
+        .to_str()
+        .ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?
+        .to_owned();
+    let a = py.detach(|| align::probe_path(&path)).raise()?;
+    Ok((a.mem, a.offset))
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<engine::PyEngine>()?;
+    m.add_class::<file::PyFile>()?;
+    m.add_class::<slot::PySlot>()?;
+    m.add_class::<pending::PyPending>()?;
+    m.add("BsrIoError", py.get_type::<BsrIoError>())?;
+    m.add("AlignmentError", py.get_type::<AlignmentError>())?;
+    m.add("ShortReadError", py.get_type::<ShortReadError>())?;
+    m.add("EngineClosedError", py.get_type::<EngineClosedError>())?;
+    m.add("BackendUnavailable", py.get_type::<BackendUnavailable>())?;
+    m.add("NoFreeSlot", py.get_type::<NoFreeSlot>())?;
+    m.add("NoSpaceError", py.get_type::<NoSpaceError>())?;
+    m.add("FileMissingError", file_missing(py)?.clone_ref(py))?;
+    m.add("FilePermissionError", file_permission(py)?.clone_ref(py))?;
+    m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
+    m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,283 @@
+//! `Slot`: one leased staging slot, exported to Python through the buffer protocol, and
+//! `Exported`, a borrowed export of any Python buffer.
+
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use pyo3::exceptions::PyBufferError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use bsr_io_core::checksum;
+use bsr_io_core::install::{self, Run};
+use bsr_io_core::{Error, SlotLease};
+
+use crate::errors::Raise;
+use crate::non_negative;
+
+/// A contiguous export of any buffer object, released on drop (with the GIL held).
+pub(crate) struct Exported {
+    view: Box<ffi::Py_buffer>,
+}
+
+impl Exported {
+    pub(crate) fn get(obj: &Bound<'_, PyAny>, writable: bool) -> PyResult<Exported> {
+        let mut view = Box::new(ffi::Py_buffer::new());
+        let flags = if writable {
+            ffi::PyBUF_WRITABLE
+        } else {
+            ffi::PyBUF_SIMPLE
+        };
+        // SAFETY: `obj` is a live object (we hold the GIL and a reference); `view` is a
+        // boxed Py_buffer that we release exactly once in Drop.
+        if unsafe { ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, flags) } != 0 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        Ok(Exported { view })
+    }
+
+    pub(crate) fn addr(&self) -> usize {
+        self.view.buf as usize
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.view.len as usize
+    }
+}
+
+impl Drop for Exported {
+    fn drop(&mut self) {
+        // SAFETY: the view was filled by a successful PyObject_GetBuffer; `Exported` is
+        // not Send, so this runs on the thread that holds the GIL.
+        unsafe { ffi::PyBuffer_Release(&mut *self.view) };
+    }
+}
+
+#[pyclass(name = "Slot", module = "bsr_io._core", frozen, weakref)]
+pub(crate) struct PySlot {
+    pub(crate) lease: Arc<SlotLease>,
+    /// Live buffer exports (memoryviews, numpy arrays, tensors made through one): the
+    /// slot is not given back, nor written to a file, while any of them lives.
+    exports: AtomicUsize,
+}
+
+impl PySlot {
+    pub(crate) fn new(lease: Arc<SlotLease>) -> PySlot {
+        PySlot {
+            lease,
+            exports: AtomicUsize::new(0),
+        }
+    }
+
+    /// Refuse to hand the slot to a write while Python can still change its bytes.
+    pub(crate) fn check_no_views(&self) -> PyResult<()> {
+        match self.exports.load(Ordering::Acquire) {
+            0 => Ok(()),
+            n => Err(PyBufferError::new_err(format!(
+                "{n} view(s) of the slot are alive (memoryview, numpy array, tensor); \
+                 drop them before the slot is written or released"
+            ))),
+        }
+    }
+}
+
+#[pymethods]
+impl PySlot {
+    /// Give the slot back to the engine's ring now, deterministically. Refused (BufferError)
+    /// while a view of it lives, (ValueError) while a write from it is in flight. Later
+    /// use of this Slot raises ValueError; releasing twice is a no-op.
+    fn release(&self) -> PyResult<()> {
+        self.check_no_views()?;
+        self.lease.release().raise()
+    }
+
+    #[getter]
+    fn released(&self) -> bool {
+        self.lease.is_released()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Release on leaving the block, whatever happened inside it.
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> PyResult<()> {
+        self.release()
+    }
+
+    #[getter]
+    fn index(&self) -> usize {
+        self.lease.index()
+    }
+
+    #[getter]
+    fn capacity(&self) -> usize {
+        self.lease.capacity()
+    }
+
+    #[getter]
+    fn address(&self) -> usize {
+        self.lease.addr()
+    }
+
+    fn __len__(&self) -> usize {
+        self.lease.len()
+    }
+
+    fn set_length(&self, length: i64) -> PyResult<()> {
+        let length = non_negative("length", length)?;
+        self.lease.set_len(length as usize).raise()
+    }
+
+    #[pyo3(signature = (offset = 0, length = None))]
+    fn checksum(&self, py: Python<'_>, offset: i64, length: Option<i64>) -> PyResult<u64> {
+        let offset = non_negative("offset", offset)? as usize;
+        let length = match length {
+            Some(l) => non_negative("length", l)? as usize,
+            None => self.lease.len().saturating_sub(offset),
+        };
+        let lease = Arc::clone(&self.lease);
+        py.detach(move || {
+            // SAFETY: the slot is leased to Python and no engine operation writes into
+            // a leased slot; Python-side writers racing with this would be a caller bug
+            // that can only produce a wrong checksum, not unsoundness in Rust state.
+            let bytes = unsafe { lease.bytes(offset, length) }?;
+            Ok::<_, Error>(checksum::xxh3_64(bytes))
+        })
+        .raise()
+    }
+
+    #[pyo3(signature = (data, offset = 0))]
+    fn fill_from(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: i64) -> PyResult<()> {
+        let offset = non_negative("offset", offset)? as usize;
+        let src = Exported::get(data, false)?;
+        let (addr, len) = (src.addr(), src.len());
+        let lease = Arc::clone(&self.lease);
+        py.detach(move || {
+            // SAFETY: `src` stays exported (and its memory valid) until it drops after
+            // this closure returns; `addr..addr+len` is that export.
+            unsafe { lease.copy_in_raw(offset, addr as *const u8, len) }
+        })
+        .raise()?;
+        drop(src);
+        Ok(())
+    }
+
+    /// Copy the slot's valid bytes into the writable buffers `dsts` along `runs`
+    /// ((buffer index, offset in it, slot offset, length), in slot order) and return
+    /// the xxh3-64 of all the valid bytes: verify-while-install, one pass over the slot,
+    /// GIL released.
+    fn install_xxh3(
+        &self,
+        py: Python<'_>,
+        dsts: Vec<Bound<'_, PyAny>>,
+        runs: Vec<(usize, usize, usize, usize)>,
+    ) -> PyResult<u64> {
+        let exports = dsts
+            .iter()
+            .map(|d| Exported::get(d, true))
+            .collect::<PyResult<Vec<_>>>()?;
+        let spans: Vec<(usize, usize)> = exports.iter().map(|e| (e.addr(), e.len())).collect();
+        let (slot_addr, slot_len) = (self.lease.addr(), self.lease.len());
+        // Mutable slices must not alias each other or the slot being read.
+        let mut all: Vec<(usize, usize)> = spans.clone();
+        all.push((slot_addr, slot_len));
+        all.sort_unstable();
+        if all.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+            return Err(Error::invalid(
+                "install destinations overlap each other or the slot; pass each KV buffer once",
+            ))
+            .raise();
+        }
+        let runs: Vec<Run> = runs
+            .into_iter()
+            .map(|(dst, dst_offset, src_offset, len)| Run {
+                dst,
+                dst_offset,
+                src_offset,
+                len,
+            })
+            .collect();
+        let lease = Arc::clone(&self.lease);
+        let hash = py
+            .detach(move || {
+                // SAFETY: the slot is leased to Python, so no engine operation writes into
+                // it; its valid bytes live as long as `lease`.
+                let src = unsafe { lease.bytes(0, slot_len) }?;
+                let mut dst: Vec<&mut [u8]> = spans
+                    .iter()
+                    // SAFETY: each span is a writable export held in `exports` until after
+                    // this closure returns; the spans were checked not to overlap each
+                    // other or the slot, so these are the only slices of that memory here.
+                    .map(|&(a, n)| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, n) })
+                    .collect();
+                install::copy_runs_xxh3(src, &mut dst, &runs)
+            })
+            .raise()?;
+        drop(exports);
+        Ok(hash)
+    }
+
+    /// Writable export of `len(slot)` bytes. `view.obj` is this Slot, so every view keeps
+    /// the slot leased.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("view is NULL"));
+        }
+        let lease = &slf.get().lease;
+        if lease.is_released() {
+            return Err(PyBufferError::new_err(
+                "the slot was released; lease a new one (engine.lease())",
+            ));
+        }
+        if lease.write_in_flight() {
+            // The write owns the slot until it completes: no Python view meanwhile.
+            return Err(PyBufferError::new_err(
+                "a write from this slot is in flight; wait for it before viewing the slot",
+            ));
+        }
+        // SAFETY: `view` is a non-null Py_buffer from the caller; the slot memory lives as
+        // long as the Slot object, which PyBuffer_FillInfo stores (with a new reference)
+        // in view.obj.
+        let rc = unsafe {
+            ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                lease.addr() as *mut std::ffi::c_void,
+                lease.len() as ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        slf.get().exports.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        self.exports.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Slot(index={}, len={}, capacity={}{})",
+            self.lease.index(),
+            self.lease.len(),
+            self.lease.capacity(),
+            if self.lease.is_released() {
+                ", released"
+            } else {
+                ""
+            }
+        )
+    }
+}
