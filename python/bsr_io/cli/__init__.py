@@ -21,6 +21,7 @@ BENCHES = (
     "bench_ttft",
     "bench_model",
     "bench_lmcache",
+    "bench_ceiling",
 )
 
 

@@ -1,0 +1,265 @@
+"""`bsr-io bench ceiling`: how fast the restore loop can go when the drive is not the limit.
+
+The state's record files live on a RAM-backed filesystem that accepts O_DIRECT (tmpfs
+does on current kernels), so reads cost a kernel copy and no device time. In the same
+run, interleaved, median of rounds:
+
+- engine: the engine alone reading every record's payload range through the same W
+  slots at the same queue depth (each file opened, each slot released unread): the
+  rate the restore could reach if installing and verifying were free;
+- restore: BSR restoring the state into a host KV cache (fused verify-while-install:
+  one pass copies each slot into the blocks and hashes it, in Rust, GIL released);
+- restore_unfused: the same restore with the hash and the install copy as two passes
+  over the slot (the path CUDA and other destinations take), to show what the fusion
+  moved.
+
+`ratio` = restore / engine; `restore_cpu_s_per_gib` is the process's user + system CPU
+time per GiB restored, the figure that carries over to a faster drive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bsr_io._core import Engine
+from bsr_io.cli.bench_ttft import write_state
+from bsr_io.cli.demo import MEMORY_FS, _fs_type, _mem_available
+from bsr_io.cli.report import write_json
+from bsr_io.cli.sizes import fmt_size, parse_size
+from bsr_io.keys import chunk_keys
+from bsr_io.kvcache import PagedKVCache
+from bsr_io.layout import PRESETS, KVLayout, preset
+from bsr_io.record import HEADER_BYTES
+from bsr_io.restore import Restorer
+from bsr_io.store import Store, synthetic_tokens
+from bsr_io.tiers import SSDTier
+
+GiB = 1 << 30
+MODEL = "bsr-io-bench-ceiling"
+GOAL = 0.85  # restore / engine at W=32 with the deepseek-v4-flash chunk (issue 13)
+METHODS = ("engine", "restore", "restore_unfused")
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser(
+        "ceiling",
+        help="restore loop vs the engine alone, from a RAM-backed O_DIRECT source",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--layout", default="deepseek-v4-flash", choices=sorted(PRESETS))
+    p.add_argument("--tokens", type=int, default=65536, help="prefix length (default 65536)")
+    p.add_argument("--window", type=int, default=32, help="W: staging slots")
+    p.add_argument("--queue-depth", type=int, default=32, help="engine queue depth")
+    p.add_argument("--rounds", type=int, default=3, help="rounds (median is reported)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="RAM-backed directory for the records (default: /dev/shm)",
+    )
+    p.add_argument(
+        "--dest-cap",
+        type=parse_size,
+        default=parse_size("1GiB"),
+        help="host KV cache size; a larger state cycles through its blocks",
+    )
+    p.add_argument("--backend", default=None, help="engine backend (default: auto)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+class _Unfused:
+    """The destination without its host memory runs: installs take the two-pass path
+    (copy, then hash the slot), as on a CUDA destination."""
+
+    def __init__(self, inner: PagedKVCache) -> None:
+        self.inner = inner
+        self.capacity_chunks = inner.capacity_chunks
+        self.layout = inner.layout
+
+    def install(self, chunk_index: int, payload: torch.Tensor):
+        return self.inner.install(chunk_index, payload)
+
+    def extract(self, chunk_index: int, out: torch.Tensor) -> None:
+        self.inner.extract(chunk_index, out)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+
+def _source_dir(explicit: Path | None) -> Path:
+    base = explicit or Path("/dev/shm")
+    if not base.is_dir():
+        raise ValueError(f"{base} is not a directory; pass --dir on a tmpfs")
+    kind = _fs_type(base)
+    if kind not in MEMORY_FS - {"overlay", "squashfs"}:
+        raise ValueError(
+            f"{base} is on {kind or 'an unknown filesystem'}, not in memory: the ceiling needs "
+            "a RAM-backed source (a tmpfs, e.g. /dev/shm) so the drive is not the limit"
+        )
+    return base
+
+
+def _destination(lay: KVLayout, tokens: int, cap_bytes: int) -> PagedKVCache:
+    """A host KV cache; past `cap_bytes`, block ids cycle so memory stays bounded."""
+    cap_tokens = max(lay.chunk_tokens, cap_bytes // lay.token_bytes)
+    cap_tokens = min(tokens, cap_tokens // lay.chunk_tokens * lay.chunk_tokens)
+    small = PagedKVCache.allocate(lay, cap_tokens)
+    ids = []
+    for g, t in zip(lay.groups, small.tensors, strict=True):
+        n = -(-tokens // g.block_tokens)
+        ids.append([i % t.shape[0] for i in range(n)])
+    return PagedKVCache(lay, small.tensors, ids)
+
+
+def _cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def engine_read_records(eng: Engine, paths: list[Path], payload: int) -> float:
+    """Every record's payload through the engine's slots, all W in flight; returns seconds."""
+    inflight: deque[Any] = deque()
+    t0 = time.perf_counter()
+    for p in paths:
+        if len(inflight) == eng.window:
+            inflight.popleft().wait()  # the slot returns to the ring unread
+        f = eng.open(p)
+        inflight.append(eng.submit_read(f, HEADER_BYTES, payload))
+        f.close()  # the read holds its own reference to the file
+    while inflight:
+        inflight.popleft().wait()
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    lay = preset(args.layout)
+    if args.tokens < lay.chunk_tokens:
+        raise ValueError(f"--tokens {args.tokens} is less than one chunk ({lay.chunk_tokens})")
+    if args.window < 1 or args.rounds < 1:
+        raise ValueError("--window and --rounds must be at least 1")
+    base = _source_dir(args.dir)
+    chunks = args.tokens // lay.chunk_tokens
+    state = chunks * lay.chunk_bytes
+    need = chunks * (lay.chunk_bytes + HEADER_BYTES)
+    free = shutil.disk_usage(base).free
+    avail = _mem_available()
+    ram = need + min(state, args.dest_cap) + args.window * lay.chunk_bytes
+    if need > free or (avail is not None and ram > avail):
+        raise ValueError(
+            f"{args.tokens} tokens of {lay.name} take {fmt_size(need)} in {base} plus "
+            f"{fmt_size(ram - need)} of KV cache and slots; {fmt_size(free)} free there, "
+            f"{fmt_size(avail or 0)} of memory available: pass fewer --tokens"
+        )
+    root = Path(tempfile.mkdtemp(prefix="bsr-io-ceiling-", dir=base))
+    try:
+        doc = measure(args, root, lay)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print_table(doc)
+    write_json(args.json, doc)
+    return 0 if doc["outcome"] == "complete" else 1
+
+
+def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, Any]:
+    chunks = args.tokens // lay.chunk_tokens
+    tokens = chunks * lay.chunk_tokens
+    state = chunks * lay.chunk_bytes
+    token_ids = synthetic_tokens(7, tokens)
+    keys = chunk_keys(token_ids, lay, MODEL, 0, 1)
+    eng = Engine(args.window, lay.chunk_bytes, queue_depth=args.queue_depth, backend=args.backend)
+    l2 = SSDTier(root / "l2", None, eng, layout=lay)
+    write_state(l2, eng, lay, keys, 7, args.quiet)
+    paths = [l2.path_of(k) for k in keys]
+    probe = eng.open(paths[0])
+    direct = probe.direct
+    probe.close()
+    restorer = Restorer(Store([l2]), lay, window=args.window, engine=eng, model=MODEL)
+    dest = _destination(lay, tokens, args.dest_cap)
+    unfused = _Unfused(dest)
+    rounds: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
+    outcomes, rws = set(), 0
+    for r in range(args.rounds):
+        order = METHODS[r % 3 :] + METHODS[: r % 3]  # none always goes first
+        for method in order:
+            c0 = _cpu_s()
+            if method == "engine":
+                secs = engine_read_records(eng, paths, lay.chunk_bytes)
+            else:
+                plan = restorer.probe(token_ids)
+                t0 = time.perf_counter()
+                res = restorer.restore(plan, dest if method == "restore" else unfused)
+                secs = time.perf_counter() - t0
+                outcomes.add(res.outcome)
+                rws = max(rws, res.rws_peak_bytes)
+                if not res.complete:
+                    raise RuntimeError(f"{method} did not complete: {res.reason}")
+            cpu = _cpu_s() - c0
+            rounds[method].append(
+                {"gib_s": state / secs / GiB, "seconds": secs, "cpu_s_per_gib": cpu * GiB / state}
+            )
+    backend = eng.backend
+    eng.close()
+    med = {m: statistics.median(x["gib_s"] for x in v) for m, v in rounds.items()}
+    cpu = {m: statistics.median(x["cpu_s_per_gib"] for x in v) for m, v in rounds.items()}
+    ratio = med["restore"] / med["engine"]
+    return {
+        "source": f"{_fs_type(root)} ({'O_DIRECT' if direct else 'buffered: O_DIRECT refused'})",
+        "layout": lay.name,
+        "tokens": tokens,
+        "chunks": chunks,
+        "chunk_bytes": lay.chunk_bytes,
+        "state_bytes": state,
+        "window": args.window,
+        "queue_depth": args.queue_depth,
+        "backend": backend,
+        "rounds": args.rounds,
+        "engine_raw_gib_s": med["engine"],
+        "restore_gib_s": med["restore"],
+        "ratio": ratio,
+        "restore_cpu_s_per_gib": cpu["restore"],
+        "engine_cpu_s_per_gib": cpu["engine"],
+        "restore_unfused_gib_s": med["restore_unfused"],
+        "ratio_unfused": med["restore_unfused"] / med["engine"],
+        "restore_unfused_cpu_s_per_gib": cpu["restore_unfused"],
+        "fused_over_unfused": med["restore"] / med["restore_unfused"],
+        "goal_ratio": GOAL,
+        "goal_met": ratio >= GOAL,
+        "rws_peak_bytes": rws,
+        "rws_bound_bytes": args.window * eng.slot_bytes,
+        "outcome": outcomes.pop() if len(outcomes) == 1 else "mixed",
+        "cpus": os.cpu_count(),
+        "per_round": rounds,
+    }
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    print(
+        f"\nbench ceiling: {doc['tokens']:,} tokens of {doc['layout']} = "
+        f"{fmt_size(doc['state_bytes'])}, W={doc['window']}, queue depth {doc['queue_depth']}, "
+        f"engine {doc['backend']}, source {doc['source']}, median of {doc['rounds']}"
+    )
+    print(f"{'path':<16} {'GiB/s':>7} {'CPU s/GiB':>10}")
+    for name, key in (("engine alone", "engine_raw"), ("restore (fused)", "restore"),
+                      ("restore, 2 pass", "restore_unfused")):  # fmt: skip
+        cpu = "engine_cpu_s_per_gib" if key == "engine_raw" else key + "_cpu_s_per_gib"
+        print(f"{name:<16} {doc[key + '_gib_s']:>7.2f} {doc[cpu]:>10.3f}")
+    met = "met" if doc["goal_met"] else "NOT met"
+    print(
+        f"ratio restore/engine {doc['ratio']:.3f} (goal >= {doc['goal_ratio']}: {met}); "
+        f"two-pass {doc['ratio_unfused']:.3f}; RWS peak {doc['rws_peak_bytes']:,} B; "
+        f"outcome {doc['outcome']}"
+    )
