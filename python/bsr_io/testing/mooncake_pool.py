@@ -125,6 +125,7 @@ class LoopbackPool:
         self.start_timeout_s = start_timeout_s
         self._own_dir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="bsr-mooncake-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
         self.rpc_port = self.http_port = self.metrics_port = self.node_port = 0
         self.master: subprocess.Popen[bytes] | None = None
         self.node: subprocess.Popen[bytes] | None = None

@@ -20,14 +20,15 @@ the same bytes as a record file: the 4096-byte header, then the payload.
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
+import urllib.parse
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from bsr_io._core import Engine, Slot, xxh3_64
 from bsr_io.errors import (
@@ -43,7 +44,6 @@ from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.record import HEADER_BYTES, RecordFormatError, decode_header, make_header
 from bsr_io.tiers.base import (
-    ENGINE_ERRORS,
     Payload,
     PendingChunk,
     Tier,
@@ -190,6 +190,21 @@ class _HeaderBuffers:
         return list(self._blocks)
 
 
+def _check_reachable(config: MooncakeConfig) -> None:
+    """TierDown unless the master (and an HTTP metadata server) accept a connection:
+    `setup` holds the GIL while it retries an absent master for a minute and more."""
+    targets = [("master", config.master)]
+    meta = urllib.parse.urlsplit(config.metadata_server)
+    if meta.scheme in ("http", "https") and meta.hostname:
+        targets.append(("metadata server", f"{meta.hostname}:{meta.port or 80}"))
+    for what, hostport in targets:
+        host, _, port = hostport.rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), config.timeout_s).close()
+        except OSError as exc:
+            raise TierDown(f"cannot reach the Mooncake {what} at {hostport}", cause=exc) from None
+
+
 def open_client(config: MooncakeConfig) -> Any:
     """A set-up `MooncakeDistributedStore`; TierDown when the pool cannot be reached."""
     try:
@@ -199,6 +214,7 @@ def open_client(config: MooncakeConfig) -> Any:
             "the Mooncake tier needs the mooncake package: pip install 'bsr-io[mooncake]' "
             "(mooncake-transfer-engine-non-cuda for TCP, mooncake-transfer-engine for RDMA)"
         ) from exc
+    _check_reachable(config)
     config.apply_env()
     client = MooncakeDistributedStore()
     rc = client.setup(config.setup_dict())
@@ -535,25 +551,25 @@ class MooncakeTier(Tier):
         return True
 
     def _payload_memory(self, payload: Payload, layout: KVLayout) -> tuple[int, Any, int, bool]:
-        """(address, owner to keep alive, xxh3, registered here) of the payload bytes."""
+        """(address, owner to keep alive, xxh3, registered here) of the payload bytes.
+
+        Memory outside a registered engine arena is registered for the put (RDMA needs
+        it; TCP does not care) and unregistered after."""
         n = layout.chunk_bytes
         if isinstance(payload, Slot):
-            return payload.address, payload, payload.checksum(0, n), False
-        if isinstance(payload, torch.Tensor) and payload.device.type == "cpu":
-            view = payload_view(payload, layout)
-            arr = np.frombuffer(view, dtype=np.uint8)
+            addr, owner, checksum = payload.address, payload, payload.checksum(0, n)
         else:
             arr = np.frombuffer(payload_view(payload, layout), dtype=np.uint8)
-        addr = arr.ctypes.data
-        inside = any(a <= addr and addr + n <= a + b for a, b in self._arenas.items())
-        registered = False
-        if not inside:
-            rc = self.client.register_buffer(addr, n)
-            if rc != 0:
-                raise ChunkWriteError(f"cannot register the payload with the pool: "
-                                      f"{code_name(rc)}", tier=self.name)  # fmt: skip
-            registered = True
-        return addr, arr, xxh3_64(arr), registered
+            addr, owner, checksum = arr.ctypes.data, arr, xxh3_64(arr)
+        with self._lock:
+            inside = any(a <= addr and addr + n <= a + b for a, b in self._arenas.items())
+        if inside:
+            return addr, owner, checksum, False
+        rc = self.client.register_buffer(addr, n)
+        if rc != 0:
+            raise ChunkWriteError(f"cannot register the payload with the pool: {code_name(rc)}",
+                                  tier=self.name)  # fmt: skip
+        return addr, owner, checksum, True
 
     def _touch(self, key: ChunkKey, n: int) -> None:
         with self._lock:
@@ -611,4 +627,3 @@ class MooncakeTier(Tier):
         self._meta.stop()
         self._data.stop()
         # The client is left to its destructor: close() can block on a stalled peer.
-

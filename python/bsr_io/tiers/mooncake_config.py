@@ -76,7 +76,9 @@ class MooncakeConfig:
         if self.io_threads < 1:
             raise ValueError(f"mooncake io_threads must be >= 1, got {self.io_threads}")
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.key_prefix or ""):
-            raise ValueError(f"mooncake key_prefix must be [A-Za-z0-9_.-]+, got {self.key_prefix!r}")
+            raise ValueError(
+                f"mooncake key_prefix must be [A-Za-z0-9_.-]+, got {self.key_prefix!r}"
+            )
         if self.snapshot_s < 0:
             raise ValueError(f"mooncake snapshot_s must be >= 0, got {self.snapshot_s}")
 
