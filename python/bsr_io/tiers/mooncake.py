@@ -3,8 +3,8 @@
 One object per chunk record, named "<prefix>/<key namespace>/<chunk hash>", holding
 the same bytes as a record file: the 4096-byte header, then the payload.
 
-- Discovery: one `batch_is_exist` per probe (`probe`, or `bind` before discovery's
-  per-chunk questions); metadata only, no payload read.
+- Discovery: one `batch_is_exist` per probe (`probe`, or `prepare_probe` before
+  discovery's per-chunk questions); metadata only, no payload read.
 - Reads scatter the object into a small registered header buffer and straight into an
   engine slot (the engine's arena is registered with the client once), then the same
   key, layout and checksum checks as every tier. Nothing is staged outside the W slots
@@ -313,7 +313,7 @@ class MooncakeTier(Tier):
             return [0 if n in self._withdrawn else int(r) for n, r in zip(names, out, strict=True)]
 
     # -- discovery ----------------------------------------------------------------------
-    def bind(self, keys: Sequence[ChunkKey]) -> None:
+    def prepare_probe(self, keys: Sequence[ChunkKey]) -> None:
         """One existence check for a request's keys; discovery's per-chunk `contains`
         questions that follow are answered from it for `snapshot_s`."""
         if not keys or self.config.snapshot_s <= 0:
