@@ -23,7 +23,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def engines():
     """LMCache engines (real lmcache 0.5.6) of the default test shape, closed afterwards."""
-    h = pytest.importorskip("bsr_io.integrations.lmcache.harness")
+    h = pytest.importorskip("bsr_io.testing.lmcache.harness")
     e = h.Engines(h.Shape())
     yield e
     e.close()

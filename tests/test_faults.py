@@ -5,9 +5,9 @@ import time
 import pytest
 from bsr_io import Engine
 from bsr_io.errors import ChunkCorrupt, ChunkMissing, ChunkReadError, TierDown
-from bsr_io.faults import Fault, FaultPlan, FaultyTier
 from bsr_io.layout import preset
 from bsr_io.store import Store, fill_state, synthetic_chunk
+from bsr_io.testing.faults import Fault, FaultPlan, FaultyTier
 from bsr_io.tiers import LowerTier, MemoryTier, SSDTier
 
 LAYOUT = preset("tiny")

@@ -8,8 +8,8 @@ import pytest
 pytest.importorskip("lmcache")
 
 import torch  # noqa: E402
-from bsr_io.integrations.lmcache import harness as h  # noqa: E402
-from bsr_io.integrations.lmcache.connector import CPUPagedConnector  # noqa: E402
+from bsr_io.testing.lmcache import harness as h  # noqa: E402
+from bsr_io.testing.lmcache.connector import CPUPagedConnector  # noqa: E402
 
 SHAPE = h.Shape()
 CT = SHAPE.chunk_tokens

@@ -14,11 +14,11 @@ import pytest
 pytest.importorskip("lmcache")
 
 import torch  # noqa: E402
-from bsr_io.integrations.lmcache import harness as h  # noqa: E402
 from bsr_io.integrations.lmcache import retrieve as r  # noqa: E402
 from bsr_io.integrations.lmcache.config import Settings, lmcache_settings  # noqa: E402
 from bsr_io.integrations.lmcache.plugin import BsrStoragePlugin  # noqa: E402
 from bsr_io.record import HEADER_BYTES  # noqa: E402
+from bsr_io.testing.lmcache import harness as h  # noqa: E402
 
 SHAPE = h.Shape()
 CB = SHAPE.chunk_bytes

@@ -28,9 +28,9 @@ def _rank_main(rank: int, port: int, path: str, bad_rank: int | None, out) -> No
 
     logging.disable(logging.WARNING)
     import torch.distributed as dist
-    from bsr_io.integrations.lmcache import harness as h
     from bsr_io.integrations.lmcache.config import lmcache_settings
     from bsr_io.record import HEADER_BYTES
+    from bsr_io.testing.lmcache import harness as h
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD)  # fmt: skip

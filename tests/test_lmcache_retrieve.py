@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("lmcache")
 
 import torch  # noqa: E402
-from bsr_io.integrations.lmcache import harness as h  # noqa: E402
 from bsr_io.integrations.lmcache import retrieve as r  # noqa: E402
+from bsr_io.testing.lmcache import harness as h  # noqa: E402
 
 SHAPE = h.Shape()
 CB = SHAPE.chunk_bytes

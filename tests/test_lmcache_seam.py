@@ -14,8 +14,8 @@ pytest.importorskip("lmcache")
 
 from importlib.metadata import version  # noqa: E402
 
-from bsr_io.integrations.lmcache import harness as h  # noqa: E402
 from bsr_io.integrations.lmcache.retrieve import unsupported_reasons  # noqa: E402
+from bsr_io.testing.lmcache import harness as h  # noqa: E402
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa: E402
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
 from lmcache.v1.memory_management import MemoryObj  # noqa: E402

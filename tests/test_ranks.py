@@ -1,16 +1,16 @@
 """All-or-nothing commit on real multi-process torch.distributed (gloo) groups.
 
-Each scenario runs every rank as its own process; faults come from bsr_io.faults
+Each scenario runs every rank as its own process; faults come from bsr_io.testing.faults
 (the documented test double) or, for the killed rank, a SIGKILL at a chosen chunk.
 """
 
 from __future__ import annotations
 
 import pytest
-from bsr_io.ranks import launch
-from bsr_io.scenarios import FAULT_MATRIX
+from bsr_io.testing.ranks import launch
+from bsr_io.testing.scenarios import FAULT_MATRIX
 
-TARGET = "bsr_io.scenarios:restore_on_rank"
+TARGET = "bsr_io.testing.scenarios:restore_on_rank"
 TOKENS = 12 * 16  # 12 chunks of the tiny layout
 
 

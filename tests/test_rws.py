@@ -1,6 +1,6 @@
 """Process peak memory during a restore: BSR stays within its window, whole-plan does not.
 
-Each restore runs in a fresh process (bsr_io.ranks.launch with one rank), so other
+Each restore runs in a fresh process (bsr_io.testing.ranks.launch with one rank), so other
 tests cannot disturb its VmHWM. The destination KV cache is allocated and touched
 before the baseline is read; the engine (the staging ring) is created after it, so
 the growth includes the ring itself.
@@ -8,7 +8,7 @@ the growth includes the ring itself.
 
 from __future__ import annotations
 
-from bsr_io.ranks import launch
+from bsr_io.testing.ranks import launch
 
 MiB = 1 << 20
 KW = {
@@ -21,7 +21,7 @@ KW = {
 
 
 def test_vmhwm_growth_bounded_by_window(tmp_path):
-    (bsr,) = launch(1, "bsr_io.scenarios:restore_on_rank", {"root": str(tmp_path), **KW})
+    (bsr,) = launch(1, "bsr_io.testing.scenarios:restore_on_rank", {"root": str(tmp_path), **KW})
     assert bsr["outcome"] == "complete", bsr
     state = bsr["l1_required_bytes"]
     assert state >= 16 * bsr["rws_peak_bytes"]
@@ -32,7 +32,7 @@ def test_vmhwm_growth_bounded_by_window(tmp_path):
     # so this measurement can tell the two apart.
     (wp,) = launch(
         1,
-        "bsr_io.scenarios:restore_on_rank",
+        "bsr_io.testing.scenarios:restore_on_rank",
         {"root": str(tmp_path), **KW, "fill": False, "mode": "whole_plan"},
     )
     assert wp["outcome"] == "complete", wp

@@ -10,13 +10,13 @@ transformers = pytest.importorskip("transformers")
 
 from bsr_io.errors import LayoutError  # noqa: E402
 from bsr_io.integrations.hf_compat import forward, kv_tensors, new_cache  # noqa: E402
-from bsr_io.integrations.tiny_models import tiny_model  # noqa: E402
 from bsr_io.integrations.transformers import (  # noqa: E402
     CacheDestination,
     head_shard,
     kv_layout,
     prefill,
 )
+from bsr_io.testing.tiny_models import tiny_model  # noqa: E402
 
 FAMILIES = ["llama", "qwen3", "mistral"]
 

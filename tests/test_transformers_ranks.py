@@ -63,13 +63,13 @@ def _rank_main(rank, port, root, family, queue):
 
 def _scenario(rank, root, family):
     from bsr_io import Engine, Restorer, SSDTier, Store
-    from bsr_io.integrations.tiny_models import tiny_model
     from bsr_io.integrations.transformers import (
         continue_greedy,
         kv_layout,
         prefill,
         save_prefix,
     )
+    from bsr_io.testing.tiny_models import tiny_model
 
     model = tiny_model(family, heads=8, kv_heads=4)
     layout = kv_layout(

@@ -15,7 +15,6 @@ pytest.importorskip("transformers")
 
 from bsr_io import Engine, Restorer, SSDTier, Store  # noqa: E402
 from bsr_io.integrations.hf_compat import kv_tensors, new_cache  # noqa: E402
-from bsr_io.integrations.tiny_models import tiny_model  # noqa: E402
 from bsr_io.integrations.transformers import (  # noqa: E402
     continue_greedy,
     kv_layout,
@@ -23,6 +22,7 @@ from bsr_io.integrations.transformers import (  # noqa: E402
     restore_prefix,
     save_prefix,
 )
+from bsr_io.testing.tiny_models import tiny_model  # noqa: E402
 
 CT = 16  # chunk tokens
 SUFFIX = 5
@@ -147,7 +147,7 @@ def test_damaged_chunk_gives_zero_then_recompute_same_tokens(tmp_path, family, f
 def test_l1_read_error_falls_back_to_l2_and_still_restores(tmp_path, family):
     """An I/O error in L1 (injected by the faults test double) is served from L2."""
     from bsr_io import MemoryTier
-    from bsr_io.faults import Fault, FaultPlan
+    from bsr_io.testing.faults import Fault, FaultPlan, bind
 
     s = Setup(tmp_path, family)
     l1 = MemoryTier(16 * s.layout.chunk_bytes, layout=s.layout)
@@ -155,6 +155,7 @@ def test_l1_read_error_falls_back_to_l2_and_still_restores(tmp_path, family):
     prefix = 4 * CT + 2
     ids = _tokens(prefix + SUFFIX, seed=15)
     prompt, suffix = ids[:prefix], ids[prefix:]
+    bind(s.store.tiers, s.restorer(2).keys(prompt.tolist()))  # chunks=[2] is this prompt's
     original = s.original(prompt)
     ref_tokens, ref_logits = _continue(s.model, original, suffix)
     save_prefix(s.restorer(2), prompt, original)  # written through to L1 and L2

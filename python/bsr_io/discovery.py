@@ -48,10 +48,6 @@ def holds(tier, key: ChunkKey, group: str | None = None) -> bool:
 
 def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tuple[list[int], dict]:
     """(source tier per leading chunk, leading hit per allocator group), metadata only."""
-    for t in tiers:
-        bind = getattr(t, "bind", None)  # fault injection places chunks by request position
-        if bind is not None:
-            bind(keys)
     names = [g.name for g in layout.groups]
     # A chunk is restorable from the first tier whose record holds every group.
     sources: list[int] = []

@@ -1,7 +1,7 @@
 """Progress bars (tqdm) for steps that take more than a second, silenced by `--quiet`.
 
 `bar()` is for work done in this process. Work done on ranks (child processes whose
-output `bsr_io.ranks.launch` captures) reports through small JSON files instead: each
+output `bsr_io.testing.ranks.launch` captures) reports through small JSON files instead: each
 rank's `RankProgress` writes `<dir>/rank<r>.json`, and a `ProgressWatcher` in the
 parent polls them and draws one bar per phase, summed over ranks.
 """

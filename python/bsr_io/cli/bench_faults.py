@@ -1,8 +1,8 @@
 """`bsr-io bench faults`: the fault matrix on real ranks, outcome and data per scenario.
 
-Every scenario (bsr_io.scenarios.FAULT_MATRIX) starts its ranks as processes in one
-gloo group, injects its faults (bsr_io.faults, a documented test double) and
-restores. A scenario passes when every surviving rank ends with the expected
+Every scenario (bsr_io.testing.scenarios.FAULT_MATRIX) starts its ranks as processes
+in one gloo group, injects its faults (bsr_io.testing.faults, a documented test double)
+and restores. A scenario passes when every surviving rank ends with the expected
 outcome, all ranks agree, and a complete restore installed exactly the saved bytes.
 """
 
@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io.cli.report import write_json
-from bsr_io.ranks import launch
-from bsr_io.scenarios import FAULT_MATRIX
+from bsr_io.testing.ranks import launch
+from bsr_io.testing.scenarios import FAULT_MATRIX
+
+RESTORE = "bsr_io.testing.scenarios:restore_on_rank"  # one rank's restore, run by launch
 
 
 def register(bench_subparsers: Any) -> None:
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         for i, case in enumerate(cases):
             kw = {"root": str(base / str(i)), "layout": args.layout, "window": args.window,
                   "tokens": args.chunks * chunk_tokens, **case["kw"]}  # fmt: skip
-            results = launch(args.ranks, "bsr_io.scenarios:restore_on_rank", kw, timeout_s=300,
+            results = launch(args.ranks, RESTORE, kw, timeout_s=300,
                              env={"BSR_IO_EXIT_WAIT_S": "5"})  # fmt: skip
             row = evaluate(case, results, args.chunks)
             rows.append(row)

@@ -52,7 +52,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def stock_rows(shape, states: list[int], ladder: list[int], timeout_s: float, scratch: str):
-    from bsr_io.integrations.lmcache import harness as h
+    from bsr_io.testing.lmcache import harness as h
 
     rows = []
     for state in states:
@@ -73,8 +73,8 @@ def stock_rows(shape, states: list[int], ladder: list[int], timeout_s: float, sc
 
 def bsr_case(shape, n_chunks: int, l1: int, window: int, scratch: str, seed: int = 0) -> dict:
     """Store a state through LMCache into bsr-io's plugin, then restore it bounded."""
-    from bsr_io.integrations.lmcache import harness as h
     from bsr_io.integrations.lmcache.config import lmcache_settings
+    from bsr_io.testing.lmcache import harness as h
 
     tier_dir = tempfile.mkdtemp(dir=scratch, prefix="bsr-")
     engines = h.Engines(shape)
@@ -153,7 +153,7 @@ def table(report: dict) -> str:
 def run(args) -> int:
     logging.disable(logging.WARNING)  # LMCache's busy-wait and store warnings are expected
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    from bsr_io.integrations.lmcache.harness import Shape
+    from bsr_io.testing.lmcache.harness import Shape
 
     shape = Shape(args.layers, args.kv_heads, args.head_size, args.chunk_tokens)
     states = [s for s in _sizes(args.states) if s >= shape.chunk_bytes]

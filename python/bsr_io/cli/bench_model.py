@@ -127,8 +127,8 @@ def run(args) -> int:
     import torch
 
     from bsr_io import Engine, Restorer, SSDTier, Store
-    from bsr_io.integrations.tiny_models import tiny_model
     from bsr_io.integrations.transformers import kv_layout
+    from bsr_io.testing.tiny_models import tiny_model
 
     lengths = [int(s) for s in args.prefix_tokens.split(",") if s.strip()]
     if not lengths or min(lengths) < args.chunk_tokens:

@@ -26,7 +26,9 @@ from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.fio import drop_caches, fio_available, fio_read
 from bsr_io.layout import preset
 from bsr_io.progress import bar
-from bsr_io.ranks import launch
+from bsr_io.testing.ranks import launch
+
+RESTORE = "bsr_io.testing.scenarios:restore_on_rank"  # one rank's restore, run by launch
 
 GiB = 1 << 30
 
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         _say(args, f"writing {fmt_size(top)} per rank x {args.ranks} rank(s) to {root} ...")
         t0 = time.perf_counter()
         filled = launch(
-            args.ranks, "bsr_io.scenarios:fill_on_rank", {**common, "tokens": tokens[-1]},
+            args.ranks, "bsr_io.testing.scenarios:fill_on_rank", {**common, "tokens": tokens[-1]},
             timeout_s=7200,
         )  # fmt: skip
         if any("chunks" not in r for r in filled):
@@ -153,9 +155,9 @@ def _row(args, lay, n: int, l1: int, common: dict) -> dict[str, Any]:
           "dest_cap_tokens": dest_cap, "check_data": state <= 256 << 20}  # fmt: skip
     _say(args, f"restoring {n} tokens ({fmt_size(state)} per rank) with BSR, W={args.window}")
     drop_caches()
-    bsr = _check(launch(args.ranks, "bsr_io.scenarios:restore_on_rank", kw, timeout_s=3600), "bsr")
+    bsr = _check(launch(args.ranks, RESTORE, kw, timeout_s=3600), "bsr")
     small = _check(
-        launch(args.ranks, "bsr_io.scenarios:restore_on_rank",
+        launch(args.ranks, RESTORE,
                {**kw, "mode": "whole_plan", "l1_bytes": l1}),
         "whole-plan at the L1 budget",
     )  # fmt: skip
@@ -164,7 +166,7 @@ def _row(args, lay, n: int, l1: int, common: dict) -> dict[str, Any]:
         _say(args, "  whole-plan with ample L1")
         drop_caches()
         ample = _check(
-            launch(args.ranks, "bsr_io.scenarios:restore_on_rank",
+            launch(args.ranks, RESTORE,
                    {**kw, "mode": "whole_plan", "dest_cap_tokens": None}, timeout_s=3600),
             "whole-plan",
         )  # fmt: skip

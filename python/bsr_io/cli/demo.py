@@ -30,7 +30,6 @@ from bsr_io._core import Engine, xxh3_64
 from bsr_io.cli.report import write_json
 from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.commit import Agreement
-from bsr_io.faults import Fault, FaultPlan
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, KVLayout, preset
 from bsr_io.metrics import RestoreMetrics
@@ -38,6 +37,7 @@ from bsr_io.progress import ProgressWatcher, RankProgress
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.store import Store, synthetic_tokens
+from bsr_io.testing.faults import Fault, FaultPlan
 from bsr_io.tiers import LowerTier, SSDTier
 from bsr_io.whole_plan import WholePlanRestorer
 
@@ -147,7 +147,7 @@ def demo_rank(
     model: str = "bsr-io-demo",
     timeout_s: float = 60.0,
 ) -> dict[str, Any]:
-    """One rank of the demo (run by `bsr_io.ranks.launch`); returns its figures."""
+    """One rank of the demo (run by `bsr_io.testing.ranks.launch`); returns its figures."""
     lay = preset(layout)
     cb = lay.chunk_bytes
     tokens = chunks * lay.chunk_tokens
@@ -272,14 +272,17 @@ def demo_rank(
 
     # Fault round: one rank cannot read one chunk from L2.
     faults = FaultPlan([Fault("error", "L2", chunks=[fault_chunk], ranks=[fault_rank])])
+    keys = bsr.keys(token_ids)  # the request whose chunk positions the fault names
     runs["fault_no_l3_copy"] = bsr_restore(
         "fault round: no L3 copy",
-        restorer(Store(faults.wrap_all([l2, l3_empty], rank))),
+        restorer(Store(faults.wrap_all([l2, l3_empty], rank, keys))),
         tokens,
         verify=False,
     )
     runs["fault_l3_copy"] = bsr_restore(
-        "fault round: L3 holds a copy", restorer(Store(faults.wrap_all([l2, l3], rank))), tokens
+        "fault round: L3 holds a copy",
+        restorer(Store(faults.wrap_all([l2, l3], rank, keys))),
+        tokens,
     )
     out["l3_records"] = l3.stats()["records"]
     prog.phase("done", 0)
@@ -359,7 +362,7 @@ def _check_resources(base: Path, lay: KVLayout, chunks: int, window: int) -> Non
 
 
 def run(args: argparse.Namespace) -> int:
-    from bsr_io.ranks import launch
+    from bsr_io.testing.ranks import launch
 
     if args.window < 1:
         raise ValueError(f"--window must be at least 1, got {args.window}")

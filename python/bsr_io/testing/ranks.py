@@ -1,6 +1,6 @@
 """Run a function on N real ranks: one process each, one gloo process group.
 
-`launch(world_size, "module:function", kwargs)` starts `python -m bsr_io.ranks`
+`launch(world_size, "module:function", kwargs)` starts `python -m bsr_io.testing.ranks`
 once per rank on localhost; each joins a `torch.distributed` group (gloo),
 calls `function(rank, world_size, **kwargs)` and prints its JSON-able result.
 A rank that dies shows up as `{"rank": r, "exit_code": ...}`. Used by the tests,
@@ -45,7 +45,7 @@ def launch(
     procs = []
     child_env = {**os.environ, **(env or {})}
     for rank in range(world_size):
-        cmd = [sys.executable, "-m", "bsr_io.ranks", target, str(rank), str(world_size),
+        cmd = [sys.executable, "-m", "bsr_io.testing.ranks", target, str(rank), str(world_size),
                str(port), payload]  # fmt: skip
         procs.append(
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env)
@@ -71,7 +71,7 @@ def launch(
 
 
 def _main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bsr_io.ranks")
+    ap = argparse.ArgumentParser(prog="python -m bsr_io.testing.ranks")
     ap.add_argument("target")
     ap.add_argument("rank", type=int)
     ap.add_argument("world_size", type=int)

@@ -16,9 +16,10 @@ Kinds:
   group_missing  probe(keys, group=g) for g in `groups` stops at the chunk
 
 `chunks` are positions in the request (chunk index 0, 1, ...). A FaultyTier learns
-positions from `bind(keys)` or from any probe of more than one key; a key it cannot
-place matches only faults with `chunks=None`. `ranks` limits a fault to some ranks,
-`times` to its first n firings.
+them only through what a caller tells it: `wrap(..., keys=)`, `bind(tiers, keys)`, or a
+probe of more than one key (the public Tier interface; nothing in the core knows about
+faults). A key it cannot place matches only faults with `chunks=None`. `ranks` limits a
+fault to some ranks, `times` to its first n firings.
 
 Plans travel to other processes as JSON, e.g. in the environment:
     BSR_IO_FAULTS='[{"kind": "error", "tier": "L2", "chunks": [3], "ranks": [1]}]'
@@ -121,13 +122,30 @@ class FaultPlan:
     def for_tier(self, name: str, rank: int) -> list[Fault]:
         return [f for f in self.faults if f.tier == name and (f.ranks is None or rank in f.ranks)]
 
-    def wrap(self, tier: Tier, rank: int = 0) -> Tier:
-        """`tier` inside a FaultyTier when a fault of this rank names it, else `tier`."""
-        faults = self.for_tier(tier.name, rank)
-        return FaultyTier(tier, faults, rank) if faults else tier
+    def wrap(self, tier: Tier, rank: int = 0, keys: Sequence[ChunkKey] | None = None) -> Tier:
+        """`tier` inside a FaultyTier when a fault of this rank names it, else `tier`.
 
-    def wrap_all(self, tiers: Sequence[Tier], rank: int = 0) -> list[Tier]:
-        return [self.wrap(t, rank) for t in tiers]
+        `keys`: the request's chunk keys, so that `chunks=` positions mean the request's.
+        """
+        faults = self.for_tier(tier.name, rank)
+        if not faults:
+            return tier
+        faulty = FaultyTier(tier, faults, rank)
+        if keys is not None:
+            faulty.bind(keys)
+        return faulty
+
+    def wrap_all(
+        self, tiers: Sequence[Tier], rank: int = 0, keys: Sequence[ChunkKey] | None = None
+    ) -> list[Tier]:
+        return [self.wrap(t, rank, keys) for t in tiers]
+
+
+def bind(tiers: Iterable[Tier], keys: Sequence[ChunkKey]) -> None:
+    """Tell every FaultyTier among `tiers` the request's chunk keys (see module doc)."""
+    for t in tiers:
+        if isinstance(t, FaultyTier):
+            t.bind(keys)
 
 
 def _flip_payload_byte(tier: Tier, key: ChunkKey) -> None:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from bsr_io.integrations.lmcache.connector import CPUPagedConnector
+from bsr_io.testing.lmcache.connector import CPUPagedConnector
 
 
 @dataclass(frozen=True)
@@ -302,7 +302,7 @@ def run_stock_case(
     )
     errlog = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bsr_io.integrations.lmcache.harness", args],
+        [sys.executable, "-m", "bsr_io.testing.lmcache.harness", args],
         stdout=subprocess.PIPE,
         stderr=errlog,
         text=True,

@@ -1,4 +1,4 @@
-"""Per-rank restore scenarios, run on real ranks by `bsr_io.ranks.launch`.
+"""Per-rank restore scenarios, run on real ranks by `bsr_io.testing.ranks.launch`.
 
 `restore_on_rank` builds one rank's engine and store, writes a deterministic
 synthetic state (optionally a copy in L3), applies a fault plan, probes,
@@ -18,11 +18,12 @@ import torch
 
 from bsr_io._core import Engine
 from bsr_io.commit import Agreement
-from bsr_io.faults import Fault, FaultPlan
+from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import preset
 from bsr_io.restore import Restorer
 from bsr_io.store import Store, fill_state, open_store, synthetic_chunk, synthetic_tokens
+from bsr_io.testing.faults import Fault, FaultPlan
 from bsr_io.whole_plan import WholePlanRestorer
 
 
@@ -118,7 +119,8 @@ def restore_on_rank(
         engine, base / "l2", layout=lay, lower_dir=base / "l3" if l3 != "none" else None
     )
     plan_faults = FaultPlan([Fault(**f) for f in faults or []])
-    store = Store(plan_faults.wrap_all(store.tiers, rank))
+    keys = chunk_keys(token_ids, lay, model, rank, world_size)  # fault positions are these
+    store = Store(plan_faults.wrap_all(store.tiers, rank, keys))
     agreement = (
         Agreement.from_process_group(timeout_s=timeout_s) if world_size > 1 else Agreement.local()
     )
