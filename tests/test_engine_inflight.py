@@ -47,7 +47,7 @@ def _drain(path: Path, nbytes: int) -> bytes:
 
 def test_write_in_flight_timeout_and_guard(uring_backend: str, fifo: Path) -> None:
     eng = Engine(2, MiB, backend=uring_backend)
-    f = eng.open(fifo, write=True)
+    f = eng.open(fifo, write=True, special=True)
     assert not f.direct  # FIFOs refuse O_DIRECT: buffered fallback
     slot = eng.lease()
     slot.fill_from(b"q" * MiB)
@@ -71,7 +71,7 @@ def test_write_in_flight_timeout_and_guard(uring_backend: str, fifo: Path) -> No
 
 def test_read_in_flight_owns_its_slot(uring_backend: str, fifo: Path) -> None:
     eng = Engine(1, MiB, backend=uring_backend)
-    f = eng.open(fifo, write=True)
+    f = eng.open(fifo, write=True, special=True)
     pending = eng.submit_read(f, 0, 4096)
     time.sleep(0.05)
     assert not pending.done()
@@ -85,7 +85,7 @@ def test_read_in_flight_owns_its_slot(uring_backend: str, fifo: Path) -> None:
 
 def test_close_waits_for_in_flight(uring_backend: str, fifo: Path) -> None:
     eng = Engine(1, MiB, backend=uring_backend)
-    f = eng.open(fifo, write=True)
+    f = eng.open(fifo, write=True, special=True)
     slot = eng.lease()
     slot.fill_from(b"w" * MiB)
     pending = eng.submit_write(slot, f, 0)
@@ -102,7 +102,7 @@ def test_close_waits_for_in_flight(uring_backend: str, fifo: Path) -> None:
 
 def test_wait_releases_the_gil(uring_backend: str, fifo: Path) -> None:
     eng = Engine(1, MiB, backend=uring_backend)
-    f = eng.open(fifo, write=True)
+    f = eng.open(fifo, write=True, special=True)
     pending = eng.submit_read(f, 0, 4096)
     result: list[bytes] = []
     waiter = threading.Thread(target=lambda: result.append(bytes(pending.wait(timeout=10))))

@@ -3,9 +3,11 @@
 The engine owns one anonymous, page-aligned mapping cut into `window` slots of
 `slot_bytes` each. A slot is lent out as a `Slot` object; bytes move between
 slots and files by io_uring (or a pread/pwrite pool) with O_DIRECT where the
-filesystem allows it. A slot returns to the free ring only when its `Slot`
-object is garbage collected: every numpy array or torch tensor viewing it keeps
-it alive, so a slot is never refilled while a view exists.
+filesystem allows it. A slot returns to the free ring when `Slot.release()` is
+called (or its `with` block ends); release is refused while a buffer view of the
+slot lives (memoryview, numpy array, or a tensor made by `bsr_io.as_tensor`), so a
+slot is never refilled under a view. Collection of the last reference is only the
+fallback: a kept traceback must not be able to starve the ring.
 """
 
 from collections.abc import Buffer
@@ -69,8 +71,25 @@ class Slot:
     `len(slot)` is the number of valid bytes (what the last read filled, or what
     the caller set with `set_length`), at most `capacity`. A slot from `lease()`
     starts with `len(slot) == capacity`. The buffer export covers `len(slot)` bytes
-    and keeps this Slot alive (`view.obj` is the Slot).
+    and keeps this Slot alive (`view.obj` is the Slot); the Slot counts its live
+    exports. Exports are refused (BufferError) while a write from the slot is in
+    flight and after release. `torch.frombuffer(slot)` keeps the Slot but no export:
+    use `bsr_io.as_tensor(slot)`, which goes through a memoryview, so that release()
+    sees the tensor.
+
+        with engine.lease() as slot:   # released at the end of the block
+            slot.fill_from(data)
     """
+
+    def release(self) -> None:
+        """Give the slot back to the engine's ring now. BufferError while a view of it
+        lives; ValueError while a write from it is in flight (the write owns it until
+        it completes). Any later use raises ValueError; a second release is a no-op."""
+    @property
+    def released(self) -> bool: ...
+    def __enter__(self) -> Slot: ...
+    def __exit__(self, *exc: object) -> None:
+        """release(); raises BufferError if a view of the slot is still alive."""
 
     @property
     def index(self) -> int: ...
@@ -137,11 +156,16 @@ class Engine:
         write: bool = False,
         create: bool = False,
         direct: bool = True,
+        special: bool = False,
     ) -> File:
         """Open for the engine. Falls back to buffered I/O (File.direct False) where
-        O_DIRECT is refused. create=True creates with mode 0600 (implies write)."""
+        O_DIRECT is refused. create=True creates with mode 0600 (implies write).
+        The open never blocks (O_NONBLOCK, cleared once the file is checked): anything
+        but a regular file is refused with BsrIoError (EINVAL; EISDIR for a directory)
+        before any byte moves, unless `special=True` accepts a FIFO or device node."""
     def lease(self) -> Slot:
-        """Take a free slot to fill from Python (save path). Raises NoFreeSlot."""
+        """Take a free slot to fill from Python (save path). Raises NoFreeSlot. Give it
+        back with `slot.release()` or use it as a context manager."""
     def submit_read(self, file: File, offset: int, length: int) -> Pending:
         """Read exactly `length` bytes at `offset` into a free slot. Raises NoFreeSlot
         when none is free, ValueError for negative offset / length 0 / length above
@@ -155,8 +179,10 @@ class Engine:
         file an unaligned length is padded with zeros to the alignment and the file is
         truncated back to offset+length if that is its new end. Padding inside an
         existing file carries the bytes already there, so nothing past `length` changes.
-        The slot stays leased by the caller; it cannot be released until the write
-        completes, and `fill_from`/`set_length` raise ValueError meanwhile."""
+        The write takes ownership of the slot until it completes: it is refused
+        (BufferError) while a view of the slot lives; meanwhile `release`,
+        `fill_from` and `set_length` raise ValueError and new views BufferError.
+        `wait()` hands the slot back."""
     def write(self, slot: Slot, file: File, offset: int, length: int | None = None) -> int: ...
     def free_slots(self) -> int: ...
     def live_bytes(self) -> int:

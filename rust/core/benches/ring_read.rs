@@ -43,6 +43,7 @@ fn write_once(path: &std::path::Path, size: u64) {
                 create: true,
                 direct: true,
                 write: true,
+                ..Default::default()
             },
         )
         .expect("create bench file");

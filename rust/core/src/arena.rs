@@ -3,7 +3,7 @@
 
 use std::collections::VecDeque;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::align::round_up;
@@ -157,6 +157,7 @@ impl Arena {
             index,
             len: AtomicUsize::new(self.slot_bytes),
             writes_in_flight: AtomicUsize::new(0),
+            released: AtomicBool::new(false),
         })
     }
 
@@ -215,9 +216,11 @@ impl Drop for Arena {
     }
 }
 
-/// Exclusive use of one slot; returns it to the free ring when dropped. In-flight
-/// operations and Python `Slot` objects share it through an `Arc`, so the slot is
-/// freed only when the last of them is gone.
+/// Exclusive use of one slot; returns it to the free ring on `release()`, or when the
+/// last share is dropped (the fallback, never the plan: a kept traceback must not be
+/// able to starve the ring). In-flight operations and Python `Slot` objects share it
+/// through an `Arc`. A released lease keeps the arena mapped (it holds the `Arc`), so a
+/// stale pointer into it stays valid memory, but every access through it is refused.
 #[derive(Debug)]
 pub struct SlotLease {
     arena: Arc<Arena>,
@@ -225,6 +228,8 @@ pub struct SlotLease {
     len: AtomicUsize,
     /// Writes from this slot not yet completed: the slot must not change meanwhile.
     writes_in_flight: AtomicUsize,
+    /// Given back to the ring by `release()`; Drop must not give it back twice.
+    released: AtomicBool,
 }
 
 impl SlotLease {
@@ -263,6 +268,35 @@ impl SlotLease {
         self.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
     }
 
+    /// Whether a write from this slot is in flight (the kernel may be reading it).
+    pub fn write_in_flight(&self) -> bool {
+        self.writes_in_flight.load(Ordering::Acquire) > 0
+    }
+
+    pub fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    /// Give the slot back to the free ring now. Refused while a write from it is in
+    /// flight (the operation owns it until it completes). Idempotent.
+    pub fn release(&self) -> Result<()> {
+        self.check_no_write()?;
+        if !self.released.swap(true, Ordering::AcqRel) {
+            self.arena.release(self.index);
+        }
+        Ok(())
+    }
+
+    /// Refuse any use of a released slot: its memory may belong to another lease now.
+    pub fn check_live(&self) -> Result<()> {
+        if self.is_released() {
+            return Err(Error::invalid(
+                "the slot was released; lease a new one (engine.lease())",
+            ));
+        }
+        Ok(())
+    }
+
     fn check_no_write(&self) -> Result<()> {
         if self.writes_in_flight.load(Ordering::Acquire) > 0 {
             return Err(Error::invalid(
@@ -273,6 +307,7 @@ impl SlotLease {
     }
 
     pub fn set_len(&self, len: usize) -> Result<()> {
+        self.check_live()?;
         self.check_no_write()?;
         if len > self.capacity() {
             return Err(Error::invalid(format!(
@@ -326,6 +361,7 @@ impl SlotLease {
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        self.check_live()?;
         match offset.checked_add(len) {
             Some(end) if end <= self.capacity() => Ok(()),
             _ => Err(Error::invalid(format!(
@@ -338,7 +374,9 @@ impl SlotLease {
 
 impl Drop for SlotLease {
     fn drop(&mut self) {
-        self.arena.release(self.index);
+        if !self.released.load(Ordering::Acquire) {
+            self.arena.release(self.index);
+        }
     }
 }
 
@@ -366,6 +404,29 @@ mod tests {
         assert_eq!(a.peak_bytes(), 2 * 8192);
         assert_ne!(s1.addr(), s3.addr());
         assert_eq!(s1.addr() % 4096, 0);
+    }
+
+    #[test]
+    fn release_is_explicit_and_once() {
+        let a = Arena::new(2, 4096).unwrap();
+        let s = Arc::new(a.try_lease().unwrap());
+        let other_share = Arc::clone(&s);
+        s.release().unwrap();
+        // Back in the ring although a share still lives; a second release is a no-op.
+        assert_eq!(a.free_slots(), 2);
+        s.release().unwrap();
+        assert!(s.copy_in(0, b"x").is_err() && s.set_len(1).is_err());
+        drop(other_share);
+        drop(s);
+        assert_eq!(a.free_slots(), 2);
+        assert_eq!(a.live_bytes(), 0);
+        // A write in flight owns the slot: release is refused until it ends.
+        let w = a.try_lease().unwrap();
+        w.write_started();
+        assert!(w.release().is_err());
+        w.write_ended();
+        w.release().unwrap();
+        assert_eq!(a.free_slots(), 2);
     }
 
     #[test]

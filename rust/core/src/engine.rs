@@ -294,6 +294,7 @@ impl Engine {
         if !Arc::ptr_eq(slot.arena(), &self.arena) {
             return Err(Error::invalid("the slot belongs to another engine"));
         }
+        slot.check_live()?;
         if !file.writable() {
             return Err(Error::invalid(format!(
                 "{} was opened read-only; open it with write=True",

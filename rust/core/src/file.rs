@@ -15,6 +15,9 @@ pub struct OpenOptions {
     pub write: bool,
     pub create: bool,
     pub direct: bool,
+    /// Accept a FIFO or device node (tests that hold requests in flight, raw devices).
+    /// Off by default: a data file is a regular file, anything else is refused.
+    pub special: bool,
 }
 
 /// Undo of a registration in an io_uring file table, run when the file is dropped.
@@ -59,11 +62,25 @@ fn open_raw(c: &CString, flags: i32) -> std::result::Result<OwnedFd, i32> {
     }
 }
 
+/// Back to blocking mode: io_uring would otherwise answer EAGAIN instead of waiting.
+fn clear_nonblock(fd: RawFd, path: &str) -> Result<()> {
+    // SAFETY: F_GETFL/F_SETFL on a descriptor we own; no memory is passed.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    // SAFETY: as above.
+    if fl < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK) } < 0 {
+        return Err(Error::last_os("fcntl", Some(path)));
+    }
+    Ok(())
+}
+
 impl EngineFile {
     pub fn open(path: &str, opts: OpenOptions) -> Result<EngineFile> {
         let c = CString::new(path).map_err(|_| Error::invalid("path contains a NUL byte"))?;
         let write = opts.write || opts.create;
-        let mut flags = libc::O_CLOEXEC | if write { libc::O_RDWR } else { libc::O_RDONLY };
+        // O_NONBLOCK: a FIFO (or device) at `path` must not block the open; it is refused
+        // below, before any byte moves, and the flag is cleared for regular files.
+        let mut flags =
+            libc::O_CLOEXEC | libc::O_NONBLOCK | if write { libc::O_RDWR } else { libc::O_RDONLY };
         if opts.create {
             flags |= libc::O_CREAT;
         }
@@ -83,9 +100,19 @@ impl EngineFile {
         if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
             return Err(Error::last_os("fstat", Some(path)));
         }
-        if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
-            return Err(Error::os("open", Some(path), libc::EISDIR));
+        match st.st_mode & libc::S_IFMT {
+            libc::S_IFREG => {}
+            libc::S_IFDIR => return Err(Error::os("open", Some(path), libc::EISDIR)),
+            libc::S_IFIFO | libc::S_IFCHR | libc::S_IFBLK if opts.special => {}
+            _ => {
+                return Err(Error::os(
+                    "open (not a regular file: a FIFO, socket or device)",
+                    Some(path),
+                    libc::EINVAL,
+                ))
+            }
         }
+        clear_nonblock(fd.as_raw_fd(), path)?;
         let align = align::probe_fd(fd.as_raw_fd())?;
         Ok(EngineFile {
             fd,
@@ -229,6 +256,43 @@ impl Drop for EngineFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fifo_and_directory_are_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path we own.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        // Without O_NONBLOCK this open would wait forever for a writer.
+        for write in [false, true] {
+            let opts = OpenOptions {
+                write,
+                direct: true,
+                ..Default::default()
+            };
+            let e = EngineFile::open(fifo.to_str().unwrap(), opts).unwrap_err();
+            assert_eq!(e.errno(), Some(libc::EINVAL), "{e}");
+        }
+        let e = EngineFile::open(dir.path().to_str().unwrap(), OpenOptions::default());
+        assert_eq!(e.unwrap_err().errno(), Some(libc::EISDIR));
+        // A regular file is opened in blocking mode, as io_uring needs.
+        let reg = dir.path().join("reg");
+        std::fs::write(&reg, b"x").unwrap();
+        let f = EngineFile::open(reg.to_str().unwrap(), OpenOptions::default()).unwrap();
+        // SAFETY: F_GETFL on our own open descriptor.
+        let fl = unsafe { libc::fcntl(f.fd(), libc::F_GETFL) };
+        assert_eq!(fl & libc::O_NONBLOCK, 0);
+        // Asked for explicitly, a FIFO opens (blocking mode for its requests).
+        let special = OpenOptions {
+            special: true,
+            ..Default::default()
+        };
+        let f = EngineFile::open(fifo.to_str().unwrap(), special).unwrap();
+        // SAFETY: F_GETFL on our own open descriptor.
+        let fl = unsafe { libc::fcntl(f.fd(), libc::F_GETFL) };
+        assert_eq!(fl & libc::O_NONBLOCK, 0);
+    }
 
     #[test]
     fn open_missing_keeps_errno() {

@@ -128,7 +128,7 @@ impl PyEngine {
         self.inner.arena().map_bytes()
     }
 
-    #[pyo3(signature = (path, *, write = false, create = false, direct = true))]
+    #[pyo3(signature = (path, *, write = false, create = false, direct = true, special = false))]
     fn open(
         &self,
         py: Python<'_>,
@@ -136,6 +136,7 @@ impl PyEngine {
         write: bool,
         create: bool,
         direct: bool,
+        special: bool,
     ) -> PyResult<PyFile> {
         let path = path
             .to_str()
@@ -145,6 +146,7 @@ impl PyEngine {
             write,
             create,
             direct,
+            special,
         };
         let f = py.detach(|| self.inner.open(&path, opts)).raise()?;
         Ok(PyFile {
