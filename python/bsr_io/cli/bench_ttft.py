@@ -3,23 +3,27 @@
 One run writes a long prefix of a KV layout through the L2 tier once, then, with
 the page cache dropped before each measurement:
 
-- naive: the whole-plan path as LMCache 0.5.6's local disk backend runs it: an L1
-  buffer for every hit chunk from a resident pool, one buffered Python `readinto` per
-  chunk file on 4 reader threads (its `disk_io_threads`), then the install of every
-  staged chunk;
+- naive: the whole-plan baseline (whole_plan.py) as LMCache 0.5.6's local disk
+  backend runs it: an L1 buffer for every hit chunk from a resident pool, one buffered
+  Python `readinto` per chunk file on 4 reader threads (its `disk_io_threads`), then
+  the install of every staged chunk;
+- naive_engine: the control: the same whole-plan staging into the same pool, but read
+  through BSR's engine at the same queue depth. naive over naive_engine is what the
+  I/O path buys; naive_engine over fast is what bounded staging (reads overlapped
+  with installs, W slots) buys;
 - fast: BSR through the engine (O_DIRECT, W staging slots, reads overlapped with the
   install, checksums verified), into the same destination;
-- fio: fio (io_uring, O_DIRECT) reading the same number of bytes from a file on the
-  same device.
+- fio, fio_hugemem: fio (io_uring, O_DIRECT) reading the same record files' payload
+  ranges, on its default 4 KiB-page buffers and on huge-page buffers (the drive's
+  real limit, see fio.py); times as fio measures them.
 
-The speedup is naive over fast; fast over fio says how close the fast path is to
-the drive.
+The speedup is naive over fast; fast over fio_hugemem says how close the fast path is
+to the drive.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -30,14 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from bsr_io._core import Engine, Slot
 from bsr_io.cli.demo import _mem_available, pick_base_dir
 from bsr_io.cli.report import write_json
-from bsr_io.cli.sizes import fmt_size
 from bsr_io.engine import as_numpy
-from bsr_io.fio import drop_caches, fio_available, fio_read
+from bsr_io.fio import (
+    HugeMem,
+    drop_caches,
+    fio_available,
+    fio_read,
+    fio_read_payloads,
+    huge_page_buffers,
+)
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, KVLayout, preset
@@ -45,11 +54,15 @@ from bsr_io.metrics import RestoreMetrics
 from bsr_io.progress import bar
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
+from bsr_io.sizes import fmt_size
 from bsr_io.store import Store, synthetic_tokens
 from bsr_io.tiers import SSDTier
+from bsr_io.whole_plan import WholePlanRestorer
 
 GiB = 1 << 30
-METHODS = ("naive", "fast", "fio")
+# fast sits between the two fio runs in every round, whichever way the order turns.
+METHODS = ("naive", "naive_engine", "fio", "fast", "fio_hugemem")
+FIO_DEPTH = 32
 MODEL = "bsr-io-bench-ttft"
 DONE_RATIO = 1.15  # the issue's target: fast_s within this factor of fio_s
 
@@ -145,52 +158,6 @@ def write_fio_file(path: Path, size: int, engine: Engine, quiet: bool) -> None:
     f.close()
 
 
-# -- the naive path --------------------------------------------------------------------
-def buffered_read(path: str | os.PathLike[str], out: torch.Tensor) -> None:
-    """One buffered Python read of a chunk record's payload into the L1 buffer `out`."""
-    with open(path, "rb") as f:
-        f.seek(HEADER_BYTES)
-        got = f.readinto(out.numpy())
-    if got != out.numel():
-        raise OSError(f"short read of {path}: {got} of {out.numel()} bytes")
-
-
-class NaiveRestorer:
-    """The whole-plan path as LMCache 0.5.6 runs it from local disk.
-
-    `LocalDiskBackend.batched_get_blocking` takes an L1 buffer for every hit chunk from
-    the pre-allocated CPU pool, then reads each chunk file with one buffered `readinto`
-    on a pool of `disk_io_threads` threads (default 4); only when the whole hit is staged
-    is it installed. The L1 pool here is allocated and faulted in up front, as LMCache's
-    is, so the restore does not pay first-touch page faults. No checksum is computed
-    (LMCache computes none)."""
-
-    def __init__(self, tier: SSDTier, lay: KVLayout, l1_bytes: int, threads: int = 4) -> None:
-        if threads < 1:
-            raise ValueError(f"naive reader threads must be at least 1, got {threads}")
-        self.tier, self.lay, self.threads = tier, lay, threads
-        self.pool = torch.ones(l1_bytes, dtype=torch.uint8)  # resident, like a pinned pool
-        self.l1_peak_bytes = 0
-
-    def restore(self, plan, dest: PagedKVCache) -> dict[str, Any]:
-        n, cb = plan.hit_chunks, self.lay.chunk_bytes
-        if n * cb > self.pool.numel():
-            raise RuntimeError(
-                f"whole-plan needs {n * cb} bytes of L1, the pool has {self.pool.numel()}"
-            )
-        t0 = time.perf_counter()
-        bufs = [self.pool[i * cb : (i + 1) * cb] for i in range(n)]
-        paths = [self.tier.path_of(k) for k in plan.keys[:n]]
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="naive-read") as pool:
-            list(pool.map(buffered_read, paths, bufs))
-        t1 = time.perf_counter()
-        for i, buf in enumerate(bufs):
-            dest.install(i, buf)
-        dest.synchronize()
-        self.l1_peak_bytes = n * cb
-        return {"stage_s": t1 - t0, "install_s": time.perf_counter() - t1}
-
-
 # -- one run ---------------------------------------------------------------------------
 class _Bench:
     def __init__(self, args: argparse.Namespace, root: Path, lay: KVLayout) -> None:
@@ -207,20 +174,49 @@ class _Bench:
         self.metrics = RestoreMetrics()
         self.fast = Restorer(self.store, lay, window=args.window, engine=self.engine, model=MODEL)
         self.dest: PagedKVCache | None = None
-        self.naive_restorer: NaiveRestorer | None = None
+        self.whole_plan: dict[str, WholePlanRestorer] = {}
+        self.huge = HugeMem(None, "not requested")
+        self.fio_file: Path | None = None  # a reference file, where records cannot be read
 
-    def naive(self) -> dict[str, Any]:
-        if self.naive_restorer is None:
-            self.naive_restorer = NaiveRestorer(
-                self.l2, self.lay, self.state, self.args.naive_threads
-            )
+    def prepare_whole_plan(self) -> None:
+        """Both whole-plan paths share one L1 pool of the state, resident before timing."""
+        lmc = WholePlanRestorer(self.store, self.lay, l1_bytes=self.state,
+                                threads=self.args.naive_threads)  # fmt: skip
+        lmc.prepare(self.state)
+        ctl = WholePlanRestorer(self.store, self.lay, l1_bytes=self.state, engine=self.engine,
+                                reads="engine", pool=lmc.pool)  # fmt: skip
+        self.whole_plan = {"naive": lmc, "naive_engine": ctl}
+
+    def naive(self, method: str) -> dict[str, Any]:
+        wp = self.whole_plan[method]
         t0 = time.perf_counter()
         plan = self.fast.probe(self.token_ids)
         if plan.hit_chunks != self.chunks:
             raise RuntimeError(f"probe found {plan.hit_chunks} of {self.chunks} chunks")
-        parts = self.naive_restorer.restore(plan, self.dest)
+        res = wp.restore(plan, self.dest)
         seconds = time.perf_counter() - t0
-        return {"seconds": seconds, "rws_bytes": self.naive_restorer.l1_peak_bytes, **parts}
+        if not res.complete:
+            raise RuntimeError(f"{method} failed: {res.reason}")
+        parts = {k: res.timings[k] for k in ("stage_s", "install_s")}
+        return {"seconds": seconds, "rws_bytes": res.rws_peak_bytes, **parts}
+
+    def fio(self, method: str) -> dict[str, Any]:
+        """fio reading the records' payload ranges (or the reference file)."""
+        huge = self.huge if method == "fio_hugemem" else None
+        if self.fio_file is not None:
+            iomem = huge.iomem("ttft") if huge else None
+            res = fio_read(self.fio_file, size=self.state, block_bytes=_fio_block(self.state),
+                           iomem=iomem)  # fmt: skip
+        else:
+            res = fio_read_payloads(
+                self.l2.path_of(self.keys[0]).parent, payload_offset=HEADER_BYTES,
+                payload_bytes=self.lay.chunk_bytes, files=self.chunks, iodepth=FIO_DEPTH,
+                hugemem=huge,
+            )  # fmt: skip
+        seconds = res.seconds or res.wall_s  # under a millisecond fio reports 0
+        return {"seconds": seconds, "gib_s": res.bytes_read / seconds / GiB,
+                "bytes_read": res.bytes_read, "fio_runtime_s": res.seconds,
+                "fio_wall_s": res.wall_s}  # fmt: skip
 
     def fast_path(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -254,16 +250,24 @@ def _fio_block(size: int) -> int:
     return block
 
 
+def _records_readable_by_fio(lay: KVLayout) -> bool:
+    # O_DIRECT reads whole 4 KiB blocks: fio can read exactly the payload only when its
+    # length is a multiple of that (true of the real layouts; not of "tiny").
+    return lay.chunk_bytes % 4096 == 0
+
+
 def _check_room(base: Path, lay: KVLayout, chunks: int, window: int, naive: bool) -> None:
     state = chunks * lay.chunk_bytes
-    disk = chunks * (lay.chunk_bytes + HEADER_BYTES) + state + (256 << 20)
+    ref = 0 if _records_readable_by_fio(lay) else state
+    disk = chunks * (lay.chunk_bytes + HEADER_BYTES) + ref + (256 << 20)
     free = shutil.disk_usage(base).free
     if free < disk:
         raise ValueError(
             f"not enough free space in {base} for {chunks * lay.chunk_tokens} tokens of "
-            f"{lay.name}: the records take {fmt_size(state)} and fio's reference file as much "
-            f"again, {fmt_size(disk)} in all, and {fmt_size(free)} is free; use --dir on a "
-            f"larger disk or fewer --tokens"
+            f"{lay.name}: the records take {fmt_size(disk - ref)}"
+            + (f" and fio's reference file {fmt_size(ref)}" if ref else "")
+            + f", {fmt_size(disk)} in all, and {fmt_size(free)} is free; use --dir on a "
+            "larger disk or fewer --tokens"
         )
     # The destination and BSR's slots, plus the naive path's L1 pool of the whole state.
     mem = (2 if naive else 1) * state + window * lay.chunk_bytes
@@ -307,7 +311,8 @@ def run(args: argparse.Namespace) -> int:
     _check_room(base, lay, chunks, args.window, naive=not args.skip_naive)
     root = Path(tempfile.mkdtemp(prefix="bsr-io-ttft-", dir=base))
     try:
-        doc = measure(args, root, lay)
+        with huge_page_buffers(FIO_DEPTH << 20) as huge:
+            doc = measure(args, root, lay, huge)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
@@ -321,29 +326,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one(b: _Bench, method: str, fio_path: Path) -> dict[str, Any]:
-    if method == "naive":
-        return b.naive()
+def _one(b: _Bench, method: str) -> dict[str, Any]:
+    if method.startswith("naive"):
+        return b.naive(method)
     if method == "fast":
         return b.fast_path()
-    res = fio_read(fio_path, size=b.state, block_bytes=_fio_block(b.state))
-    # The time fio's rate needs for the state's bytes (fio reads whole blocks only).
-    return {"seconds": b.state / (res.gib_s * GiB), "gib_s": res.gib_s,
-            "bytes_read": res.bytes_read}  # fmt: skip
+    return b.fio(method)
 
 
-def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace, root: Path, lay: KVLayout, huge: HugeMem | None = None
+) -> dict[str, Any]:
     b = _Bench(args, root, lay)
+    b.huge = huge or HugeMem(None, "not requested")
     q = args.quiet
     write_s = write_state(b.l2, b.engine, lay, b.keys, b.seed, q)
-    fio_path = root / "fio-reference.bin"
-    write_fio_file(fio_path, b.state, b.engine, q)
+    if not _records_readable_by_fio(lay):
+        b.fio_file = root / "fio-reference.bin"
+        write_fio_file(b.fio_file, b.state, b.engine, q)
     b.dest = PagedKVCache.allocate(lay, b.tokens)
     for t in b.dest.tensors:
         t.zero_()  # fault the destination in once: a serving engine's KV pool is resident
-    methods = tuple(m for m in METHODS if m != "naive" or not args.skip_naive)
-    if "naive" in methods:
-        b.naive_restorer = NaiveRestorer(b.l2, lay, b.state, args.naive_threads)
+    skip = {"naive", "naive_engine"} if args.skip_naive else set()
+    if b.huge.mount is None:
+        skip.add("fio_hugemem")
+        print(f"note: fio on huge pages not run: {b.huge.note}", file=sys.stderr)
+    methods = tuple(m for m in METHODS if m not in skip)
+    if not args.skip_naive:
+        b.prepare_whole_plan()
     rounds: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     cold = True
     ok = True
@@ -356,8 +366,8 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
                 t.zero_()  # so the check below sees this run's bytes, not an earlier run's
             cold &= drop_caches()
             with bar(None, f"round {r + 1}/{args.rounds}: {method}", quiet=q, unit="it"):
-                rounds[method].append(_one(b, method, fio_path))
-            if method != "fio":
+                rounds[method].append(_one(b, method))
+            if not method.startswith("fio"):
                 ok &= b.check()
     med = {m: statistics.median(x["seconds"] for x in v) for m, v in rounds.items()}
     # Where the fast path's time went, in its median round (parts of one run add up).
@@ -366,6 +376,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     profile["other_s"] = mid["seconds"] - sum(profile.values())
     naive = "naive" in med
     nmid = min(rounds["naive"], key=lambda x: abs(x["seconds"] - med["naive"])) if naive else {}
+    huge_s = med.get("fio_hugemem")
     doc = {
         "layout": lay.name,
         "tokens": b.tokens,
@@ -378,9 +389,22 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
         "rounds": args.rounds,
         "naive_s": med.get("naive"),
         "naive_measured": naive,
+        # The control: whole-plan staging read through BSR's engine (same queue depth).
+        "naive_engine_s": med.get("naive_engine"),
         "fast_s": med["fast"],
         "fio_s": med["fio"],
+        "fio_hugemem_s": huge_s,
+        "fio_hugemem_note": b.huge.note,
+        "fio_source": "record payloads"
+        if b.fio_file is None
+        else "reference file (payloads not 4 KiB multiples)",  # fmt: skip
         "speedup": med["naive"] / med["fast"] if naive else None,
+        # What the I/O path buys (same whole-plan staging), and what bounded staging buys
+        # (same engine reads): their product is the speedup.
+        "speedup_io_path": med["naive"] / med["naive_engine"] if naive else None,
+        "speedup_bounded_staging": med["naive_engine"] / med["fast"] if naive else None,
+        # fast's time over fio's on huge pages (the drive's limit); 1.0 = at the limit.
+        "fast_over_fio_hugemem": med["fast"] / huge_s if huge_s else None,
         "fast_vs_fio": med["fast"] / med["fio"],
         "fast_within_target": med["fast"] <= DONE_RATIO * med["fio"],
         # The same ratio taken within each round (fast and fio adjacent), then the median.
@@ -388,6 +412,12 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
             f["seconds"] / g["seconds"] for f, g in zip(rounds["fast"], rounds["fio"], strict=True)
         ),
         "target_fast_vs_fio": DONE_RATIO,
+        "fast_over_fio_hugemem_paired": statistics.median(
+            f["seconds"] / g["seconds"]
+            for f, g in zip(rounds["fast"], rounds["fio_hugemem"], strict=True)
+        )
+        if huge_s
+        else None,  # fmt: skip
         "gib_s": {m: b.state / med[m] / GiB if m in med else None for m in METHODS},
         # Unmeasured, the naive path's staging is still the whole state: it needs that L1.
         "rws_naive_bytes": max(x["rws_bytes"] for x in rounds["naive"]) if naive else b.state,
@@ -399,7 +429,6 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
         "naive_profile_s": {k: nmid[k] for k in ("stage_s", "install_s")} if naive else None,
         "per_round": rounds,
         "metrics": b.metrics.snapshot(),
-        "dir": os.fspath(root),
     }
     b.engine.close()
     return doc
@@ -412,16 +441,19 @@ def print_table(doc: dict[str, Any]) -> None:
         f"engine {doc['backend']}, cold cache "
         f"{'yes' if doc['cold_cache'] else 'NO (not root)'}, median of {doc['rounds']}"
     )
-    hdr = f"{'path':<8} {'seconds':>8} {'GiB/s':>7} {'staging peak':>13}"
+    hdr = f"{'path':<13} {'seconds':>8} {'GiB/s':>7} {'staging peak':>13}"
     print(hdr)
     print("-" * len(hdr))
-    peaks = {"naive": doc["rws_naive_bytes"], "fast": doc["rws_fast_bytes"], "fio": None}
+    peaks = {"naive": doc["rws_naive_bytes"], "naive_engine": doc["rws_naive_bytes"],
+             "fast": doc["rws_fast_bytes"]}  # fmt: skip
     for m in METHODS:
-        peak = "-" if peaks[m] is None else fmt_size(peaks[m])
+        peak = fmt_size(peaks[m]) if m in peaks else "-"
         if doc[m + "_s"] is None:
-            print(f"{m:<8} {'skipped':>8} {'-':>7} {'needs ' + peak:>13}")
+            print(f"{m:<13} {'skipped':>8} {'-':>7} {('needs ' + peak) if m in peaks else '':>13}")
             continue
-        print(f"{m:<8} {doc[m + '_s']:>8.2f} {doc['gib_s'][m]:>7.2f} {peak:>13}")
+        print(f"{m:<13} {doc[m + '_s']:>8.2f} {doc['gib_s'][m]:>7.2f} {peak:>13}")
+    if doc["fio_hugemem_s"] is None:
+        print(f"fio on huge pages not run: {doc['fio_hugemem_note']}")
     p = doc["fast_profile_s"]
     met = "met" if doc["fast_within_target"] else "NOT met"
     speedup = "not measured" if doc["speedup"] is None else f"{doc['speedup']:.2f}x"
@@ -430,6 +462,16 @@ def print_table(doc: dict[str, Any]) -> None:
         f"(target <= {doc['target_fast_vs_fio']}: {met}); within each round: median "
         f"{doc['fast_vs_fio_paired']:.3f}"
     )
+    if doc["speedup"] is not None:
+        print(
+            f"  of which the I/O path (naive/naive_engine) {doc['speedup_io_path']:.2f}x, "
+            f"bounded staging (naive_engine/fast) {doc['speedup_bounded_staging']:.2f}x"
+        )
+    if doc["fast_over_fio_hugemem"] is not None:
+        print(
+            f"fast/fio_hugemem {doc['fast_over_fio_hugemem']:.3f} (1.0 = the drive's limit); "
+            f"within each round: median {doc['fast_over_fio_hugemem_paired']:.3f}"
+        )
     naive = doc["naive_profile_s"]
     print(
         f"fast path: {p['read_wait_s']:.2f} s waiting for reads, {p['install_copy_s']:.2f} s "

@@ -28,7 +28,6 @@ import torch
 
 from bsr_io._core import Engine, xxh3_64
 from bsr_io.cli.report import write_json
-from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.commit import Agreement
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, KVLayout, preset
@@ -36,6 +35,7 @@ from bsr_io.metrics import RestoreMetrics
 from bsr_io.progress import ProgressWatcher, RankProgress
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
+from bsr_io.sizes import fmt_size, parse_size
 from bsr_io.store import Store, synthetic_tokens
 from bsr_io.testing.faults import Fault, FaultPlan
 from bsr_io.tiers import LowerTier, SSDTier
@@ -238,8 +238,8 @@ def demo_rank(
         if l1_bytes >= state:
             clear()
         wp = WholePlanRestorer(Store([l2]), lay, l1_bytes=l1_bytes)
-        inner = wp.reader
-        wp.reader = lambda tier, key, buf: (inner(tier, key, buf), prog.advance(cb))
+        wp.on_chunk = lambda _i: prog.advance(cb)
+        wp.prepare(state)  # LMCache's L1 pool is resident before any request
         prog.phase(name, state)
         _barrier(world_size)
         t0 = time.perf_counter()
