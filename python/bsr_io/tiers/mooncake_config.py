@@ -24,7 +24,8 @@ the same keys carry the prefix `bsr.mooncake.`, `MooncakeConfig.from_extra_confi
                       Mooncake's 30 s); a read past `timeout_s` keeps its slot until then
     replica_num       replicas per object (1)
     key_prefix        object names are "<key_prefix>/<namespace>/<chunk hash>" ("bsr-io")
-    io_threads        worker threads for data calls (4)
+    io_threads        worker threads for data calls (1: on a 2-core loopback box more
+                      concurrent transfers were slower; raise it for multi-node or RDMA pools)
     snapshot_s        how long one batched existence check answers a probe's per-chunk
                       questions (1.0)
 """
@@ -52,7 +53,7 @@ class MooncakeConfig:
     transfer_timeout_s: int | None = None
     replica_num: int = 1
     key_prefix: str = "bsr-io"
-    io_threads: int = 4
+    io_threads: int = 1
     snapshot_s: float = 1.0
 
     def __post_init__(self) -> None:
