@@ -1,0 +1,34 @@
+"""`bsr-io bench remote` end to end at a tiny size: it starts its own loopback pool,
+restores through W slots, measures the client's bulk read in the same run, and stops
+the pool again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mooncake_fixtures as mf
+import psutil
+
+mf.require_mooncake()
+
+
+def test_bench_remote_json(tmp_path):
+    out = tmp_path / "remote.json"
+    before = {p.pid for p in psutil.process_iter(["name"]) if "mooncake" in (p.info["name"] or "")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bsr_io.cli", "bench", "remote", "--size", "2MiB",
+         "--layout", "tiny", "--window", "3", "--rounds", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    for k in ("restore_gib_s", "client_bulk_gib_s", "ratio", "rws_peak_bytes", "state_bytes"):
+        assert doc[k] > 0, k
+    assert doc["outcome"] == "complete"
+    assert doc["rws_peak_bytes"] == 3 * doc["slot_bytes"]  # W x chunk, not the state
+    assert doc["state_bytes"] == doc["chunks"] * doc["chunk_bytes"] > doc["rws_peak_bytes"]
+    assert abs(doc["ratio"] - doc["restore_gib_s"] / doc["client_bulk_gib_s"]) < 1e-9
+    after = {p.pid for p in psutil.process_iter(["name"]) if "mooncake" in (p.info["name"] or "")}
+    assert after <= before  # the pool it started is gone
