@@ -48,6 +48,12 @@ def holds(tier, key: ChunkKey, group: str | None = None) -> bool:
 
 def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tuple[list[int], dict]:
     """(source tier per leading chunk, leading hit per allocator group), metadata only."""
+    for t in tiers:
+        # A tier that answers many keys in one call (a remote pool) is handed the request's
+        # keys first; its per-chunk answers below then come from that one call.
+        prepare = getattr(t, "prepare_probe", None)
+        if prepare is not None:
+            prepare(keys)
     names = [g.name for g in layout.groups]
     # A chunk is restorable from the first tier whose record holds every group.
     sources: list[int] = []
