@@ -43,6 +43,10 @@ def register(subparsers: Any) -> None:
     f.add_argument("--model", default="synthetic", help="model name in the keys")
     f.set_defaults(func=run_fill)
 
+    from bsr_io.cli.store_pool import register_pool
+
+    register_pool(sub)  # bsr-io store pool fill|probe|verify: a Mooncake Store pool
+
 
 def _open_existing(path: Path) -> LowerTier:
     if not (path / "chunks").is_dir():
