@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from bsr_io import BackendUnavailable, Engine
 
 ENGINE_BACKENDS = ("io_uring", "io_uring_plain", "pread")
+VLLM_TESTS = Path(__file__).parent / "vllm"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """tests/vllm runs only in vLLM's own venv and only when named on the command line
+    (`.venv-vllm/bin/python -m pytest tests/vllm`); the main suite never collects it."""
+    if collection_path != VLLM_TESTS:
+        return None
+    for arg in config.args:
+        if Path(arg.split("::")[0]).resolve().is_relative_to(VLLM_TESTS):
+            return None
+    return True
 
 
 @pytest.fixture(params=ENGINE_BACKENDS)

