@@ -13,6 +13,8 @@ knobs live in the same `extra_config` under `bsr.`:
     bsr.timeout_s        how long a rank waits for its peers' votes (30)
     bsr.io_backend       engine backend: "auto", "io_uring", "io_uring_plain", "pread"
     bsr.queue_depth      io_uring queue depth (32)
+    bsr.mooncake.*       a Mooncake Store pool as L3 under the SSD tier: master,
+                         metadata_server, protocol, timeout_s... (bsr_io.tiers.mooncake_config)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bsr_io.cli.sizes import parse_size
+from bsr_io.tiers.mooncake_config import MooncakeConfig
 
 PLUGIN_NAME = "bsr"
 MODULE_PATH = "bsr_io.integrations.lmcache.plugin"
@@ -52,6 +55,7 @@ class Settings:
     timeout_s: float = 30.0
     io_backend: str = "auto"
     queue_depth: int = 32
+    mooncake: MooncakeConfig | None = None  # a pool as L3 below the SSD tier
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> Settings:
@@ -69,6 +73,7 @@ class Settings:
                 timeout_s=float(extra.get("bsr.timeout_s", cls.timeout_s)),
                 io_backend=str(extra.get("bsr.io_backend", cls.io_backend)),
                 queue_depth=int(extra.get("bsr.queue_depth", cls.queue_depth)),
+                mooncake=MooncakeConfig.from_extra_config(extra),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad bsr.* setting in extra_config: {exc}") from None
