@@ -83,6 +83,12 @@ class BsrStoragePlugin(StoragePluginInterface):
         self.read_engine = Engine(s.window, cb, queue_depth=s.queue_depth, backend=backend)
         self.write_engine = Engine(1, cb, queue_depth=s.queue_depth, backend=backend)
         self.tier = SSDTier(s.path, s.capacity, self.write_engine, layout=self.layout)
+        if s.mooncake is not None:
+            # A shared pool below the SSD tier: written through, read where L2 misses.
+            from bsr_io.store import Store
+            from bsr_io.tiers.mooncake import MooncakeTier
+
+            self.tier = Store([self.tier, MooncakeTier(s.mooncake, layout=self.layout)])
         self._pending: set[CacheEngineKey] = set()
         self._pending_lock = threading.Lock()
         self._read_lock = threading.Lock()  # the read engine's W slots serve one get at a time
