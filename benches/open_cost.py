@@ -8,7 +8,7 @@ import os
 import time
 
 from bsr_io import Engine
-from bsr_io.fio import drop_caches
+from bsr_io.cli.fio import drop_caches
 
 CHUNK = 16_408_576  # one deepseek-v4-flash chunk
 PATH = "open-cost.bin"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 from bsr_io.cli import main
-from bsr_io.fio import fio_available
+from bsr_io.cli.fio import fio_available
 
 KEYS = ("naive_s", "fast_s", "fio_s", "speedup", "fast_vs_fio", "rws_naive_bytes",
         "rws_fast_bytes")  # fmt: skip

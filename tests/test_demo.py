@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from bsr_io.cli import main
 from bsr_io.cli.demo import pick_base_dir
-from bsr_io.progress import ProgressWatcher, RankProgress
+from bsr_io.cli.progress import ProgressWatcher, RankProgress
 
 
 def test_demo_small_end_to_end(tmp_path, capsys):

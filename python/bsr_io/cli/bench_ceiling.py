@@ -36,12 +36,12 @@ from bsr_io._core import Engine
 from bsr_io.cli.bench_ttft import write_state
 from bsr_io.cli.demo import MEMORY_FS, _fs_type, _mem_available
 from bsr_io.cli.report import write_json
-from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, KVLayout, preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
+from bsr_io.sizes import fmt_size, parse_size
 from bsr_io.store import Store, synthetic_tokens
 from bsr_io.tiers import SSDTier
 

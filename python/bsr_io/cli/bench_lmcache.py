@@ -21,7 +21,7 @@ import tempfile
 import time
 
 from bsr_io.cli.report import write_json
-from bsr_io.cli.sizes import fmt_size, parse_size
+from bsr_io.sizes import fmt_size, parse_size
 
 
 def register(bench_subparsers) -> None:

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from bsr_io.cli.report import write_json
-from bsr_io.cli.sizes import fmt_size
+from bsr_io.sizes import fmt_size
 
 DTYPES = ("float32", "bfloat16", "float16")
 

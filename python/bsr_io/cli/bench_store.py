@@ -19,12 +19,12 @@ import numpy as np
 
 from bsr_io._core import Engine
 from bsr_io.cli.bench_ssd import engine_read
+from bsr_io.cli.fio import drop_caches, fio_available, fio_read
 from bsr_io.cli.report import write_json
-from bsr_io.cli.sizes import fmt_size, parse_size
 from bsr_io.engine import as_numpy
-from bsr_io.fio import drop_caches, fio_available, fio_read
 from bsr_io.keys import ChunkKey, chunk_keys
 from bsr_io.layout import PRESETS, KVLayout, preset
+from bsr_io.sizes import fmt_size, parse_size
 from bsr_io.store import synthetic_tokens
 from bsr_io.tiers import SSDTier
 

@@ -21,11 +21,11 @@ from typing import Any
 
 from bsr_io._core import Engine
 from bsr_io.cli.bench_ssd import engine_read, write_test_file
+from bsr_io.cli.fio import drop_caches, fio_available, fio_read
+from bsr_io.cli.progress import bar
 from bsr_io.cli.report import write_json
-from bsr_io.cli.sizes import fmt_size, parse_size
-from bsr_io.fio import drop_caches, fio_available, fio_read
 from bsr_io.layout import preset
-from bsr_io.progress import bar
+from bsr_io.sizes import fmt_size, parse_size
 from bsr_io.testing.ranks import launch
 
 RESTORE = "bsr_io.testing.scenarios:restore_on_rank"  # one rank's restore, run by launch
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     _print(doc)
     write_json(args.json, doc)
     if args.plot:
-        from bsr_io.plots import plot_sweep
+        from bsr_io.cli.plots import plot_sweep
 
         plot_sweep(doc, args.plot)
         print(f"wrote {args.plot}")

@@ -37,9 +37,7 @@ import numpy as np
 
 from bsr_io._core import Engine, Slot
 from bsr_io.cli.demo import _mem_available, pick_base_dir
-from bsr_io.cli.report import write_json
-from bsr_io.engine import as_numpy
-from bsr_io.fio import (
+from bsr_io.cli.fio import (
     HugeMem,
     drop_caches,
     fio_available,
@@ -47,11 +45,13 @@ from bsr_io.fio import (
     fio_read_payloads,
     huge_page_buffers,
 )
+from bsr_io.cli.progress import bar
+from bsr_io.cli.report import write_json
+from bsr_io.engine import as_numpy
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, KVLayout, preset
 from bsr_io.metrics import RestoreMetrics
-from bsr_io.progress import bar
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.sizes import fmt_size
@@ -319,7 +319,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(doc)
     write_json(args.json, doc)
     if args.plot:
-        from bsr_io.plots import plot_ttft
+        from bsr_io.cli.plots import plot_ttft
 
         plot_ttft(doc, args.plot)
         print(f"wrote {args.plot}")

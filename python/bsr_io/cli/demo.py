@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from bsr_io._core import Engine, xxh3_64
+from bsr_io.cli.progress import ProgressWatcher, RankProgress
 from bsr_io.cli.report import write_json
 from bsr_io.commit import Agreement
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, KVLayout, preset
 from bsr_io.metrics import RestoreMetrics
-from bsr_io.progress import ProgressWatcher, RankProgress
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.sizes import fmt_size, parse_size

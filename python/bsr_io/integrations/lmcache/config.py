@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bsr_io.cli.sizes import parse_size
+from bsr_io.sizes import parse_size
 from bsr_io.tiers.mooncake_config import MooncakeConfig
 
 PLUGIN_NAME = "bsr"

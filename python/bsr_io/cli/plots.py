@@ -13,8 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-GiB = 1 << 30
-MiB = 1 << 20
+from bsr_io.sizes import GiB, MiB
 
 __all__ = ["plot_sweep", "plot_ttft"]
 

@@ -1,5 +1,8 @@
 """Progress bars (tqdm) for steps that take more than a second, silenced by `--quiet`.
 
+tqdm is optional (the `cli` extra): without it there are no bars, as when stderr is not
+a terminal. Only the CLI imports this module; the restore API never needs tqdm.
+
 `bar()` is for work done in this process. Work done on ranks (child processes whose
 output `bsr_io.testing.ranks.launch` captures) reports through small JSON files instead: each
 rank's `RankProgress` writes `<dir>/rank<r>.json`, and a `ProgressWatcher` in the
@@ -14,9 +17,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["ProgressWatcher", "RankProgress", "bar"]
 
@@ -32,8 +36,12 @@ def bar(
     unit: str = "B",
     **kw: Any,
 ) -> tqdm:
-    """A tqdm bar on stderr; bytes are shown in KiB/MiB/GiB. Disabled when `quiet`, and
-    when stderr is not a terminal (logs get no carriage-return noise)."""
+    """A tqdm bar on stderr; bytes are shown in KiB/MiB/GiB. Disabled when `quiet`, when
+    stderr is not a terminal (logs get no carriage-return noise), or without tqdm."""
+    try:
+        from tqdm import tqdm
+    except ModuleNotFoundError:
+        return _NoBar(total)  # type: ignore[return-value]
     byte_unit = unit == "B"
     return tqdm(
         total=total,
@@ -48,6 +56,26 @@ def bar(
         file=sys.stderr,
         **kw,
     )
+
+
+class _NoBar:
+    """What `bar()` gives without tqdm: counts like a bar, draws nothing."""
+
+    def __init__(self, total: float | None = None) -> None:
+        self.total = total
+        self.n: float = 0
+
+    def update(self, n: float = 1) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class RankProgress:

@@ -1,6 +1,11 @@
-"""Parse and print byte sizes the way the CLI takes them (16MiB, 2GiB, 4096)."""
+"""Byte sizes: the binary units, and parsing and printing sizes as configs and the CLI
+take them (16MiB, 2GiB, 4096)."""
 
 from __future__ import annotations
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
 
 _UNITS = {
     "": 1,
