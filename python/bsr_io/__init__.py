@@ -57,6 +57,7 @@ from bsr_io.errors import (  # noqa: E402
     ChunkMissing,
     ChunkReadError,
     ChunkWriteError,
+    EngineBusy,
     LayoutError,
     TierDown,
 )
@@ -74,6 +75,7 @@ __all__ += [
     "ChunkMissing",
     "ChunkReadError",
     "ChunkWriteError",
+    "EngineBusy",
     "KVLayout",
     "LayoutError",
     "LowerTier",

@@ -3,17 +3,21 @@
 Ranks agree through the `torch.distributed` key-value store of their process
 group rather than through collectives, because a collective cannot give up on a
 dead or stalled peer without leaving the group out of step for the next request.
-Each request gets its own key namespace; every rank posts its vote, then the
-first rank to reach a decision writes it with an atomic compare-and-set, and all
-live ranks read back the same value. A rank that times out waiting for votes
-tries to write "abort"; if a "commit" is already there it follows it instead, so
-live ranks never disagree.
+
+Each request has an identity every rank shares (the caller's request id, or the
+request's number in call order) and so its own key namespace. Each phase of it
+(the hit agreement, the commit vote, an early abort) ends with ONE decision key,
+written by the first rank to decide with an atomic compare-and-set; every live
+rank reads back the same value. A rank that times out writes "abort"; one that
+arrives later finds the decision taken and adopts it, never agreeing afresh on
+stale values. Outcomes therefore match per request, whatever a rank's delay.
 """
 
 from __future__ import annotations
 
-import datetime
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 COMMIT = "commit"
@@ -30,7 +34,15 @@ class Decision:
 class Agreement:
     """How this rank agrees with its peers. `Agreement.local()` is the single-process case."""
 
-    def __init__(self, rank: int, world_size: int, store=None, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store=None,
+        timeout_s: float = 30.0,
+        *,
+        scope: str | None = None,
+    ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
         if world_size > 1 and store is None:
@@ -41,7 +53,9 @@ class Agreement:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._store = store
-        self._seq = 0
+        # Agreements over the same process group share their request numbering, so a
+        # new Restorer per request cannot restart at 1 and meet an old request's keys.
+        self._ids = _Numbering() if scope is None else _SCOPES.setdefault(scope, _Numbering())
 
     @classmethod
     def local(cls) -> Agreement:
@@ -59,37 +73,98 @@ class Agreement:
         world = dist.get_world_size(group)
         name = "world" if group is None else c10d._get_process_group_name(group)
         store = dist.PrefixStore(f"bsr-io/{name}/", c10d._get_default_store())
-        return cls(rank, world, store, timeout_s)
+        return cls(rank, world, store, timeout_s, scope=f"{id(c10d._get_default_store())}/{name}")
 
-    # Each request (probe or restore) takes the next sequence number on every rank,
-    # so ranks calling in the same order meet in the same key namespace.
-    def _next(self, kind: str, tag: str) -> str:
-        self._seq += 1
-        return f"{kind}/{self._seq}/{tag}/"
+    def request(self, request_id: str | None = None, tag: str = "") -> str:
+        """The key namespace of one request, the same on every rank.
 
-    def _wait(self, keys: list[str], deadline: float) -> bool:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return all(self._store.check([k]) for k in keys)
-        try:
-            self._store.wait(keys, datetime.timedelta(seconds=remaining))
-            return True
-        except Exception:  # DistStoreError on timeout; a dead server looks the same
-            return False
+        `request_id` is the caller's (a serving engine's request id); None numbers the
+        requests in call order, which ranks calling in the same order share. The k-th
+        use of one id gets its own namespace, so a retried request never reads the
+        decisions of its earlier attempt."""
+        return self._ids.namespace(request_id, tag)
 
-    def agree_min(self, value: int, tag: str = "") -> int | None:
-        """Minimum of `value` over ranks, or None when a peer did not answer in time."""
+    def agree_min(self, value: int, request: str | None = None) -> tuple[int, str]:
+        """(minimum of `value` over ranks, "") or (0, why) when the ranks did not agree.
+
+        Every rank posts its value; the first rank to see all of them, or to time out,
+        writes the decision with compare-and-set and every rank returns what is stored.
+        A rank arriving after a timeout adopts that decision, never its own late view."""
+        if value < 0:
+            raise ValueError(f"value must be >= 0, got {value}")
         if self.world_size == 1:
-            return value
-        ns = self._next("min", tag)
-        self._store.set(f"{ns}{self.rank}", str(value))
-        keys = [f"{ns}{r}" for r in range(self.world_size)]
-        if not self._wait(keys, time.monotonic() + self.timeout_s):
-            return None
-        return min(int(self._store.get(k)) for k in keys)
+            return value, ""
+        ns = (request or self.request()) + "hit/"
+        try:
+            got = _decide_when_all(self, ns, str(value), lambda vs: str(min(map(int, vs))))
+        except Exception as exc:  # noqa: BLE001 - the store's host rank is gone
+            return 0, f"rank agreement failed: {exc}"
+        if got.startswith(ABORT):
+            return 0, got.split(":", 1)[1]
+        return int(got), ""
 
-    def open_vote(self, tag: str = "") -> Vote:
-        return Vote(self, self._next("vote", tag))
+    def open_vote(self, request: str | None = None) -> Vote:
+        """The commit vote of `request` (a namespace from `request()`, or a request id)."""
+        if not request:
+            request = self.request()
+        elif not request.startswith(_NS_PREFIX):
+            request = self.request(request)
+        return Vote(self, request + "vote/")
+
+
+_NS_PREFIX = "req/"
+
+
+class _Numbering:
+    """Request namespaces: automatic numbers, and how often each caller id was used."""
+
+    _KEEP = 1 << 16  # ids remembered for retries; older ones start again at 0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._auto = 0
+        self._uses: OrderedDict[str, int] = OrderedDict()
+
+    def namespace(self, request_id: str | None, tag: str) -> str:
+        with self._lock:
+            if request_id is None or request_id == "":
+                self._auto += 1
+                request_id = f"auto-{self._auto}" + (f"-{tag}" if tag else "")
+            k = self._uses.pop(request_id, -1) + 1
+            self._uses[request_id] = k
+            while len(self._uses) > self._KEEP:
+                self._uses.popitem(last=False)
+        return f"{_NS_PREFIX}{request_id}#{k}/"
+
+
+_SCOPES: dict[str, _Numbering] = {}
+
+
+def _decide_when_all(a: Agreement, ns: str, mine: str, combine) -> str:
+    """Post `mine`, then return the decision under `ns`: `combine(values)` once every
+    rank has posted, or an abort on timeout; whoever writes first decides for all."""
+    store = a._store
+    decision = f"{ns}decision"
+    store.set(f"{ns}{a.rank}", mine)
+    keys = [f"{ns}{r}" for r in range(a.world_size)]
+    deadline = time.monotonic() + a.timeout_s
+    while True:
+        if store.check([decision]):
+            return _text(store.get(decision))
+        missing = [k for k in keys if not store.check([k])]
+        if not missing:
+            proposal = combine([_text(store.get(k)) for k in keys])
+        elif time.monotonic() >= deadline:
+            ranks = [k.rsplit("/", 1)[1] for k in missing]
+            proposal = f"{ABORT}:timeout waiting for ranks {ranks}"
+        else:
+            time.sleep(_POLL_S)
+            continue
+        return _text(store.compare_set(decision, "", proposal))
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 class Vote:
@@ -124,8 +199,7 @@ class Vote:
                 pass
 
     def _decide(self, proposal: str) -> str:
-        got = self._a._store.compare_set(self._decision_key, "", proposal)
-        return got.decode() if isinstance(got, bytes) else str(got)
+        return _text(self._a._store.compare_set(self._decision_key, "", proposal))
 
     def cast(self, ok: bool, reason: str = "") -> Decision:
         """Vote, then return the decision every live rank reads back."""
@@ -139,25 +213,15 @@ class Vote:
 
     def _cast(self, ok: bool, reason: str) -> Decision:
         a = self._a
-        a._store.set(f"{self._ns}{a.rank}", "1" if ok else f"0:{reason}")
         if not ok:
+            a._store.set(f"{self._ns}{a.rank}", f"0:{reason}")
             return _parse(self._decide(f"{ABORT}:rank {a.rank}: {reason}"))
-        keys = [f"{self._ns}{r}" for r in range(a.world_size)]
-        deadline = time.monotonic() + a.timeout_s
-        while True:
-            # Stop waiting as soon as someone has decided (an early abort, say).
-            if a._store.check([self._decision_key]):
-                return _parse(a._store.get(self._decision_key).decode())
-            missing = [k for k in keys if not a._store.check([k])]
-            if not missing:
-                votes = [a._store.get(k).decode() for k in keys]
-                bad = [v[2:] for v in votes if v != "1"]
-                proposal = COMMIT if not bad else f"{ABORT}:{bad[0]}"
-                return _parse(self._decide(proposal))
-            if time.monotonic() >= deadline:
-                ranks = [k.rsplit("/", 1)[1] for k in missing]
-                return _parse(self._decide(f"{ABORT}:timeout waiting for ranks {ranks}"))
-            time.sleep(_POLL_S)
+
+        def combine(votes: list[str]) -> str:
+            bad = [v[2:] for v in votes if v != "1"]
+            return COMMIT if not bad else f"{ABORT}:{bad[0]}"
+
+        return _parse(_decide_when_all(a, self._ns, "1", combine))
 
 
 def _parse(value: str) -> Decision:

@@ -30,6 +30,8 @@ class Plan:
     tier_names: list[str]
     group_hits: dict[str, int] = field(default_factory=dict)
     reason: str = ""  # why the hit is zero or short, when known
+    request_id: str | None = None  # the caller's id of this request, if it gave one
+    request: str = ""  # the request's agreement namespace, the same on every rank
 
     @property
     def hit_tokens(self) -> int:

@@ -7,16 +7,17 @@ slot is never refilled while a view of it is alive.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from bsr_io._core import Engine, Slot
+from bsr_io._core import Engine, NoFreeSlot, Slot
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["as_numpy", "as_tensor", "register_cuda", "unregister_cuda"]
+__all__ = ["as_numpy", "as_tensor", "give_back", "lease", "register_cuda", "unregister_cuda"]
 
 
 def _count(nbytes: int, itemsize: int, what: str) -> int:
@@ -52,7 +53,48 @@ def as_tensor(
     count = _count(nbytes, itemsize, "as_tensor")
     if count == 0:
         return torch.empty(0, dtype=dt)
-    return torch.frombuffer(slot, dtype=dt, count=count)
+    # Through a memoryview: torch keeps the object it is given, and a memoryview holds
+    # a buffer export, which the Slot counts, so release() refuses while the tensor lives.
+    return torch.frombuffer(memoryview(slot), dtype=dt, count=count)
+
+
+def wait_for_slot(engine: Engine, deadline: float) -> None:
+    """Return once `engine` has a free slot; EngineBusy at `deadline` (time.monotonic).
+
+    A full ring is back-pressure (a shared engine, a slot a caller still holds): the
+    caller waits for a slot or gives up cleanly, never counts it as a failed chunk."""
+    from bsr_io.errors import EngineBusy
+
+    pause = 0.0002
+    while engine.free_slots() == 0:
+        if engine.closed:
+            return  # the next call on the engine raises EngineClosedError
+        if time.monotonic() >= deadline:
+            raise EngineBusy(
+                f"none of the engine's {engine.window} staging slots came free in time: "
+                "all are leased or in flight (a shared engine, or a Slot still held; "
+                "release slots with slot.release() or a with-block)"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+
+
+def lease(engine: Engine, deadline: float) -> Slot:
+    """`engine.lease()`, waiting for a free slot until `deadline` (EngineBusy after)."""
+    while True:
+        try:
+            return engine.lease()
+        except NoFreeSlot:
+            wait_for_slot(engine, deadline)
+
+
+def give_back(slot: Slot) -> None:
+    """Release `slot` now unless a view of it still lives (a destination that kept the
+    payload tensor); then the view's end returns it, the fallback."""
+    try:
+        slot.release()
+    except BufferError:
+        pass
 
 
 # Engines registered with CUDA, keyed by arena address, so unregister is idempotent.

@@ -23,10 +23,14 @@ class ChunkError(Exception):
         key: ChunkKey | None = None,
         tier: str | None = None,
         cause: BaseException | str | None = None,
+        record: object | None = None,
     ) -> None:
         self.key = key
         self.tier = tier
         self.cause = cause
+        # The exact record that failed (a tier's own identity of it), so invalidation
+        # can withdraw that record and never a newer one published at the same place.
+        self.record = record
         where = []
         if tier is not None:
             where.append(f"tier {tier}")
@@ -67,3 +71,10 @@ class CapacityError(ValueError):
 
 class LayoutError(ValueError):
     """A tensor or payload does not match the KV layout (dtype, shape, size)."""
+
+
+class EngineBusy(Exception):
+    """No staging slot came free within the restore's timeout.
+
+    Back-pressure from the engine's own state (a shared engine, a slot a caller still
+    holds), not a chunk failure: nothing is invalidated, the restore ends `zero`."""

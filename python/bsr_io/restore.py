@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-import torch
-
 from bsr_io._core import Engine
 from bsr_io.commit import Agreement
 from bsr_io.discovery import Plan, discover
-from bsr_io.engine import register_cuda
+from bsr_io.engine import as_tensor, lease, register_cuda
+from bsr_io.errors import EngineBusy, LayoutError
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import Destination
 from bsr_io.layout import KVLayout
@@ -54,6 +53,20 @@ class RestoreResult:
 def _first_hash(keys) -> str:
     # Rank-independent tag so every rank's request lands in the same namespace.
     return f"{keys[0].chunk_hash:016x}" if keys else "empty"
+
+
+def _layout_mismatch(layout: KVLayout, dest) -> str:
+    """Why `dest` cannot take chunks of `layout` ("" when it can, or cannot tell)."""
+    theirs = getattr(dest, "layout", None)
+    if theirs is None or not hasattr(theirs, "fingerprint"):
+        return ""
+    if theirs.fingerprint() == layout.fingerprint():
+        return ""
+    return (
+        f"destination is laid out as {theirs.name!r} ({theirs.fingerprint()}), the restorer's "
+        f"chunks as {layout.name!r} ({layout.fingerprint()}); installing would scramble the "
+        "groups' bytes. Build the destination from the restorer's layout."
+    )
 
 
 class Restorer:
@@ -107,6 +120,8 @@ class Restorer:
             )
         self.engine = engine
         self.window = window
+        # Bounds waits for a free slot (a shared engine) as it bounds the agreement.
+        self.timeout_s = timeout_s if agreement.world_size == 1 else agreement.timeout_s
 
     @property
     def tiers(self) -> list:
@@ -115,15 +130,17 @@ class Restorer:
     def keys(self, token_ids: Sequence[int]):
         return chunk_keys(token_ids, self.layout, self.model, self.rank, self.world_size)
 
-    def probe(self, token_ids: Sequence[int]) -> Plan:
-        """The agreed reusable prefix, from metadata only (no payload is read)."""
+    def probe(self, token_ids: Sequence[int], request_id: str | None = None) -> Plan:
+        """The agreed reusable prefix, from metadata only (no payload is read).
+
+        `request_id` names the request on every rank (a serving engine's request id);
+        None numbers requests in call order, so ranks must then probe in the same
+        order. The plan carries the request's identity on to `restore`."""
         keys = self.keys(token_ids)
         sources, group_hits = discover(self.tiers, keys, self.layout)
-        agreed = self.agreement.agree_min(len(sources), tag=_first_hash(keys))
-        reason = ""
-        if agreed is None:
-            agreed, reason = 0, "ranks did not agree on a hit in time"
-        elif agreed < len(sources):
+        request = self.agreement.request(request_id, tag=_first_hash(keys))
+        agreed, reason = self.agreement.agree_min(len(sources), request)
+        if not reason and agreed < len(sources):
             reason = f"hit shortened from {len(sources)} to {agreed} chunks by another rank"
         return Plan(
             token_count=len(token_ids),
@@ -135,30 +152,38 @@ class Restorer:
             tier_names=[t.name for t in self.tiers],
             group_hits=group_hits,
             reason=reason,
+            request_id=request_id,
+            request=request,
         )
 
-    def restore(self, plan: Plan, dest: Destination) -> RestoreResult:
-        """Install the plan's hit into `dest` and commit it on all ranks, or on none."""
+    def restore(
+        self, plan: Plan, dest: Destination, *, request_id: str | None = None
+    ) -> RestoreResult:
+        """Install the plan's hit into `dest` and commit it on all ranks, or on none.
+
+        Raises LayoutError (after telling the peers to abort) for a destination built
+        for another layout, and re-raises whatever the destination's install raises,
+        also after the abort is published: peers never wait out the timeout."""
+        if request_id is not None and request_id != plan.request_id:
+            raise ValueError(
+                f"restore of request {request_id!r} with the plan of {plan.request_id!r}"
+            )
         t_start = time.perf_counter()
         n = plan.hit_chunks
+        mismatch = _layout_mismatch(self.layout, dest)
         if n == 0:
-            # Every rank agreed on zero at probe time, so no vote is needed.
+            # The hit decision is shared: every rank knows it is zero, so no vote.
+            if mismatch:
+                raise LayoutError(mismatch)
             return RestoreResult(ZERO, 0, 0, 0, reason=plan.reason or "no reusable prefix")
-        vote = self.agreement.open_vote(_first_hash(plan.keys))
-        if getattr(dest, "device", None) is not None and dest.device.type == "cuda":
-            # Page-locked slots make each install an asynchronous DMA copy.
-            register_cuda(self.engine)
-        self.engine.reset_peak()
-        error = ""
-        capacity = getattr(dest, "capacity_chunks", n)
-        if capacity < n:
-            error = f"destination has blocks for {capacity} chunks, the hit is {n}"
-            report = None
-        else:
-            tiers = self.tiers[: len(plan.tier_names)]
-            window = Window(self.engine, tiers, self.layout.chunk_bytes, self.window)
-            report = window.run(plan.keys[:n], plan.sources[:n], dest, should_stop=vote.aborted)
-            error = report.error
+        vote = self.agreement.open_vote(plan.request or None)
+        try:
+            report, error = self._install(plan, dest, vote, mismatch)
+        except BaseException as exc:
+            # Whatever escapes after discovery is this rank's failure: publish it first.
+            vote.abort_early(f"{type(exc).__name__}: {exc}")
+            vote.cast(False, f"{type(exc).__name__}: {exc}")
+            raise
         t_installed = time.perf_counter()
         if error:
             vote.abort_early(error)
@@ -184,6 +209,35 @@ class Restorer:
             },
         )
 
+    def _install(self, plan: Plan, dest: Destination, vote, mismatch: str):
+        """(InstallReport or None, error): the windowed install unless something already
+        rules the restore out."""
+        n = plan.hit_chunks
+        if mismatch:
+            raise LayoutError(mismatch)  # before any read: the caller's mistake
+        capacity = getattr(dest, "capacity_chunks", n)
+        if capacity < n:
+            return None, f"destination has blocks for {capacity} chunks, the hit is {n}"
+        if vote.aborted():
+            # A late rank: the others decided already; do not read a byte.
+            return None, "a peer rank aborted the restore"
+        if getattr(dest, "device", None) is not None and dest.device.type == "cuda":
+            # Page-locked slots make each install an asynchronous DMA copy.
+            register_cuda(self.engine)
+        self.engine.reset_peak()
+        tiers = self.tiers[: len(plan.tier_names)]
+        window = Window(self.engine, tiers, self.layout.chunk_bytes, self.window)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            report = window.run(
+                plan.keys[:n], plan.sources[:n], dest, should_stop=vote.aborted,
+                slot_deadline=deadline,
+            )  # fmt: skip
+        except EngineBusy as exc:
+            # Back-pressure, not a bad chunk: nothing was invalidated.
+            return None, str(exc)
+        return report, report.error
+
     def save(
         self,
         token_ids: Sequence[int],
@@ -195,7 +249,9 @@ class Restorer:
         """Store every whole chunk of `token_ids` held by `dest`; returns chunks written.
 
         Each worker leases one slot, gathers a chunk into it and writes it, so at
-        most `window` chunks are staged at once.
+        most `window` chunks are staged at once. A slot goes back to the ring as soon
+        as its write is done, failed or not (a kept exception cannot pin it); with the
+        engine shared (a restore running), workers wait for slots up to `timeout_s`.
         """
         keys = self.keys(token_ids)
         n = min(len(keys), getattr(dest, "capacity_chunks", len(keys)))
@@ -205,13 +261,10 @@ class Restorer:
         def one(i: int) -> int:
             if skip_existing and top.probe([keys[i]]) == 1:
                 return 0
-            slot = self.engine.lease()
-            try:
-                dest.extract(i, torch.frombuffer(slot, dtype=torch.uint8, count=chunk_bytes))
+            with lease(self.engine, time.monotonic() + self.timeout_s) as slot:
+                dest.extract(i, as_tensor(slot, length=chunk_bytes))
                 slot.set_length(chunk_bytes)
                 self.store.write(keys[i], slot, self.layout)
-            finally:
-                del slot
             return 1
 
         written = 0

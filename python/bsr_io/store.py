@@ -108,9 +108,12 @@ class Store(Tier):
             removed = tier.remove(key) or removed
         return removed
 
-    def invalidate(self, key: ChunkKey, reason: str) -> None:
+    def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
         for tier in self.tiers:
-            tier.invalidate(key, reason)
+            if record is None:
+                tier.invalidate(key, reason)
+            else:
+                tier.invalidate(key, reason, record=record)
 
     def keys(self) -> list[ChunkKey]:
         seen: dict[ChunkKey, None] = {}

@@ -17,12 +17,26 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from bsr_io._core import Engine
+from bsr_io._core import Engine, NoFreeSlot
 from bsr_io.discovery import holds
+from bsr_io.engine import give_back, wait_for_slot
 from bsr_io.errors import ChunkError
 from bsr_io.install import install_chunk
 from bsr_io.keys import ChunkKey
 from bsr_io.kvcache import Destination
+from bsr_io.tiers.base import ENGINE_ERRORS
+
+
+class _NotStarted(str):
+    """Why a read could not start, and which record failed (for exact invalidation)."""
+
+    record: object | None = None
+
+
+def _not_started(text: str, exc: BaseException) -> _NotStarted:
+    out = _NotStarted(text)
+    out.record = getattr(exc, "record", None)
+    return out
 
 
 class ChunkUnavailable(Exception):
@@ -73,8 +87,10 @@ class Window:
             if tier.defers_verify:
                 return tier.submit_read(key, self.engine, verify=False)
             return tier.submit_read(key, self.engine)
+        except ENGINE_ERRORS:
+            raise  # the engine's own state (full, closed): never a failed chunk
         except (ChunkError, OSError) as exc:
-            return f"{self.tiers[source].name}: {exc}"
+            return _not_started(f"{self.tiers[source].name}: {exc}", exc)
 
     def _install(self, dest: Destination, index: int, slot, pending=None):
         t0 = time.perf_counter()
@@ -89,29 +105,57 @@ class Window:
         causes: list[str] = []
         if isinstance(pending, str):
             causes.append(pending)
+            record = getattr(pending, "record", None)
         else:
+            slot = None
             try:
                 slot = pending.wait()
                 return slot, self._install(dest, index, slot, pending), source, causes
+            except ENGINE_ERRORS:
+                raise
             except (ChunkError, OSError) as exc:
                 causes.append(f"{self.tiers[source].name}: {exc}")
-            # Outside the except block, so the traceback (and any slot it holds) is gone.
-        self._invalidate(source, key, causes[-1])
+                record = getattr(exc, "record", None)
+            # The failed chunk's slot goes back now: the fallback read below may need it.
+            if slot is not None:
+                give_back(slot)
+            del slot, pending
+        self._invalidate(source, key, causes[-1], record)
         for ti in range(source + 1, len(self.tiers)):
             tier = self.tiers[ti]
             if not holds(tier, key):
                 continue
+            slot = None
             try:
-                slot = tier.read_into(key, self.engine)  # checked by the tier
+                slot = self._read_waiting(tier, key)  # checked by the tier
                 return slot, self._install(dest, index, slot), ti, causes
+            except ENGINE_ERRORS:
+                raise
             except (ChunkError, OSError) as exc:
                 causes.append(f"{tier.name}: {exc}")
-            self._invalidate(ti, key, causes[-1])
+                record = getattr(exc, "record", None)
+            if slot is not None:
+                give_back(slot)
+            del slot
+            self._invalidate(ti, key, causes[-1], record)
         raise ChunkUnavailable(index, key, causes)
 
-    def _invalidate(self, ti: int, key: ChunkKey, reason: str) -> None:
+    def _read_waiting(self, tier, key: ChunkKey):
+        """`tier.read_into`, waiting (until the slot deadline) while the ring is full."""
+        while True:
+            try:
+                return tier.read_into(key, self.engine)
+            except NoFreeSlot:
+                pass
+            wait_for_slot(self.engine, self._deadline)
+
+    def _invalidate(self, ti: int, key: ChunkKey, reason: str, record: object | None) -> None:
+        """Withdraw exactly the record that failed (a newer one at its place stays)."""
         try:
-            self.tiers[ti].invalidate(key, reason)
+            if record is None:
+                self.tiers[ti].invalidate(key, reason)
+            else:
+                self.tiers[ti].invalidate(key, reason, record=record)
         except (ChunkError, OSError):
             pass  # a tier that is down cannot record the loss; discovery skips it anyway
 
@@ -122,8 +166,14 @@ class Window:
         dest: Destination,
         should_stop: Callable[[], bool] = lambda: False,
         stop_every: int | None = None,
+        slot_deadline: float | None = None,
     ) -> InstallReport:
+        """Install `keys` from their `sources`. When the engine has no free slot (shared,
+        or a slot held elsewhere) the window narrows, and with nothing of its own in
+        flight it waits for one until `slot_deadline` (time.monotonic; default 30 s),
+        then raises EngineBusy: nothing is invalidated for the engine's own state."""
         n = len(keys)
+        self._deadline = time.monotonic() + 30.0 if slot_deadline is None else slot_deadline
         report = InstallReport()
         stop_every = stop_every or self.width
         reads: deque = deque()  # started reads, in chunk order
@@ -133,7 +183,18 @@ class Window:
             for i in range(n):
                 # Every free window position gets a read before chunk i is installed.
                 while next_read < n and len(reads) + len(held) < self.width:
-                    reads.append(self._submit(keys[next_read], sources[next_read]))
+                    try:
+                        reads.append(self._submit(keys[next_read], sources[next_read]))
+                    except NoFreeSlot:
+                        # Back-pressure: finish what is ours first; with nothing of
+                        # ours in flight, wait for someone else's slot.
+                        if reads:
+                            break
+                        if held:
+                            held.popleft()[1].synchronize()
+                            continue
+                        wait_for_slot(self.engine, self._deadline)
+                        continue
                     next_read += 1
                 t0 = time.perf_counter()
                 self._install_s = 0.0
@@ -150,7 +211,9 @@ class Window:
                     held.append((slot, fence))
                     if len(held) >= self.width:
                         held.popleft()[1].synchronize()
-                del slot  # without a fence the slot returns to the ring here
+                if fence is None:
+                    give_back(slot)  # installed: the slot returns to the ring now
+                del slot
                 report.install_s += self._install_s + time.perf_counter() - t1
                 report.installed += 1
                 report.sources.append(name)
@@ -170,4 +233,5 @@ class Window:
                         p.wait()
                     except (ChunkError, OSError):
                         pass
+                del p
         return report

@@ -243,9 +243,12 @@ class FaultyTier(Tier):
     def remove(self, key: ChunkKey) -> bool:
         return self.inner.remove(key)
 
-    def invalidate(self, key: ChunkKey, reason: str) -> None:
+    def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
         self._check_up(key)
-        self.inner.invalidate(key, reason)
+        if record is None:
+            self.inner.invalidate(key, reason)
+        else:
+            self.inner.invalidate(key, reason, record=record)
 
     def keys(self) -> list[ChunkKey]:
         return self.inner.keys()

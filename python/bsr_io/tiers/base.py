@@ -129,8 +129,11 @@ class Tier(ABC):
         """Delete `key`'s record; False if there was none."""
 
     @abstractmethod
-    def invalidate(self, key: ChunkKey, reason: str) -> None:
-        """Withdraw `key` (quarantine it where the tier keeps files): never advertised again."""
+    def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
+        """Withdraw `key` (quarantine it where the tier keeps files): never advertised again.
+
+        `record` is the failing read's `ChunkError.record` when it has one: the tier then
+        withdraws exactly that record, never a newer one stored under `key` since."""
 
     @abstractmethod
     def keys(self) -> list[ChunkKey]:

@@ -74,6 +74,55 @@ class _Entry:
 
 
 @dataclass(frozen=True, slots=True)
+class RecordId:
+    """One record file as it was when it failed: inode (with device and mtime, since
+    inode numbers are reused) and, once read, its header. Invalidation compares it with
+    what is at the path now, so a record republished meanwhile is left alone."""
+
+    dev: int
+    ino: int
+    mtime_ns: int
+    header: RecordHeader | None = None
+
+    @classmethod
+    def of(cls, st: os.stat_result, header: RecordHeader | None = None) -> RecordId:
+        return cls(st.st_dev, st.st_ino, st.st_mtime_ns, header)
+
+    def same_file(self, st: os.stat_result) -> bool:
+        return (self.dev, self.ino, self.mtime_ns) == (st.st_dev, st.st_ino, st.st_mtime_ns)
+
+
+def open_record(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
+    """(fd, fstat) of the regular file at `path`, opened for reading.
+
+    Opened non-blocking, so a FIFO (or a device) put at a record's path cannot block
+    the open, and refused unless it is a regular file before any byte is read; links
+    are refused by O_NOFOLLOW. Raises OSError (EISDIR, EINVAL) naming what it found."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _KINDS.get(stat.S_IFMT(st.st_mode), "special file")
+            code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
+            raise OSError(code, f"not a regular file but a {kind}; records are regular files",
+                          os.fspath(path))  # fmt: skip
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+_KINDS = {
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFSOCK: "socket",
+    stat.S_IFDIR: "directory",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+}
+
+
+@dataclass(frozen=True, slots=True)
 class Problem:
     """A record that failed verification (and was quarantined)."""
 
@@ -202,7 +251,7 @@ class FileTier(Tier):
                 except FileNotFoundError:
                     continue  # removed meanwhile by another process
                 except (OSError, RecordFormatError) as exc:
-                    self._quarantine(path, None, None, f"unreadable header: {exc}")
+                    self._quarantine(path, RecordId.of(st), None, f"unreadable header: {exc}")
                     continue
                 problem = None
                 if header.key.namespace() != ns.name or header.key.file_stem() != stem:
@@ -210,7 +259,7 @@ class FileTier(Tier):
                 elif st.st_size != header.record_bytes:
                     problem = f"file is {st.st_size} bytes, record is {header.record_bytes}"
                 if problem:
-                    self._quarantine(path, st.st_ino, None, problem)
+                    self._quarantine(path, RecordId.of(st, header), None, problem)
                     continue
                 found.append((st.st_mtime, header.key, _Entry.of(header, st)))
         found.sort(key=lambda t: t[0])
@@ -228,7 +277,7 @@ class FileTier(Tier):
             pass  # gone already, or not ours to remove
 
     def _read_header_path(self, path: Path) -> RecordHeader:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd, _ = open_record(path)
         try:
             return decode_header(os.pread(fd, HEADER_BYTES, 0))
         finally:
@@ -276,13 +325,13 @@ class FileTier(Tier):
         except FileNotFoundError:
             return False
         except (OSError, RecordFormatError) as exc:
-            self._quarantine(path, st.st_ino, key, f"unreadable header: {exc}")
+            self._quarantine(path, RecordId.of(st), key, f"unreadable header: {exc}")
             return False
         problem = header.check(key)
         if problem is None and st.st_size != header.record_bytes:
             problem = f"file is {st.st_size} bytes, record is {header.record_bytes}"
         if problem:
-            self._quarantine(path, st.st_ino, key, problem)
+            self._quarantine(path, RecordId.of(st, header), key, problem)
             return False
         self._remember(key, _Entry.of(header, st))
         return True
@@ -298,49 +347,70 @@ class FileTier(Tier):
         return out
 
     # -- verification failures ----------------------------------------------------------
-    def _quarantine(self, path: Path, ino: int | None, key: ChunkKey | None, reason: str) -> None:
-        """Move a bad record aside so no probe advertises it again."""
+    def _quarantine(self, path: Path, record: RecordId, key: ChunkKey | None, reason: str) -> None:
+        """Move the bad record `record` aside so no probe advertises it again; a file
+        that is not that record (republished meanwhile) is left where it is."""
         if key is not None:
             self._forget(key)
-        self.problems.append(Problem(str(path), reason, key))
-        self._count(quarantined=1)
         try:
-            # Another process may have replaced the file with a good record since we
-            # opened ours: move only the inode that failed.
-            if ino is not None and os.stat(path).st_ino != ino:
+            if not self._is_record(path, record):
                 return
             _mkdir(self.quarantine_dir)
             dest = self.quarantine_dir / f"{path.parent.name}-{path.name.removesuffix(SUFFIX)}"
             dest = dest.with_name(f"{dest.name}.{time.time_ns()}{SUFFIX}")
             os.rename(path, dest)
+            if not record.same_file(os.stat(dest)):
+                # Replaced between the check and the rename: put the newcomer back,
+                # unless yet another record took the name (link never replaces).
+                try:
+                    os.link(dest, path)
+                except FileExistsError:
+                    pass
+                os.unlink(dest)
+                return
             fd = os.open(dest.with_suffix(".why"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.write(fd, (reason + "\n").encode())
             finally:
                 os.close(fd)
         except FileNotFoundError:
-            pass
+            return
         except OSError:
             # Cannot move it (read-only store): at least stop advertising it here.
             try:
                 st = os.stat(path)
-                self._unmovable.add((st.st_ino, st.st_mtime_ns, st.st_size))
+                if record.same_file(st):
+                    self._unmovable.add((st.st_ino, st.st_mtime_ns, st.st_size))
             except OSError:
-                pass
+                return
+        self.problems.append(Problem(str(path), reason, key))
+        self._count(quarantined=1)
 
-    def _corrupt(self, key: ChunkKey, path: Path, ino: int | None, reason: str) -> ChunkCorrupt:
-        self._quarantine(path, ino, key, reason)
-        return ChunkCorrupt(f"{reason}; record quarantined", key=key, tier=self.name,
-                            cause=str(path))  # fmt: skip
-
-    def invalidate(self, key: ChunkKey, reason: str) -> None:
-        path = self.path_of(key)
+    def _is_record(self, path: Path, record: RecordId) -> bool:
+        """Whether the file at `path` now is `record` (same inode and mtime, same header)."""
+        st = os.stat(path, follow_symlinks=False)
+        if not record.same_file(st):
+            return False
+        if record.header is None:
+            return True
         try:
-            ino = os.stat(path).st_ino
-        except FileNotFoundError:
+            return self._read_header_path(path) == record.header
+        except (OSError, RecordFormatError):
+            return True  # the same inode, now unreadable: still the record that failed
+
+    def _corrupt(self, key: ChunkKey, path: Path, record: RecordId, reason: str) -> ChunkCorrupt:
+        self._quarantine(path, record, key, reason)
+        return ChunkCorrupt(f"{reason}; record quarantined", key=key, tier=self.name,
+                            cause=str(path), record=record)  # fmt: skip
+
+    def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
+        """Withdraw `record`, the exact file that failed (`ChunkError.record`). Without
+        one (the failure came before any file was opened) only the index entry goes:
+        the file at the path, if any, is not known to be bad and is checked again."""
+        if not isinstance(record, RecordId):
             self._forget(key)
             return
-        self._quarantine(path, ino, key, f"invalidated: {reason}")
+        self._quarantine(self.path_of(key), record, key, f"invalidated: {reason}")
 
     def quarantined_files(self) -> list[Path]:
         try:
@@ -454,7 +524,8 @@ class FileTier(Tier):
         tmp = self._tmp_path(final)
         try:
             _mkdir(final.parent)
-            with open(src, "rb") as fin:
+            src_fd, _ = open_record(src)
+            with os.fdopen(src_fd, "rb") as fin:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
                 try:
                     done = 0
@@ -506,17 +577,17 @@ class FileTier(Tier):
             return None
         return e.header
 
-    def _open_checks(self, key: ChunkKey, path: Path, raw_header: bytes, size: int,
-                     ino: int) -> RecordHeader:  # fmt: skip
+    def _open_checks(self, key: ChunkKey, path: Path, raw_header: bytes,
+                     st: os.stat_result) -> RecordHeader:  # fmt: skip
         try:
             header = decode_header(raw_header)
         except RecordFormatError as exc:
-            raise self._corrupt(key, path, ino, f"bad header: {exc}") from None
+            raise self._corrupt(key, path, RecordId.of(st), f"bad header: {exc}") from None
         problem = header.check(key)
-        if problem is None and size != header.record_bytes:
-            problem = f"file is {size} bytes, record is {header.record_bytes} (truncated?)"
+        if problem is None and st.st_size != header.record_bytes:
+            problem = f"file is {st.st_size} bytes, record is {header.record_bytes} (truncated?)"
         if problem:
-            raise self._corrupt(key, path, ino, problem)
+            raise self._corrupt(key, path, RecordId.of(st, header), problem)
         return header
 
     def _checked(self, key: ChunkKey, header: RecordHeader, st: os.stat_result) -> None:
@@ -530,8 +601,11 @@ class FileTier(Tier):
                             tier=self.name, cause=exc)  # fmt: skip
         return ChunkMissing("no record", key=key, tier=self.name, cause=exc)
 
-    def _read_error(self, key: ChunkKey, path: Path, exc: OSError) -> ChunkError:
+    def _read_error(
+        self, key: ChunkKey, path: Path, exc: OSError, record: RecordId | None = None
+    ) -> ChunkError:
         if not self.chunks_dir.is_dir():
             return TierDown(f"store directory {self.chunks_dir} is gone", key=key,
                             tier=self.name, cause=exc)  # fmt: skip
-        return ChunkReadError(f"cannot read {path}", key=key, tier=self.name, cause=exc)
+        return ChunkReadError(f"cannot read {path}", key=key, tier=self.name, cause=exc,
+                              record=record)  # fmt: skip

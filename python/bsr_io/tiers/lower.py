@@ -21,7 +21,7 @@ from bsr_io.tiers.base import (
     check_slot_fits,
     payload_view,
 )
-from bsr_io.tiers.files import FileTier
+from bsr_io.tiers.files import FileTier, RecordId, open_record
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -61,18 +61,19 @@ class LowerTier(FileTier):
     def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
         path = self.path_of(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd, st = open_record(path)
         except FileNotFoundError as exc:
             raise self._missing(key, exc) from None
         except OSError as exc:
             raise self._read_error(key, path, exc) from exc
+        record = RecordId.of(st)
         try:
-            st = os.fstat(fd)
             header = self._known_header(key, st)
             if header is None:
                 raw = os.pread(fd, HEADER_BYTES, 0)
-                header = self._open_checks(key, path, raw, st.st_size, st.st_ino)
+                header = self._open_checks(key, path, raw, st)
                 self._checked(key, header, st)
+            record = RecordId.of(st, header)
             n = header.payload_len
             check_slot_fits(self.name, engine, key, n)
             slot = engine.lease()
@@ -81,18 +82,18 @@ class LowerTier(FileTier):
                 done = _pread_into(fd, slot, HEADER_BYTES)
                 good = done == n and slot.checksum(0, n) == header.payload_xxh3
             except BaseException:
-                del slot  # back to the ring now: a kept exception must not hold it
+                slot.release()  # back to the ring now: a kept exception must not hold it
                 raise
         except ENGINE_ERRORS:
             raise
         except OSError as exc:
-            raise self._read_error(key, path, exc) from exc
+            raise self._read_error(key, path, exc, record) from exc
         finally:
             os.close(fd)
         if not good:
-            del slot
+            slot.release()
             why = "payload checksum mismatch" if done == n else "record truncated while reading"
-            raise self._corrupt(key, path, st.st_ino, why)
+            raise self._corrupt(key, path, record, why)
         self._touch(key)
         self._count(hits=1, reads=1, bytes_read=n)
         return PendingChunk.ready(key, slot)

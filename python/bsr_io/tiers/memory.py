@@ -99,7 +99,7 @@ class MemoryTier(Tier):
             self._used -= len(entry.data)
             return True
 
-    def invalidate(self, key: ChunkKey, reason: str) -> None:
+    def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
         if self.remove(key):
             self._count(quarantined=1)
 

@@ -20,7 +20,7 @@ from bsr_io.tiers.base import (
     check_slot_fits,
     payload_view,
 )
-from bsr_io.tiers.files import FileTier
+from bsr_io.tiers.files import FileTier, RecordId
 
 _local = threading.local()
 
@@ -95,7 +95,13 @@ class SSDTier(FileTier):
             f.close()
         return header
 
-    def submit_read(self, key: ChunkKey, engine: Engine | None = None) -> PendingChunk:
+    defers_verify = True
+
+    def submit_read(
+        self, key: ChunkKey, engine: Engine | None = None, *, verify: bool = True
+    ) -> PendingChunk:
+        """Start the payload read; `verify=False` leaves the payload hash to the caller
+        (the key, lengths and header checksum are still checked here)."""
         engine = engine or self.engine
         path = self.path_of(key)
         try:
@@ -109,12 +115,14 @@ class SSDTier(FileTier):
         try:
             fd = f.fileno()
             st = os.fstat(fd)
+            record = RecordId.of(st)
             header = self._known_header(key, st)
             if header is None:
                 buf = _header_buffer()
                 got = os.preadv(fd, [buf], 0)
-                header = self._open_checks(key, path, bytes(buf[:got]), st.st_size, st.st_ino)
+                header = self._open_checks(key, path, bytes(buf[:got]), st)
                 self._checked(key, header, st)
+            record = RecordId.of(st, header)
             n = header.payload_len
             check_slot_fits(self.name, engine, key, n)
             pending = engine.submit_read(f, HEADER_BYTES, n)
@@ -123,7 +131,7 @@ class SSDTier(FileTier):
             raise
         except OSError as exc:
             f.close()
-            raise self._read_error(key, path, exc) from exc
+            raise self._read_error(key, path, exc, record) from exc
         except BaseException:
             f.close()
             raise
@@ -135,19 +143,30 @@ class SSDTier(FileTier):
                 raise
             except ShortReadError as exc:
                 f.close()
-                raise self._corrupt(key, path, st.st_ino, f"record truncated: {exc}") from exc
+                raise self._corrupt(key, path, record, f"record truncated: {exc}") from exc
+            except ENGINE_ERRORS:
+                f.close()
+                raise
             except OSError as exc:
                 f.close()
-                raise self._read_error(key, path, exc) from exc
+                raise self._read_error(key, path, exc, record) from exc
             f.close()
-            if slot.checksum(0, n) != header.payload_xxh3:
-                del slot  # back to the ring now: a kept exception must not hold it
-                raise self._corrupt(key, path, st.st_ino, "payload checksum mismatch")
+            if verify and slot.checksum(0, n) != header.payload_xxh3:
+                slot.release()  # back to the ring now: a kept exception must not hold it
+                raise self._corrupt(key, path, record, "payload checksum mismatch")
             self._touch(key)
             self._count(hits=1, reads=1, bytes_read=n)
             return slot
 
-        return PendingChunk(key, finish, pending.done)
+        if verify:
+            return PendingChunk(key, finish, pending.done)
+        return PendingChunk(
+            key,
+            finish,
+            pending.done,
+            expected_xxh3=header.payload_xxh3,
+            reject=lambda why: self._corrupt(key, path, record, why),
+        )
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:
         return self.submit_read(key, engine).wait()
