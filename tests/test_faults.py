@@ -128,3 +128,18 @@ def test_plan_json_and_env(tmp_path, monkeypatch):
     ]:
         with pytest.raises(ValueError, match=msg):
             FaultPlan.from_json(bad)
+
+
+def test_discovery_places_faults_through_the_tier_interface(l2):
+    """Discovery hands each tier the request's keys (`prepare_probe`, public Tier
+    interface), so a group_missing fault at chunk 2 cuts that group's hit there with no
+    bind(); control: the same wrapped tier, never told the keys, cannot place it."""
+    from bsr_io.discovery import discover
+
+    tier, keys = l2
+    fault = Fault("group_missing", chunks=[2], groups=["window"])
+    blind = FaultPlan([fault]).wrap(tier)
+    assert blind.contains(keys[2], "window")  # unplaced: the fault does not fire
+    sources, group_hits = discover([FaultPlan([fault]).wrap(tier)], keys, LAYOUT)
+    assert sources == [0, 0]
+    assert group_hits == {"full": 4, "window": 2, "state": 4}

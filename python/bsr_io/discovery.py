@@ -53,9 +53,7 @@ def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tup
     for t in tiers:
         # A tier that answers many keys in one call (a remote pool) is handed the request's
         # keys first; its per-chunk answers below then come from that one call.
-        prepare = getattr(t, "prepare_probe", None)
-        if prepare is not None:
-            prepare(keys)
+        t.prepare_probe(keys)
     names = [g.name for g in layout.groups]
     # A chunk is restorable from the first tier whose record holds every group.
     sources: list[int] = []

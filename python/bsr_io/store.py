@@ -63,6 +63,10 @@ class Store(Tier):
             out.append(src)
         return out
 
+    def prepare_probe(self, keys: Sequence[ChunkKey]) -> None:
+        for t in self.tiers:
+            t.prepare_probe(keys)
+
     def probe(self, keys: Sequence[ChunkKey], group: str | None = None) -> int:
         return len(self.source_of(keys, group))
 

@@ -16,9 +16,9 @@ Kinds:
   group_missing  probe(keys, group=g) for g in `groups` stops at the chunk
 
 `chunks` are positions in the request (chunk index 0, 1, ...). A FaultyTier learns
-them only through what a caller tells it: `wrap(..., keys=)`, `bind(tiers, keys)`, or a
-probe of more than one key (the public Tier interface; nothing in the core knows about
-faults). A key it cannot place matches only faults with `chunks=None`. `ranks` limits a
+them only through the public Tier interface (`prepare_probe(keys)`, which discovery
+calls with the request's keys, or a probe of more than one key) or from the caller
+(`wrap(..., keys=)`, `bind(tiers, keys)`); nothing in the core knows about faults. A key it cannot place matches only faults with `chunks=None`. `ranks` limits a
 fault to some ranks, `times` to its first n firings.
 
 Plans travel to other processes as JSON, e.g. in the environment:
@@ -206,6 +206,10 @@ class FaultyTier(Tier):
     def _check_up(self, key: ChunkKey | None = None) -> None:
         if self._down_everywhere():
             raise TierDown("injected fault: tier down", key=key, tier=self.name)
+
+    def prepare_probe(self, keys: Sequence[ChunkKey]) -> None:
+        self.bind(keys)
+        self.inner.prepare_probe(keys)
 
     def probe(self, keys: Sequence[ChunkKey], group: str | None = None) -> int:
         if len(keys) > 1:

@@ -109,6 +109,10 @@ class Tier(ABC):
             n += 1
         return n
 
+    def prepare_probe(self, keys: Sequence[ChunkKey]) -> None:
+        """A request with these keys (in order) is about to be probed key by key. A tier
+        that answers many keys in one call (a remote pool) asks now; by default, nothing."""
+
     # -- data ---------------------------------------------------------------------------
     @abstractmethod
     def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
