@@ -18,8 +18,9 @@ Kinds:
 `chunks` are positions in the request (chunk index 0, 1, ...). A FaultyTier learns
 them only through the public Tier interface (`prepare_probe(keys)`, which discovery
 calls with the request's keys, or a probe of more than one key) or from the caller
-(`wrap(..., keys=)`, `bind(tiers, keys)`); nothing in the core knows about faults. A key it cannot place matches only faults with `chunks=None`. `ranks` limits a
-fault to some ranks, `times` to its first n firings.
+(`wrap(..., keys=)`, `bind(tiers, keys)`); nothing in the core knows about faults.
+A key it cannot place matches only faults with `chunks=None`. `ranks` limits a fault
+to some ranks, `times` to its first n firings.
 
 Plans travel to other processes as JSON, e.g. in the environment:
     BSR_IO_FAULTS='[{"kind": "error", "tier": "L2", "chunks": [3], "ranks": [1]}]'

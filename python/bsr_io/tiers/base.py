@@ -109,7 +109,7 @@ class Tier(ABC):
             n += 1
         return n
 
-    def prepare_probe(self, keys: Sequence[ChunkKey]) -> None:
+    def prepare_probe(self, keys: Sequence[ChunkKey]) -> None:  # noqa: B027 - optional
         """A request with these keys (in order) is about to be probed key by key. A tier
         that answers many keys in one call (a remote pool) asks now; by default, nothing."""
 
