@@ -22,6 +22,7 @@ BENCHES = (
     "bench_model",
     "bench_lmcache",
     "bench_ceiling",
+    "bench_paper",
     "bench_remote",
 )
 

@@ -6,7 +6,10 @@ a fresh process so its VmHWM belongs to that restore alone. The whole-plan
 baseline is run at the same L1 budget (it fails and says what it needed) and, up
 to `--whole-plan-max`, with L1 large enough (its measured peak). In the same run
 the engine reads a plain file of the same size class through the same window, the
-`bench ssd` reference that BSR's throughput is reported against.
+`bench ssd` reference that BSR's throughput is reported against, and fio reads it on
+4 KiB-page and on huge-page buffers. Then fio reads the largest state's record
+payloads themselves (every rank's at once, as the ranks restore), on both kinds of
+buffers: the drive's time for the very bytes the largest restore read.
 """
 
 from __future__ import annotations
@@ -21,10 +24,18 @@ from typing import Any
 
 from bsr_io._core import Engine
 from bsr_io.cli.bench_ssd import engine_read, write_test_file
-from bsr_io.cli.fio import drop_caches, fio_available, fio_read
+from bsr_io.cli.fio import (
+    HugeMem,
+    drop_caches,
+    fio_available,
+    fio_read,
+    fio_read_payloads,
+    huge_page_buffers,
+)
 from bsr_io.cli.progress import bar
 from bsr_io.cli.report import write_json
 from bsr_io.layout import preset
+from bsr_io.record import HEADER_BYTES
 from bsr_io.sizes import fmt_size, parse_size
 from bsr_io.testing.ranks import launch
 
@@ -55,7 +66,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--dest-cap", type=parse_size, default=parse_size("1GiB"),
                    help="host KV cache size; larger states cycle through its blocks")  # fmt: skip
     p.add_argument("--ref-size", type=parse_size, default=parse_size("2GiB"),
-                   help="size of the engine/fio reference read")  # fmt: skip
+                   help="size of the engine/fio reference read (0: none)")  # fmt: skip
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--keep", action="store_true", help="keep the store afterwards")
     p.add_argument("--quiet", action="store_true")
@@ -120,14 +131,22 @@ def run(args: argparse.Namespace) -> int:
             for n in tokens:
                 rows.append(_row(args, lay, n, l1, common))
                 progress.update(1)
-        ref = _reference(args, root, chunk)
+        with huge_page_buffers(args.ranks * (FIO_DEPTH << 20)) as huge:
+            ref = _reference(args, root, chunk, huge) if args.ref_size else {}
+            records = _records_fio(args, root, lay, tokens[-1], huge)
     finally:
         if not args.keep:
             shutil.rmtree(root / "store", ignore_errors=True)
             if args.dir is None:
                 shutil.rmtree(root, ignore_errors=True)
     for r in rows:
-        r["vs_ssd"] = r["aggregate_gib_s"] / ref["engine_gib_s"] if ref["engine_gib_s"] else None
+        r["vs_ssd"] = r["aggregate_gib_s"] / ref["engine_gib_s"] if ref else None
+    top = rows[-1]
+    for k in ("fio_s", "fio_hugemem_s"):
+        # The largest restore's time over fio's for the same bytes (1.0 = at fio's pace).
+        top["restore_over_" + k.removesuffix("_s")] = (
+            top["restore_s"] / records[k] if records.get(k) else None
+        )
     doc = {
         "layout": args.layout,
         "window": args.window,
@@ -136,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "l1_budget_bytes": l1,
         "cold_cache": cold,
         "reference": ref,
+        "records_fio": records,
         "rows": rows,
     }
     _print(doc)
@@ -201,7 +221,36 @@ def _row(args, lay, n: int, l1: int, common: dict) -> dict[str, Any]:
     }
 
 
-def _reference(args, root: Path, chunk: int) -> dict[str, Any]:
+FIO_DEPTH = 32
+
+
+def _records_fio(args, root: Path, lay, tokens: int, huge: HugeMem) -> dict[str, Any]:
+    """fio reading every rank's record payloads of the largest state, cold, all ranks'
+    at once: on 4 KiB pages and on huge pages."""
+    dirs = sorted(p for p in (root / "store" / "l2" / "chunks").iterdir() if p.is_dir())
+    chunks = tokens // lay.chunk_tokens
+    out: dict[str, Any] = {"bytes": chunks * lay.chunk_bytes * len(dirs), "files": chunks,
+                           "ranks": len(dirs), "fio_hugemem_note": huge.note}  # fmt: skip
+    if not fio_available() or lay.chunk_bytes % 4096:
+        out["note"] = "fio not installed" if lay.chunk_bytes % 4096 == 0 else (
+            "payloads are not 4 KiB multiples: fio cannot read exactly them")  # fmt: skip
+        return out
+    for name, hm in (("fio", None), ("fio_hugemem", huge)):
+        if hm is not None and hm.mount is None:
+            out[name + "_s"] = None
+            continue
+        _say(args, f"fio ({name}) reading the records of {tokens} tokens x {len(dirs)} rank(s)")
+        drop_caches()
+        res = fio_read_payloads(
+            dirs, payload_offset=HEADER_BYTES, payload_bytes=lay.chunk_bytes, files=chunks,
+            iodepth=FIO_DEPTH, hugemem=hm, timeout_s=7200,
+        )  # fmt: skip
+        out[name + "_s"] = res.seconds
+        out[name + "_gib_s"] = res.gib_s
+    return out
+
+
+def _reference(args, root: Path, chunk: int, huge: HugeMem) -> dict[str, Any]:
     """The `bench ssd` engine read (same W, chunk-sized slots) and fio, same run."""
     path = root / "bsr-io-sweep-ref.bin"
     slot = -(-chunk // 4096) * 4096  # the engine's slot for this chunk size
@@ -218,6 +267,11 @@ def _reference(args, root: Path, chunk: int) -> dict[str, Any]:
         if fio_available():
             drop_caches()
             out["fio_gib_s"] = fio_read(path, size=size).gib_s
+            out["fio_hugemem_gib_s"] = None
+            out["fio_hugemem_note"] = huge.note
+            if huge.mount is not None:
+                drop_caches()
+                out["fio_hugemem_gib_s"] = fio_read(path, size=size, iomem=huge.iomem("ref")).gib_s
         return out
     finally:
         path.unlink(missing_ok=True)
@@ -243,5 +297,17 @@ def _print(doc: dict) -> None:
             f"{r['whole_plan_at_budget']:>9}"
         )
     ref = doc["reference"]
-    fio = f", fio {ref['fio_gib_s']:.2f} GiB/s" if "fio_gib_s" in ref else ""
-    print(f"reference: engine {ref['engine_gib_s']:.2f} GiB/s{fio}")
+    if ref:
+        fio = f", fio {ref['fio_gib_s']:.2f} GiB/s" if "fio_gib_s" in ref else ""
+        if ref.get("fio_hugemem_gib_s"):
+            fio += f", fio on huge pages {ref['fio_hugemem_gib_s']:.2f} GiB/s"
+        print(f"reference: engine {ref['engine_gib_s']:.2f} GiB/s{fio}")
+    rec, top = doc["records_fio"], doc["rows"][-1]
+    for k in ("fio", "fio_hugemem"):
+        if rec.get(k + "_s"):
+            print(
+                f"{k} reading the same {fmt_size(rec['bytes'])} of records: {rec[k + '_s']:.2f} s; "
+                f"the restore took {top['restore_s']:.2f} s ({top['restore_over_' + k]:.2f}x)"
+            )
+    if rec.get("fio_hugemem_s") is None and rec.get("fio_hugemem_note"):
+        print(f"fio on huge pages not run: {rec['fio_hugemem_note']}")

@@ -225,7 +225,7 @@ def fio_read(
 
 
 def fio_read_payloads(
-    directory: str | os.PathLike[str],
+    directory: str | os.PathLike[str] | list,
     *,
     payload_offset: int,
     payload_bytes: int,
@@ -240,7 +240,10 @@ def fio_read_payloads(
 
     fio issues whole blocks only, so a payload that is not a multiple of `block_bytes` is
     read as two concurrent jobs, as the engine splits it: the whole blocks, and each
-    file's tail in one request. The time is fio's measured runtime (the longer job)."""
+    file's tail in one request. The time is fio's measured runtime (the longest job).
+    Several directories (one per rank, `files` each) are read at the same time, one set
+    of jobs each, as ranks restore at the same time."""
+    dirs = directory if isinstance(directory, list) else [directory]
     body = payload_bytes // block_bytes * block_bytes
     tail = payload_bytes - body
     if payload_bytes <= 0 or files <= 0:
@@ -249,26 +252,27 @@ def fio_read_payloads(
         raise ValueError("payload offset and tail must be 4096-byte aligned for O_DIRECT")
     jobs = []
     tail_depth = min(2, iodepth - 1) if body and tail else 0
-    common = (
-        f"opendir={os.fspath(directory)}\nioengine=io_uring\ndirect=1\nfixedbufs=1\n"
-        "rw=read\nfile_service_type=sequential\n"
-    )
     if body:
         jobs.append(("body", payload_offset, block_bytes, iodepth - tail_depth, body))
     if tail:
         jobs.append(("tail", payload_offset + body, tail, tail_depth or iodepth, tail))
     text = ""
-    for name, off, bs, depth, per_file in jobs:
-        mem = hugemem.iomem(name) if hugemem else None
-        text += (
-            f"[{name}]\n{common}offset={off}\nbs={bs}\niodepth={depth}\n"
-            f"io_size={per_file * files}\n" + (f"iomem={mem}\n" if mem else "")
+    for d, directory in enumerate(dirs):
+        common = (
+            f"opendir={os.fspath(directory)}\nioengine=io_uring\ndirect=1\nfixedbufs=1\n"
+            "rw=read\nfile_service_type=sequential\n"
         )
+        for name, off, bs, depth, per_file in jobs:
+            mem = hugemem.iomem(f"{name}{d}") if hugemem else None
+            text += (
+                f"[{name}{d}]\n{common}offset={off}\nbs={bs}\niodepth={depth}\n"
+                f"io_size={per_file * files}\n" + (f"iomem={mem}\n" if mem else "")
+            )
     cmd = [_exe(), "--readonly", "--output-format=json", "-"]
     report, wall = _run(cmd, timeout_s, stdin=text)
     nbytes = sum(int(j["read"]["io_bytes"]) for j in report["jobs"])
     seconds = max(j["read"]["runtime"] for j in report["jobs"]) / 1000.0
-    want = payload_bytes * files
+    want = payload_bytes * files * len(dirs)
     if nbytes != want:
         raise RuntimeError(f"fio read {nbytes} bytes of the payloads' {want}: {text}")
     seconds = seconds or wall  # under a millisecond: fio reports 0, the process time stands

@@ -88,6 +88,7 @@ def restore_on_rank(
     fill: bool = True,
     mode: str = "bsr",  # or "whole_plan"
     l1_bytes: int | None = None,  # whole-plan L1 budget (default: unlimited)
+    whole_plan_reads: str = "lmcache",  # or "engine": the control through W engine slots
     dest_cap_tokens: int | None = None,
     kill_at_chunk: int | None = None,
     kill_rank: int | None = None,
@@ -112,8 +113,9 @@ def restore_on_rank(
     dest = _destination(lay, max(hit_tokens, lay.chunk_tokens), dest_cap_tokens)
     # Baseline before the engine exists: growth then includes the staging ring itself.
     hwm0 = vmhwm_bytes()
-    # Whole-plan stages in L1 buffers of its own; its engine needs only one slot.
-    slots = window if mode == "bsr" else 1
+    # Whole-plan stages in an L1 pool of its own; its engine needs one slot unless it is
+    # the control that reads through BSR's W slots.
+    slots = window if mode == "bsr" or whole_plan_reads == "engine" else 1
     engine = Engine(slots, lay.chunk_bytes, backend=backend)
     store = open_store(
         engine, base / "l2", layout=lay, lower_dir=base / "l3" if l3 != "none" else None
@@ -125,6 +127,11 @@ def restore_on_rank(
         Agreement.from_process_group(timeout_s=timeout_s) if world_size > 1 else Agreement.local()
     )
     r = Restorer(store, lay, window=slots, engine=engine, model=model, agreement=agreement)
+    if mode == "whole_plan":
+        budget = l1_bytes if l1_bytes is not None else 1 << 62
+        wp = WholePlanRestorer(store, lay, l1_bytes=budget, engine=engine, reads=whole_plan_reads)
+        # LMCache's L1 pool is resident before any request: in the VmHWM, not in the time.
+        wp.prepare(hit_tokens // lay.chunk_tokens * lay.chunk_bytes)
     t1 = time.perf_counter()
     plan = r.probe(token_ids)
     target = dest
@@ -133,8 +140,6 @@ def restore_on_rank(
     if mode == "bsr":
         res = r.restore(plan, target)
     elif mode == "whole_plan":
-        budget = l1_bytes if l1_bytes is not None else 1 << 62
-        wp = WholePlanRestorer(store, lay, l1_bytes=budget, engine=engine)
         res = wp.restore(plan, target)
     else:
         raise ValueError(f"mode must be 'bsr' or 'whole_plan', got {mode!r}")

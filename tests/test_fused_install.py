@@ -1,0 +1,160 @@
+"""The fused install: copy a slot into the KV blocks and hash it in one pass (Rust, GIL
+released), then check the record header's hash; a mismatch is a chunk failure."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from bsr_io import Engine
+from bsr_io._core import xxh3_64
+from bsr_io.kvcache import PagedKVCache
+from bsr_io.layout import preset
+from bsr_io.record import HEADER_BYTES
+from bsr_io.restore import Restorer
+from bsr_io.store import fill_state, open_store, synthetic_chunk
+
+LAYOUT = preset("tiny")
+CHUNKS = 12
+
+
+class _Spy(PagedKVCache):
+    """Counts the fused installs it is asked for (so a test knows which path ran)."""
+
+    fused_calls = 0
+
+    def host_runs(self, chunk_index):
+        self.fused_calls += 1
+        return super().host_runs(chunk_index)
+
+
+class _TwoPass:
+    """The same cache without host runs: installs take the copy-then-hash path."""
+
+    def __init__(self, inner: PagedKVCache) -> None:
+        self.inner, self.layout = inner, inner.layout
+        self.capacity_chunks = inner.capacity_chunks
+
+    def install(self, i, payload):
+        return self.inner.install(i, payload)
+
+    def extract(self, i, out):
+        self.inner.extract(i, out)
+
+    def synchronize(self):
+        self.inner.synchronize()
+
+
+def _slot(engine: Engine, data: np.ndarray):
+    s = engine.lease()
+    s.fill_from(data)
+    s.set_length(len(data))
+    return s
+
+
+def test_install_xxh3_copies_along_runs_and_hashes_every_byte():
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 300_000, dtype=np.uint8)
+    with Engine(1, 1 << 20) as eng:
+        s = _slot(eng, data)
+        a, b = np.zeros(200_000, np.uint8), np.zeros(150_000, np.uint8)
+        runs = [(1, 10, 0, 100_000), (0, 0, 100_000, 70_000), (0, 80_000, 200_000, 100_000)]
+        h = s.install_xxh3([a, b], runs)
+        assert h == xxh3_64(data)  # the gap 170_000..200_000 is hashed too
+        assert (b[10:100_010] == data[:100_000]).all()
+        assert (a[:70_000] == data[100_000:170_000]).all()
+        assert (a[80_000:180_000] == data[200_000:]).all() and not a[70_000:80_000].any()
+        # Control: one flipped byte in the slot changes the hash.
+        data[123_456] ^= 0x40
+        s.fill_from(data)
+        assert s.install_xxh3([a, b], runs) != h
+        del s
+
+
+def test_install_xxh3_refuses_bad_runs_and_aliasing():
+    with Engine(1, 1 << 16) as eng:
+        s = _slot(eng, np.arange(4096, dtype=np.uint8))
+        d = np.zeros(4096, np.uint8)
+        for runs in ([(0, 0, 4000, 200)], [(0, 4000, 0, 200)], [(1, 0, 0, 10)],
+                     [(0, 0, 100, 10), (0, 20, 50, 10)]):  # fmt: skip
+            with pytest.raises(ValueError):
+                s.install_xxh3([d], runs)
+        with pytest.raises(ValueError, match="overlap"):
+            s.install_xxh3([d, d[100:]], [(0, 0, 0, 10)])
+        with pytest.raises(BufferError):
+            s.install_xxh3([bytes(10)], [(0, 0, 0, 10)])  # read-only destination
+        del s
+
+
+def _state(tmp_path, engine, *, l3: bool):
+    store = open_store(
+        engine, tmp_path / "l2", layout=LAYOUT, lower_dir=tmp_path / "l3" if l3 else None
+    )
+    tokens, keys = fill_state(store.tier("L2"), LAYOUT, CHUNKS * 16, seed=5, model="m")
+    if l3:
+        fill_state(store.tier("L3"), LAYOUT, CHUNKS * 16, seed=5, model="m")
+    return store, tokens, keys
+
+
+def _bytes_ok(dest, n):
+    return all(dest.chunk_bytes(i) == synthetic_chunk(LAYOUT, 5, i).tobytes() for i in range(n))
+
+
+def test_fused_and_two_pass_install_the_same_bytes(tmp_path):
+    engine = Engine(4, LAYOUT.chunk_bytes)
+    store, tokens, _ = _state(tmp_path, engine, l3=False)
+    r = Restorer(store, LAYOUT, window=4, engine=engine, model="m")
+    fused = _Spy.allocate(LAYOUT, CHUNKS * 16)
+    res = r.restore(r.probe(tokens), fused)
+    assert res.complete and fused.fused_calls == CHUNKS
+    plain = PagedKVCache.allocate(LAYOUT, CHUNKS * 16)
+    res2 = r.restore(r.probe(tokens), _TwoPass(plain))
+    assert res2.complete
+    assert all(fused.chunk_bytes(i) == plain.chunk_bytes(i) for i in range(CHUNKS))
+    assert _bytes_ok(fused, CHUNKS)
+    assert engine.live_bytes() == 0
+
+
+def _flip_payload(store, key, at: int = 17) -> None:
+    path = store.tier("L2").path_of(key)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        b = os.pread(fd, 1, HEADER_BYTES + at)
+        os.pwrite(fd, bytes([b[0] ^ 0xFF]), HEADER_BYTES + at)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_corrupt_payload_caught_after_the_copy_is_never_committed(tmp_path, two_pass):
+    engine = Engine(4, LAYOUT.chunk_bytes)
+    store, tokens, keys = _state(tmp_path, engine, l3=False)
+    r = Restorer(store, LAYOUT, window=4, engine=engine, model="m")
+    plan = r.probe(tokens)
+    assert plan.hit_chunks == CHUNKS
+    _flip_payload(store, keys[6])
+    dest = _Spy.allocate(LAYOUT, CHUNKS * 16)
+    res = r.restore(plan, _TwoPass(dest) if two_pass else dest)
+    assert res.outcome == "zero" and res.committed_tokens == 0
+    assert "checksum mismatch after the install copy" in res.reason
+    # The fused path really ran up to the bad chunk (its bytes were installed, unseen).
+    assert dest.fused_calls == (0 if two_pass else 7)
+    # The bad record is withdrawn: the next probe stops before it.
+    assert r.probe(tokens).hit_chunks == 6
+    assert store.tier("L2").quarantined_files()
+    assert engine.live_bytes() == 0
+
+
+def test_corrupt_payload_reread_from_l3_into_the_same_blocks(tmp_path):
+    engine = Engine(4, LAYOUT.chunk_bytes)
+    store, tokens, keys = _state(tmp_path, engine, l3=True)
+    r = Restorer(store, LAYOUT, window=4, engine=engine, model="m")
+    plan = r.probe(tokens)
+    _flip_payload(store, keys[3])
+    dest = _Spy.allocate(LAYOUT, CHUNKS * 16)
+    res = r.restore(plan, dest)
+    assert res.complete, res.reason
+    assert [f["chunk"] for f in res.fallbacks] == [3] and res.fallbacks[0]["tier"] == "L3"
+    assert "checksum mismatch" in " ".join(res.fallbacks[0]["causes"])
+    assert _bytes_ok(dest, CHUNKS)  # the good copy overwrote the bad bytes
