@@ -90,7 +90,7 @@ def test_permission_denied_for_unprivileged_user() -> None:
         assert r.stdout.strip() == f"errno {errno.EACCES}"
     finally:
         shutil.rmtree(work)
-    assert FilePermissionError.__mro__[1:3] == (BsrIoError, PermissionError)
+    assert FilePermissionError.__bases__ == (BsrIoError, PermissionError)
 
 
 def test_closed_engine_and_file(backend: str, tmp_path: Path) -> None:

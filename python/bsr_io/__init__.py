@@ -5,9 +5,12 @@ fixed window of W staging slots, and commits them all-or-nothing across
 allocator groups and tensor-parallel ranks.
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from bsr_io._core import (
     AlignmentError,
     BackendUnavailable,
+    BsrError,
     BsrIoError,
     Engine,
     EngineClosedError,
@@ -19,16 +22,21 @@ from bsr_io._core import (
     Pending,
     ShortReadError,
     Slot,
+    WaitTimeoutError,
     dio_alignment,
     xxh3_64,
 )
 from bsr_io.engine import as_numpy, as_tensor, register_cuda, unregister_cuda
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("bsr-io")
+except PackageNotFoundError:  # a source tree on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "AlignmentError",
     "BackendUnavailable",
+    "BsrError",
     "BsrIoError",
     "Engine",
     "EngineClosedError",
@@ -40,6 +48,7 @@ __all__ = [
     "Pending",
     "ShortReadError",
     "Slot",
+    "WaitTimeoutError",
     "__version__",
     "as_numpy",
     "as_tensor",
@@ -59,11 +68,12 @@ from bsr_io.errors import (  # noqa: E402
     ChunkWriteError,
     EngineBusy,
     LayoutError,
+    RecordFormatError,
     TierDown,
 )
 from bsr_io.keys import ChunkKey, chunk_keys, prefix_hashes  # noqa: E402
 from bsr_io.layout import AllocatorGroup, KVLayout, preset  # noqa: E402
-from bsr_io.store import Store, fill_state, open_store, synthetic_chunk  # noqa: E402
+from bsr_io.store import Store, open_store  # noqa: E402
 from bsr_io.tiers import LowerTier, MemoryTier, SSDTier, Tier  # noqa: E402
 
 __all__ += [
@@ -80,25 +90,24 @@ __all__ += [
     "LayoutError",
     "LowerTier",
     "MemoryTier",
+    "RecordFormatError",
     "SSDTier",
     "Store",
     "Tier",
     "TierDown",
     "chunk_keys",
-    "fill_state",
     "open_store",
     "prefix_hashes",
     "preset",
-    "synthetic_chunk",
 ]
 
-# Restoration: discovery, windowed install, commit, the whole-plan baseline.
+# Restoration: discovery, windowed install, commit. (The whole-plan baseline and the
+# synthetic data of tests and benchmarks are not part of the API.)
 from bsr_io.commit import Agreement  # noqa: E402
 from bsr_io.discovery import Plan  # noqa: E402
 from bsr_io.kvcache import Destination, PagedKVCache  # noqa: E402
 from bsr_io.metrics import RestoreMetrics  # noqa: E402
 from bsr_io.restore import Restorer, RestoreResult  # noqa: E402
-from bsr_io.whole_plan import WholePlanRestorer  # noqa: E402
 
 __all__ += [
     "Agreement",
@@ -108,5 +117,4 @@ __all__ += [
     "RestoreMetrics",
     "RestoreResult",
     "Restorer",
-    "WholePlanRestorer",
 ]

@@ -10,10 +10,19 @@ slot is never refilled under a view. Collection of the last reference is only th
 fallback: a kept traceback must not be able to starve the ring.
 """
 
-from collections.abc import Buffer
+import sys
 from os import PathLike
 
-class BsrIoError(OSError):
+if sys.version_info >= (3, 12):
+    from collections.abc import Buffer
+else:
+    from typing_extensions import Buffer
+
+class BsrError(Exception):
+    """Root of every bsr-io error: the engine's, and chunk, layout, capacity and
+    record-format errors (bsr_io.errors)."""
+
+class BsrIoError(BsrError, OSError):
     """Root of engine errors; `errno` is set where the kernel gave one."""
 
 class AlignmentError(BsrIoError):
@@ -39,6 +48,9 @@ class FileMissingError(BsrIoError, FileNotFoundError):
 
 class FilePermissionError(BsrIoError, PermissionError):
     """Access to the file was refused (errno EACCES or EPERM)."""
+
+class WaitTimeoutError(BsrIoError, TimeoutError):
+    """A wait ran past its timeout (errno ETIMEDOUT); the operation keeps its slot."""
 
 class File:
     """An open file used by the engine (O_DIRECT unless the filesystem refused it)."""

@@ -1,4 +1,9 @@
-"""Errors raised by the chunk store and its tiers.
+"""Errors raised by the chunk store, its tiers and the restore.
+
+One root, `BsrError` (defined by the engine module, `bsr_io._core`): the engine's own
+errors (`BsrIoError`, also an `OSError` with errno) and every class here derive from
+it, so `except BsrError` catches whatever bsr-io raises for a reason of its own.
+Argument errors of the engine stay plain `ValueError`s.
 
 A `ChunkError` always names the chunk key, the tier and the underlying cause, so a
 restore can report which chunk failed where and fall back (lower tier or recompute)
@@ -9,11 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bsr_io._core import BsrError
+
 if TYPE_CHECKING:
     from bsr_io.keys import ChunkKey
 
 
-class ChunkError(Exception):
+class ChunkError(BsrError):
     """A chunk could not be read from or written to a tier."""
 
     def __init__(
@@ -65,15 +72,19 @@ class TierDown(ChunkError):
     """The whole tier is unavailable (directory gone, unmounted, unreadable)."""
 
 
-class CapacityError(ValueError):
+class CapacityError(BsrError, ValueError):
     """A capacity or staging size too small for one chunk, or otherwise impossible."""
 
 
-class LayoutError(ValueError):
+class LayoutError(BsrError, ValueError):
     """A tensor or payload does not match the KV layout (dtype, shape, size)."""
 
 
-class EngineBusy(Exception):
+class RecordFormatError(BsrError, ValueError):
+    """Bytes that are not a valid record header; the message says which check failed."""
+
+
+class EngineBusy(BsrError):
     """No staging slot came free within the restore's timeout.
 
     Back-pressure from the engine's own state (a shared engine, a slot a caller still

@@ -24,6 +24,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from bsr_io.errors import RecordFormatError
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 
@@ -33,10 +34,6 @@ HEADER_BYTES = 4096
 _FIXED = struct.Struct("<8sHHIQQH")  # magic, version, groups, header bytes, len, xxh3, key len
 _GROUP = struct.Struct("<QQ")
 _SUM_AT = HEADER_BYTES - 8
-
-
-class RecordFormatError(ValueError):
-    """Bytes that are not a valid record header; the message says which check failed."""
 
 
 @dataclass(frozen=True, slots=True)

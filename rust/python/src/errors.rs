@@ -1,8 +1,13 @@
-//! The exception tree of `bsr_io._core` and the mapping of the core's `Error` onto it:
-//! every engine error is an `OSError` with errno set.
+//! The exception tree of `bsr_io._core` and the mapping of the core's `Error` onto it.
+//!
+//! `BsrError` is the root of every bsr-io error (the Python package derives its chunk,
+//! layout, capacity and record-format errors from it). `BsrIoError`, the root of the
+//! engine's errors, derives from both `BsrError` and `OSError` (errno, strerror and
+//! filename set). PyO3's `create_exception!` takes one static base, so the engine's
+//! classes are made once with `type(name, bases, ns)` and cached.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyFileNotFoundError, PyOSError, PyPermissionError};
+use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyPermissionError};
 use pyo3::exceptions::{PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -12,86 +17,108 @@ use bsr_io_core::Error;
 
 create_exception!(
     bsr_io._core,
-    BsrIoError,
-    PyOSError,
-    "Root of engine errors; errno is set."
+    BsrError,
+    PyException,
+    "Root of every bsr-io error: the engine's, and chunk, layout, capacity and record-format errors."
 );
-create_exception!(
-    bsr_io._core,
-    AlignmentError,
-    BsrIoError,
-    "O_DIRECT refused an offset, length or address (EINVAL)."
-);
-create_exception!(
-    bsr_io._core,
-    ShortReadError,
-    BsrIoError,
-    "The file ended before the requested range did."
-);
-create_exception!(
-    bsr_io._core,
-    EngineClosedError,
-    BsrIoError,
-    "The engine (or file) was closed."
-);
-create_exception!(
-    bsr_io._core,
+
+/// The engine's exception classes, in creation order (each base before its subclasses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Exc {
+    BsrIo,
+    Alignment,
+    ShortRead,
+    EngineClosed,
     BackendUnavailable,
-    BsrIoError,
-    "The requested backend cannot run here."
-);
-create_exception!(
-    bsr_io._core,
     NoFreeSlot,
-    BsrIoError,
-    "All slots are leased or in flight (EAGAIN)."
-);
-create_exception!(
-    bsr_io._core,
-    NoSpaceError,
-    BsrIoError,
-    "The device is full (ENOSPC)."
-);
-
-/// Engine errors that are also the builtin errno classes, so `except FileNotFoundError`
-/// and `except PermissionError` work.
-static FILE_MISSING: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-static FILE_PERMISSION: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-
-fn mixed_type(
-    py: Python<'_>,
-    name: &str,
-    builtin: Bound<'_, PyType>,
-    doc: &str,
-) -> PyResult<Py<PyType>> {
-    let bases = PyTuple::new(py, [py.get_type::<BsrIoError>(), builtin])?;
-    let ns = PyDict::new(py);
-    ns.set_item("__module__", "bsr_io._core")?;
-    ns.set_item("__doc__", doc)?;
-    let t = py.get_type::<PyType>().call1((name, bases, ns))?;
-    Ok(t.cast_into::<PyType>()?.unbind())
+    NoSpace,
+    FileMissing,
+    FilePermission,
+    WaitTimeout,
 }
 
-pub(crate) fn file_missing(py: Python<'_>) -> PyResult<&Py<PyType>> {
-    FILE_MISSING.get_or_try_init(py, || {
-        mixed_type(
-            py,
-            "FileMissingError",
-            py.get_type::<PyFileNotFoundError>(),
-            "The file does not exist (ENOENT).",
-        )
-    })
+impl Exc {
+    pub(crate) const ALL: [Exc; 10] = [
+        Exc::BsrIo,
+        Exc::Alignment,
+        Exc::ShortRead,
+        Exc::EngineClosed,
+        Exc::BackendUnavailable,
+        Exc::NoFreeSlot,
+        Exc::NoSpace,
+        Exc::FileMissing,
+        Exc::FilePermission,
+        Exc::WaitTimeout,
+    ];
+
+    /// Class name and docstring.
+    pub(crate) fn spec(self) -> (&'static str, &'static str) {
+        match self {
+            Exc::BsrIo => (
+                "BsrIoError",
+                "Root of engine errors: a BsrError and an OSError; errno is set.",
+            ),
+            Exc::Alignment => (
+                "AlignmentError",
+                "O_DIRECT refused an offset, length or address (EINVAL).",
+            ),
+            Exc::ShortRead => (
+                "ShortReadError",
+                "The file ended before the requested range did.",
+            ),
+            Exc::EngineClosed => ("EngineClosedError", "The engine (or file) was closed."),
+            Exc::BackendUnavailable => (
+                "BackendUnavailable",
+                "The requested backend cannot run here.",
+            ),
+            Exc::NoFreeSlot => ("NoFreeSlot", "All slots are leased or in flight (EAGAIN)."),
+            Exc::NoSpace => ("NoSpaceError", "The device is full (ENOSPC)."),
+            Exc::FileMissing => (
+                "FileMissingError",
+                "The file does not exist (ENOENT); also a FileNotFoundError.",
+            ),
+            Exc::FilePermission => (
+                "FilePermissionError",
+                "Access to the file was refused (EACCES, EPERM); also a PermissionError.",
+            ),
+            Exc::WaitTimeout => (
+                "WaitTimeoutError",
+                "A wait ran past its timeout (ETIMEDOUT); also a TimeoutError.",
+            ),
+        }
+    }
+
+    fn bases<'py>(self, py: Python<'py>, made: &[Py<PyType>]) -> PyResult<Bound<'py, PyTuple>> {
+        let root = || made[0].bind(py).clone();
+        match self {
+            Exc::BsrIo => PyTuple::new(py, [py.get_type::<BsrError>(), py.get_type::<PyOSError>()]),
+            Exc::FileMissing => PyTuple::new(py, [root(), py.get_type::<PyFileNotFoundError>()]),
+            Exc::FilePermission => PyTuple::new(py, [root(), py.get_type::<PyPermissionError>()]),
+            Exc::WaitTimeout => PyTuple::new(py, [root(), py.get_type::<PyTimeoutError>()]),
+            _ => PyTuple::new(py, [root()]),
+        }
+    }
 }
 
-pub(crate) fn file_permission(py: Python<'_>) -> PyResult<&Py<PyType>> {
-    FILE_PERMISSION.get_or_try_init(py, || {
-        mixed_type(
-            py,
-            "FilePermissionError",
-            py.get_type::<PyPermissionError>(),
-            "Access to the file was refused (EACCES, EPERM).",
-        )
-    })
+static TYPES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+
+/// The class of `e`, made on first use.
+pub(crate) fn exc_type(py: Python<'_>, e: Exc) -> PyResult<Bound<'_, PyType>> {
+    let types = TYPES.get_or_try_init(py, || {
+        let mut made: Vec<Py<PyType>> = Vec::with_capacity(Exc::ALL.len());
+        for exc in Exc::ALL {
+            let (name, doc) = exc.spec();
+            let ns = PyDict::new(py);
+            ns.set_item("__module__", "bsr_io._core")?;
+            ns.set_item("__doc__", doc)?;
+            let bases = exc.bases(py, &made)?;
+            let t = py.get_type::<PyType>().call1((name, bases, ns))?;
+            made.push(t.cast_into::<PyType>()?.unbind());
+        }
+        Ok::<_, PyErr>(made)
+    })?;
+    let i = Exc::ALL.iter().position(|x| *x == e).unwrap_or(0);
+    Ok(types[i].bind(py).clone())
 }
 
 fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
@@ -101,31 +128,26 @@ fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         msg.clone(),
         e.path().map(str::to_owned),
     );
-    match &e {
-        Error::InvalidArgument(_) => PyValueError::new_err(msg),
-        Error::Timeout => PyTimeoutError::new_err((libc::ETIMEDOUT, msg)),
-        Error::Alignment(_) => AlignmentError::new_err(args),
-        Error::ShortRead { .. } => ShortReadError::new_err(args),
-        Error::Closed(_) => EngineClosedError::new_err(args),
-        Error::BackendUnavailable { .. } => BackendUnavailable::new_err(args),
-        Error::NoFreeSlot { .. } => NoFreeSlot::new_err(args),
-        Error::Os { errno, op, .. } => {
-            let mixed = match *errno {
-                libc::ENOENT => Some(file_missing(py)),
-                libc::EACCES | libc::EPERM => Some(file_permission(py)),
-                _ => None,
-            };
-            match (mixed, *errno) {
-                (Some(Ok(t)), _) => PyErr::from_type(t.bind(py).clone(), args),
-                (Some(Err(err)), _) => err,
-                (None, libc::ENOSPC) => NoSpaceError::new_err(args),
-                // EINVAL from a transfer on an O_DIRECT file is an alignment refusal.
-                (None, libc::EINVAL) if matches!(*op, "read" | "write") => {
-                    AlignmentError::new_err(args)
-                }
-                _ => BsrIoError::new_err(args),
-            }
-        }
+    let exc = match &e {
+        Error::InvalidArgument(_) => return PyValueError::new_err(msg),
+        Error::Timeout => Exc::WaitTimeout,
+        Error::Alignment(_) => Exc::Alignment,
+        Error::ShortRead { .. } => Exc::ShortRead,
+        Error::Closed(_) => Exc::EngineClosed,
+        Error::BackendUnavailable { .. } => Exc::BackendUnavailable,
+        Error::NoFreeSlot { .. } => Exc::NoFreeSlot,
+        Error::Os { errno, op, .. } => match *errno {
+            libc::ENOENT => Exc::FileMissing,
+            libc::EACCES | libc::EPERM => Exc::FilePermission,
+            libc::ENOSPC => Exc::NoSpace,
+            // EINVAL from a transfer on an O_DIRECT file is an alignment refusal.
+            libc::EINVAL if matches!(*op, "read" | "write") => Exc::Alignment,
+            _ => Exc::BsrIo,
+        },
+    };
+    match exc_type(py, exc) {
+        Ok(t) => PyErr::from_type(t, args),
+        Err(err) => err,
     }
 }
 

@@ -17,10 +17,7 @@ use pyo3::prelude::*;
 
 use bsr_io_core::{align, checksum};
 
-use crate::errors::{
-    file_missing, file_permission, AlignmentError, BackendUnavailable, BsrIoError,
-    EngineClosedError, NoFreeSlot, NoSpaceError, Raise, ShortReadError,
-};
+use crate::errors::{exc_type, BsrError, Exc, Raise};
 use crate::slot::Exported;
 
 pub(crate) fn non_negative(name: &str, v: i64) -> PyResult<u64> {
@@ -65,15 +62,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<file::PyFile>()?;
     m.add_class::<slot::PySlot>()?;
     m.add_class::<pending::PyPending>()?;
-    m.add("BsrIoError", py.get_type::<BsrIoError>())?;
-    m.add("AlignmentError", py.get_type::<AlignmentError>())?;
-    m.add("ShortReadError", py.get_type::<ShortReadError>())?;
-    m.add("EngineClosedError", py.get_type::<EngineClosedError>())?;
-    m.add("BackendUnavailable", py.get_type::<BackendUnavailable>())?;
-    m.add("NoFreeSlot", py.get_type::<NoFreeSlot>())?;
-    m.add("NoSpaceError", py.get_type::<NoSpaceError>())?;
-    m.add("FileMissingError", file_missing(py)?.clone_ref(py))?;
-    m.add("FilePermissionError", file_permission(py)?.clone_ref(py))?;
+    m.add("BsrError", py.get_type::<BsrError>())?;
+    for exc in Exc::ALL {
+        m.add(exc.spec().0, exc_type(py, exc)?)?;
+    }
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     Ok(())

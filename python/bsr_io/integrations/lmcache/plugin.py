@@ -33,7 +33,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from bsr_io._core import Engine
-from bsr_io.errors import ChunkError
+from bsr_io.errors import ChunkError, LayoutError
 from bsr_io.integrations.lmcache import retrieve
 from bsr_io.integrations.lmcache.config import Settings
 from bsr_io.keys import ChunkKey
@@ -51,7 +51,11 @@ def layout_from_metadata(metadata) -> KVLayout:
         zip(metadata.get_shapes(ct), metadata.get_dtypes(), strict=True)
     ):
         kv, layers, tokens, hidden = (int(d) for d in shape)
-        assert tokens == ct
+        if tokens != ct:
+            raise LayoutError(
+                f"LMCache KV group {i} has shape {tuple(shape)}: {tokens} tokens per chunk, "
+                f"expected chunk_size {ct} (the kv_2LTD layout)"
+            )
         groups.append(AllocatorGroup(f"lmcache{i}", dtype, (kv, layers, hidden), ct))
     return KVLayout("lmcache-kv2ltd", tuple(groups), ct)
 
