@@ -176,6 +176,15 @@ def test_whole_plan_fails_cleanly_then_succeeds(tmp_path):
     _check(dest, 10)
 
 
+def test_window_comes_from_the_engine(tmp_path):
+    engine = Engine(3, LAYOUT.chunk_bytes)
+    store = _store(tmp_path, engine, lower=False)
+    assert Restorer(store, LAYOUT, engine=engine).window == 3
+    assert Restorer(store, LAYOUT, window=2, engine=engine).window == 2  # a share of it
+    own = Restorer(store, LAYOUT)
+    assert own.window == own.engine.window == 32
+
+
 def test_bad_arguments(tmp_path):
     engine = Engine(2, LAYOUT.chunk_bytes)
     store = _store(tmp_path, engine, lower=False)

@@ -70,14 +70,17 @@ def _layout_mismatch(layout: KVLayout, dest) -> str:
 
 
 class Restorer:
-    """Restores and saves one rank's chunks with at most `window` chunks staged."""
+    """Restores and saves one rank's chunks with at most `window` chunks staged.
+
+    `window` defaults to the engine's (every slot), or to 32 when the restorer makes its
+    own engine; a smaller window leaves the rest of a shared engine's slots to others."""
 
     def __init__(
         self,
         store,
         layout: KVLayout,
         *,
-        window: int = 32,
+        window: int | None = None,
         engine: Engine | None = None,
         model: str = "model",
         rank: int | None = None,
@@ -87,6 +90,8 @@ class Restorer:
         timeout_s: float = 30.0,
         backend: str | None = None,
     ) -> None:
+        if window is None:
+            window = engine.window if engine is not None else 32
         if window < 1:
             raise ValueError(f"window must be at least 1 chunk, got {window}")
         self.store = store
