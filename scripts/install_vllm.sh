@@ -27,7 +27,8 @@ PY
     python -m pip install -q -r "$VENV/vllm-rest.txt"
 fi
 # bsr-io itself, built into this venv (abi3 extension), with the test tools.
-python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "psutil>=5.9" "prometheus-client>=0.19"
+python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "psutil>=5.9" "prometheus-client>=0.19" \
+    "matplotlib>=3.8"
 # The extension lands in python/bsr_io/ (shared with ./.venv) and the cargo target dir is
 # shared with the main venv's builds: a concurrent build can race the staging rename, so retry.
 for attempt in 1 2 3; do

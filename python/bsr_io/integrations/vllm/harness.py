@@ -55,7 +55,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def engine(model: str, tp: int, *, connector: dict[str, Any] | None,
-           max_model_len: int = 8192, policy: str = "recompute"):  # fmt: skip
+           max_model_len: int = 8192, policy: str = "recompute",
+           block_size: int = BLOCK_SIZE):  # fmt: skip
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -70,7 +71,7 @@ def engine(model: str, tp: int, *, connector: dict[str, Any] | None,
         )
     return LLM(
         model=model, skip_tokenizer_init=True, enable_prefix_caching=True,
-        block_size=BLOCK_SIZE, max_model_len=max_model_len, gpu_memory_utilization=0.08,
+        block_size=block_size, max_model_len=max_model_len, gpu_memory_utilization=0.08,
         tensor_parallel_size=tp, dtype="bfloat16", seed=0, **kw,
     )  # fmt: skip
 
@@ -109,7 +110,7 @@ class Events:
             if kind is None or e["kind"] == kind
         ]  # fmt: skip
 
-    def wait(self, request_id: str, kind: str, ranks: int, timeout: float = 60.0) -> list[dict]:
+    def wait(self, request_id: str, kind: str, ranks: int, timeout: float = 300.0) -> list[dict]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             got = self.of(request_id, kind)
@@ -119,7 +120,7 @@ class Events:
         raise TimeoutError(f"no {kind} event from {ranks} ranks for request {request_id}")
 
 
-def reset(llm, timeout: float = 60.0) -> None:
+def reset(llm, timeout: float = 300.0) -> None:
     """Drop vLLM's local prefix cache, so the next request must come from bsr-io."""
     deadline = time.monotonic() + timeout
     while not llm.reset_prefix_cache():
@@ -284,18 +285,84 @@ def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
     return out
 
 
+# -- bench vllm: TTFT with restore vs recompute on the same engine ------------------------
+def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int = 3,
+              window: int = 8, chunk_tokens: int = 256, block_size: int = 128) -> dict:  # fmt: skip
+    """Per prompt length: TTFT when vLLM recomputes the prompt (a fresh cache_salt each
+    round, so bsr-io misses) and when bsr-io restores it (the salt it was saved under),
+    both after vLLM's local prefix cache was reset, on one engine."""
+    store = os.path.join(work, "store")
+    events = Events(os.path.join(work, "events.jsonl"))
+    cfg = {"store_dir": store, "window": window, "chunk_tokens": chunk_tokens,
+           "events_path": events.path, "load_timeout_s": 300.0}  # fmt: skip
+    llm = engine(model, tp, connector=cfg, max_model_len=max(lengths) + 64,
+                 block_size=block_size)  # fmt: skip
+    rows = []
+    for n in lengths:
+        prompt = tokens(1000 + n, n)
+        reset(llm)
+        ref, _, rid, _ = generate(llm, prompt)  # computes and saves (salt None)
+        events.wait(rid, "save", tp, timeout=600)
+        recompute, restore, loads, firsts = [], [], [], []
+        for r in range(rounds):
+            reset(llm)
+            toks, cached, rid, dt = generate(llm, prompt, salt=f"recompute-{n}-{r}", max_tokens=1)
+            assert cached == 0, f"the recompute round hit {cached} cached tokens"
+            recompute.append(dt)
+            firsts.append(toks[0])
+            events.wait(rid, "save", tp, timeout=600)  # its save must not overlap a restore
+            reset(llm)
+            toks, cached, rid, dt = generate(llm, prompt, max_tokens=1)
+            restore.append(dt)
+            firsts.append(toks[0])
+            loads.extend(events.wait(rid, "load", tp, timeout=60))
+        reset(llm)
+        final, cached, rid, _ = generate(llm, prompt)
+        final_loads = events.wait(rid, "load", tp, timeout=60)
+        ok = all(e["outcome"] == "complete" for e in loads + final_loads)
+        med_re, med_rc = float(np.median(restore)), float(np.median(recompute))
+        e0 = final_loads[0]
+        rows.append({
+            "prompt_tokens": n,
+            "restored_tokens": cached,
+            "ttft_restore_s": med_re,
+            "ttft_recompute_s": med_rc,
+            "ttft_ratio_recompute_over_restore": med_rc / med_re,
+            "ttft_restore_rounds_s": restore,
+            "ttft_recompute_rounds_s": recompute,
+            "rws_peak_bytes_per_worker": max(e["rws_peak_bytes"] for e in loads + final_loads),
+            "state_bytes_per_worker": e0["chunks"] * e0["chunk_bytes"],
+            "chunk_bytes_per_worker": e0["chunk_bytes"],
+            "window": window,
+            "loads_complete": ok,
+            "output_identical": ok and final == ref and all(t == ref[0] for t in firsts),
+        })  # fmt: skip
+    return {"tp": tp, "window": window, "chunk_tokens": chunk_tokens,
+            "block_size": block_size, "rounds": rounds, "rows": rows}  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bsr_io.integrations.vllm.harness")
-    ap.add_argument("what", choices=["suite", "baseline", "model"])
+    ap.add_argument("what", choices=["suite", "baseline", "model", "bench"])
+    ap.add_argument("--lengths", default="1024,4096")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
-    model = write_tiny_llama(os.path.join(args.work, "..", "model"))
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    path = os.path.join(args.work, "..", f"model-l{args.layers}")
+    model = write_tiny_llama(path, layers=args.layers, max_tokens=max(65536, 2 * lengths[-1]))
     model = os.path.abspath(model)
     if args.what == "model":
         result: Any = {"model": model}
+    elif args.what == "bench":
+        result = {"model": model, "layers": args.layers,
+                  **run_bench(model, args.tp, args.work, lengths, rounds=args.rounds,
+                              window=args.window)}  # fmt: skip
     elif args.what == "baseline":
         result = {"model": model, "outputs": run_baseline(model, args.tp)}
     else:
