@@ -192,6 +192,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     unfused = _Unfused(dest)
     rounds: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     outcomes, rws = set(), 0
+    load0 = os.getloadavg()[0]
     for r in range(args.rounds):
         order = METHODS[r % 3 :] + METHODS[: r % 3]  # none always goes first
         for method in order:
@@ -242,6 +243,9 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
         "rws_bound_bytes": args.window * eng.slot_bytes,
         "outcome": outcomes.pop() if len(outcomes) == 1 else "mixed",
         "cpus": os.cpu_count(),
+        # Other processes' load before and after: the restore needs two cores (the I/O
+        # thread's kernel copies and the install), the engine alone one.
+        "loadavg_1m": [load0, os.getloadavg()[0]],
         "per_round": rounds,
     }
 
@@ -258,6 +262,8 @@ def print_table(doc: dict[str, Any]) -> None:
         cpu = "engine_cpu_s_per_gib" if key == "engine_raw" else key + "_cpu_s_per_gib"
         print(f"{name:<16} {doc[key + '_gib_s']:>7.2f} {doc[cpu]:>10.3f}")
     met = "met" if doc["goal_met"] else "NOT met"
+    if max(doc["loadavg_1m"]) > 0.5 * (doc["cpus"] or 1):
+        print(f"note: the machine was busy (1-minute load {doc['loadavg_1m']}): figures are noisy")
     print(
         f"ratio restore/engine {doc['ratio']:.3f} (goal >= {doc['goal_ratio']}: {met}); "
         f"two-pass {doc['ratio_unfused']:.3f}; RWS peak {doc['rws_peak_bytes']:,} B; "
