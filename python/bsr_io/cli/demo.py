@@ -450,7 +450,7 @@ def summarize(results: list[dict], wall_s: float, root: Path, kept: bool) -> dic
         "fault": {"kind": "error", "tier": "L2", "chunk": r0["chunks"] // 2, "rank": fault_rank},
         "checks": checks,
         "wall_s": wall_s,
-        "store_dir": str(root),
+        "store_dir": str(root) if kept else None,  # a removed temp dir means nothing later
         "store_kept": kept,
     }
 
