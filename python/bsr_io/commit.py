@@ -18,7 +18,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.distributed_c10d import Store
 
 COMMIT = "commit"
 _POLL_S = 0.005  # store.wait logs a warning on every timeout, so poll with check()
@@ -38,7 +44,7 @@ class Agreement:
         self,
         rank: int,
         world_size: int,
-        store=None,
+        store: Store | None = None,
         timeout_s: float = 30.0,
         *,
         scope: str | None = None,
@@ -52,7 +58,7 @@ class Agreement:
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self._store = store
+        self._store: Any = store  # torch's Store; None (never used) when world_size == 1
         # Agreements over the same process group share their request numbering, so a
         # new Restorer per request cannot restart at 1 and meet an old request's keys.
         self._ids = _Numbering() if scope is None else _SCOPES.setdefault(scope, _Numbering())
@@ -62,7 +68,9 @@ class Agreement:
         return cls(0, 1)
 
     @classmethod
-    def from_process_group(cls, group=None, timeout_s: float = 30.0) -> Agreement:
+    def from_process_group(
+        cls, group: ProcessGroup | None = None, timeout_s: float = 30.0
+    ) -> Agreement:
         """Agree among the ranks of `group` (default: the world) through its store."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
@@ -72,7 +80,7 @@ class Agreement:
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         name = "world" if group is None else c10d._get_process_group_name(group)
-        store = dist.PrefixStore(f"bsr-io/{name}/", c10d._get_default_store())
+        store = c10d.PrefixStore(f"bsr-io/{name}/", c10d._get_default_store())
         return cls(rank, world, store, timeout_s, scope=f"{id(c10d._get_default_store())}/{name}")
 
     def request(self, request_id: str | None = None, tag: str = "") -> str:
@@ -140,7 +148,7 @@ class _Numbering:
 _SCOPES: dict[str, _Numbering] = {}
 
 
-def _decide_when_all(a: Agreement, ns: str, mine: str, combine) -> str:
+def _decide_when_all(a: Agreement, ns: str, mine: str, combine: Callable[[list[str]], str]) -> str:
     """Post `mine`, then return the decision under `ns`: `combine(values)` once every
     rank has posted, or an abort on timeout; whoever writes first decides for all."""
     store = a._store
@@ -163,7 +171,7 @@ def _decide_when_all(a: Agreement, ns: str, mine: str, combine) -> str:
         return _text(store.compare_set(decision, "", proposal))
 
 
-def _text(value) -> str:
+def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -186,7 +194,7 @@ class Vote:
         try:
             if not a._store.check([self._decision_key]):
                 return False
-            return a._store.get(self._decision_key).decode().startswith(ABORT)
+            return _text(a._store.get(self._decision_key)).startswith(ABORT)
         except Exception:  # noqa: BLE001 - store unreachable: stop, the vote will abort
             return True
 

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from bsr_io.errors import TierDown
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
+
+if TYPE_CHECKING:
+    from bsr_io.tiers.base import Tier
 
 
 @dataclass
@@ -41,14 +45,16 @@ class Plan:
         return [self.tier_names[t] for t in self.sources]
 
 
-def holds(tier, key: ChunkKey, group: str | None = None) -> bool:
+def holds(tier: Tier, key: ChunkKey, group: str | None = None) -> bool:
     try:
         return tier.contains(key, group)
     except TierDown:
         return False  # a tier that is down holds nothing for discovery
 
 
-def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tuple[list[int], dict]:
+def discover(
+    tiers: Sequence[Tier], keys: Sequence[ChunkKey], layout: KVLayout
+) -> tuple[list[int], dict[str, int]]:
     """(source tier per leading chunk, leading hit per allocator group), metadata only."""
     for t in tiers:
         # A tier that answers many keys in one call (a remote pool) is handed the request's
@@ -63,7 +69,7 @@ def discover(tiers: Sequence, keys: Sequence[ChunkKey], layout: KVLayout) -> tup
             break
         sources.append(src)
     # Every group reaches at least that far; past it, say how far each one alone goes.
-    group_hits = {}
+    group_hits: dict[str, int] = {}
     for g in names:
         n = len(sources)
         while n < len(keys) and any(holds(t, keys[n], g) for t in tiers):

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from bsr_io._core import Engine, NoFreeSlot, Slot
 
@@ -26,13 +27,13 @@ def _count(nbytes: int, itemsize: int, what: str) -> int:
     return nbytes // itemsize
 
 
-def as_numpy(slot: Slot, dtype: Any = np.uint8, count: int | None = None) -> np.ndarray:
+def as_numpy(slot: Slot, dtype: Any = np.uint8, count: int | None = None) -> npt.NDArray[Any]:
     """A writable 1-D array over the slot's valid bytes (or its first `count` items)."""
     dt = np.dtype(dtype)
     available = _count(len(slot), dt.itemsize, "as_numpy") if count is None else count
     if available < 0 or available * dt.itemsize > len(slot):
         raise ValueError(f"count {count} of {dt} does not fit the slot's {len(slot)} bytes")
-    return np.frombuffer(slot, dtype=dt, count=available)
+    return np.frombuffer(memoryview(slot), dtype=dt, count=available)
 
 
 def as_tensor(
@@ -113,7 +114,7 @@ def register_cuda(engine: Engine) -> bool:
     addr, nbytes = engine.arena_address, engine.arena_bytes
     if addr in _cuda_registered:
         return True
-    err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1)  # 1: cudaHostRegisterPortable
+    err = torch.cuda.cudart().cudaHostRegister(addr, nbytes, 1)  # type: ignore[no-untyped-call]  # 1: cudaHostRegisterPortable
     code = int(getattr(err, "value", err))
     if code != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes at {addr:#x} failed: error {code}")
@@ -128,7 +129,7 @@ def unregister_cuda(engine: Engine) -> None:
         return
     import torch
 
-    err = torch.cuda.cudart().cudaHostUnregister(addr)
+    err = torch.cuda.cudart().cudaHostUnregister(addr)  # type: ignore[no-untyped-call]
     code = int(getattr(err, "value", err))
     if code != 0:
         raise RuntimeError(f"cudaHostUnregister at {addr:#x} failed: error {code}")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 if TYPE_CHECKING:
     from bsr_io.layout import KVLayout
@@ -24,7 +25,7 @@ _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{32}$")
 MAX_MODEL_BYTES = 1024
 
 
-def _token_array(token_ids: Any) -> np.ndarray:
+def _token_array(token_ids: Any) -> npt.NDArray[np.int64]:
     if hasattr(token_ids, "detach"):  # torch tensor, possibly on a GPU
         token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)

@@ -9,7 +9,7 @@ KV cache below is what serving engines allocate: one tensor per allocator group,
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -165,12 +165,14 @@ class PagedKVCache:
                 # On a GPU the slot is registered with CUDA: an asynchronous DMA copy.
                 t[block : block + count].copy_(src[pos : pos + count], non_blocking=cuda)
         if cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
             return event
         return None
 
-    def host_runs(self, chunk_index: int) -> tuple[list, list[tuple[int, int, int, int]]] | None:
+    def host_runs(
+        self, chunk_index: int
+    ) -> tuple[list[np.ndarray[Any, Any] | None], list[tuple[int, int, int, int]]] | None:
         """Where chunk `chunk_index`'s payload goes, for the fused install (install.py):
         the groups' flat host byte views and (view index, offset in it, payload offset,
         length) per run of consecutive blocks, in payload order. None on a GPU."""

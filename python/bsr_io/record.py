@@ -24,7 +24,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-from bsr_io.errors import RecordFormatError
+from bsr_io.errors import RecordFormatError as RecordFormatError  # re-exported
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 

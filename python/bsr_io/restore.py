@@ -10,9 +10,10 @@ prefix through the same bounded staging.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from bsr_io._core import Engine
 from bsr_io.commit import Agreement
@@ -22,20 +23,31 @@ from bsr_io.errors import EngineBusy, LayoutError
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import Destination
 from bsr_io.layout import KVLayout
-from bsr_io.window import Window
+from bsr_io.window import InstallReport, Window
 
-COMPLETE = "complete"
-ZERO = "zero"
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from bsr_io.commit import Vote
+    from bsr_io.keys import ChunkKey
+    from bsr_io.store import Store
+    from bsr_io.tiers.base import Tier
+
+# How a restore ends: every hit chunk committed on every rank, or nothing (the caller
+# recomputes the prefix).
+Outcome = Literal["complete", "zero"]
+COMPLETE: Final = "complete"
+ZERO: Final = "zero"
 
 
 @dataclass
 class RestoreResult:
-    outcome: str  # "complete" or "zero" (zero external reuse: the caller recomputes)
+    outcome: Outcome  # zero: no external reuse, the caller recomputes
     committed_tokens: int
     committed_chunks: int
     hit_chunks: int
     source_tiers: list[str] = field(default_factory=list)
-    fallbacks: list[dict] = field(default_factory=list)
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)
     reason: str = ""
     rws_peak_bytes: int = 0
     bytes_read: dict[str, int] = field(default_factory=dict)
@@ -46,16 +58,16 @@ class RestoreResult:
     def complete(self) -> bool:
         return self.outcome == COMPLETE
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _first_hash(keys) -> str:
+def _first_hash(keys: Sequence[ChunkKey]) -> str:
     # Rank-independent tag so every rank's request lands in the same namespace.
     return f"{keys[0].chunk_hash:016x}" if keys else "empty"
 
 
-def _layout_mismatch(layout: KVLayout, dest) -> str:
+def _layout_mismatch(layout: KVLayout, dest: object) -> str:
     """Why `dest` cannot take chunks of `layout` ("" when it can, or cannot tell)."""
     theirs = getattr(dest, "layout", None)
     if theirs is None or not hasattr(theirs, "fingerprint"):
@@ -77,7 +89,7 @@ class Restorer:
 
     def __init__(
         self,
-        store,
+        store: Store,
         layout: KVLayout,
         *,
         window: int | None = None,
@@ -85,7 +97,7 @@ class Restorer:
         model: str = "model",
         rank: int | None = None,
         world_size: int | None = None,
-        group=None,
+        group: ProcessGroup | None = None,
         agreement: Agreement | None = None,
         timeout_s: float = 30.0,
         backend: str | None = None,
@@ -129,10 +141,10 @@ class Restorer:
         self.timeout_s = timeout_s if agreement.world_size == 1 else agreement.timeout_s
 
     @property
-    def tiers(self) -> list:
+    def tiers(self) -> list[Tier]:
         return list(self.store.tiers)
 
-    def keys(self, token_ids: Sequence[int]):
+    def keys(self, token_ids: Sequence[int]) -> list[ChunkKey]:
         return chunk_keys(token_ids, self.layout, self.model, self.rank, self.world_size)
 
     def probe(self, token_ids: Sequence[int], request_id: str | None = None) -> Plan:
@@ -214,7 +226,9 @@ class Restorer:
             },
         )
 
-    def _install(self, plan: Plan, dest: Destination, vote, mismatch: str):
+    def _install(
+        self, plan: Plan, dest: Destination, vote: Vote, mismatch: str
+    ) -> tuple[InstallReport | None, str]:
         """(InstallReport or None, error): the windowed install unless something already
         rules the restore out."""
         n = plan.hit_chunks
@@ -226,7 +240,8 @@ class Restorer:
         if vote.aborted():
             # A late rank: the others decided already; do not read a byte.
             return None, "a peer rank aborted the restore"
-        if getattr(dest, "device", None) is not None and dest.device.type == "cuda":
+        device = getattr(dest, "device", None)
+        if device is not None and device.type == "cuda":
             # Page-locked slots make each install an asynchronous DMA copy.
             register_cuda(self.engine)
         self.engine.reset_peak()
@@ -249,7 +264,7 @@ class Restorer:
         dest: Destination,
         *,
         skip_existing: bool = True,
-        progress=None,
+        progress: Callable[[int], object] | None = None,
     ) -> int:
         """Store every whole chunk of `token_ids` held by `dest`; returns chunks written.
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from bsr_io._core import Engine, Slot
 from bsr_io.errors import ChunkError, ChunkMissing, TierDown
@@ -164,12 +165,14 @@ def open_store(
 VOCAB = 128_000
 
 
-def synthetic_tokens(seed: int, tokens: int) -> np.ndarray:
+def synthetic_tokens(seed: int, tokens: int) -> npt.NDArray[np.int64]:
     """Deterministic token ids (int64) for `seed`."""
     return np.random.default_rng([seed, 0x70CE]).integers(0, VOCAB, size=tokens, dtype=np.int64)
 
 
-def synthetic_chunk(layout: KVLayout, seed: int, index: int, rank: int = 0) -> np.ndarray:
+def synthetic_chunk(
+    layout: KVLayout, seed: int, index: int, rank: int = 0
+) -> npt.NDArray[np.uint8]:
     """Deterministic bytes (uint8, `layout.chunk_bytes`) of chunk `index` on `rank`, so a
     check can regenerate what `fill_state` stored and compare byte for byte."""
     rng = np.random.default_rng([seed, rank, index, 0xC4])
@@ -184,7 +187,7 @@ def fill_state(
     rank: int = 0,
     world_size: int = 1,
     model: str = "synthetic",
-) -> tuple[np.ndarray, list[ChunkKey]]:
+) -> tuple[npt.NDArray[np.int64], list[ChunkKey]]:
     """Write a synthetic state of `tokens` tokens (full chunks) into `target`.
 
     Returns the token ids and the keys written; chunk i holds
