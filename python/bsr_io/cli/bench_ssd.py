@@ -8,6 +8,7 @@ split: that one is the drive's limit, and `ratio_vs_fio_hugemem` the honest rati
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -98,6 +99,19 @@ def buffered_read(path: Path, slot: int) -> float:
         while fh.readinto(buf):
             pass
     return time.perf_counter() - t0
+
+
+def queue_max_segments(path: Path) -> int | None:
+    """The disk queue's segments per request for the device holding `path`: a 1 MiB read
+    into 4 KiB pages needs 256, so below that the request is split."""
+    dev = os.stat(path).st_dev
+    sys_dev = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+    for q in (sys_dev / "queue", sys_dev.parent / "queue"):  # a partition: its disk's
+        try:
+            return int((q / "max_segments").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,6 +215,7 @@ def measure(
         "rws_peak_bytes": peak,
         "rws_bound_bytes": args.window * slot_bytes,
         "features": features,
+        "queue_max_segments": queue_max_segments(path),
         "file": path.name,
     }
 
