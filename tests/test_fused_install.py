@@ -158,3 +158,19 @@ def test_corrupt_payload_reread_from_l3_into_the_same_blocks(tmp_path):
     assert [f["chunk"] for f in res.fallbacks] == [3] and res.fallbacks[0]["tier"] == "L3"
     assert "checksum mismatch" in " ".join(res.fallbacks[0]["causes"])
     assert _bytes_ok(dest, CHUNKS)  # the good copy overwrote the bad bytes
+
+
+def test_injected_corruption_reaches_the_fused_check(tmp_path):
+    # The fault double forwards verify=False, so the fault matrix's corruption cases
+    # exercise the check after the fused copy, not the tier's own.
+    from bsr_io.store import Store
+    from bsr_io.testing.faults import Fault, FaultPlan
+
+    engine = Engine(4, LAYOUT.chunk_bytes)
+    store, tokens, keys = _state(tmp_path, engine, l3=False)
+    faulty = Store(FaultPlan([Fault("corrupt", "L2", chunks=[2])]).wrap_all(store.tiers, 0, keys))
+    r = Restorer(faulty, LAYOUT, window=4, engine=engine, model="m")
+    dest = _Spy.allocate(LAYOUT, CHUNKS * 16)
+    res = r.restore(r.probe(tokens), dest)
+    assert res.outcome == "zero" and "after the install copy" in res.reason
+    assert dest.fused_calls == 3

@@ -223,7 +223,12 @@ class FaultyTier(Tier):
             return False
         return self.inner.contains(key, group)
 
-    def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
+    @property
+    def defers_verify(self) -> bool:  # type: ignore[override]
+        # As the wrapped tier: a corrupted payload then reaches the fused install's check.
+        return self.inner.defers_verify
+
+    def submit_read(self, key: ChunkKey, engine: Engine, *, verify: bool = True) -> PendingChunk:
         self._check_up(key)
         if self._firing("down", key):
             raise TierDown("injected fault: tier went down mid-restore", key=key, tier=self.name)
@@ -236,6 +241,8 @@ class FaultyTier(Tier):
             raise ChunkMissing("injected fault: record vanished", key=key, tier=self.name)
         if self._firing("corrupt", key):
             _flip_payload_byte(self.inner, key)  # the inner tier's checks must catch it
+        if not verify:
+            return self.inner.submit_read(key, engine, verify=False)
         return self.inner.submit_read(key, engine)
 
     def read_into(self, key: ChunkKey, engine: Engine) -> Slot:
