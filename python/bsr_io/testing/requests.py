@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from bsr_io._core import Engine
 from bsr_io.commit import Agreement
@@ -78,6 +79,7 @@ def serve_on_rank(
     token_ids, _ = fill_state(store.tier("L2"), lay, tokens, seed, rank, world_size, model)
     agreement = Agreement.from_process_group(timeout_s=timeout_s)
     r = Restorer(store, lay, window=window, engine=engine, model=model, agreement=agreement)
+    dist.barrier()  # start the first request together, whatever each rank's setup took
     out = []
     for i, req in enumerate(requests):
         phase = (req.get("late") or {}).get(str(rank))

@@ -32,6 +32,7 @@ class _KillAt:
 
     def __init__(self, inner: PagedKVCache, at: int) -> None:
         self.inner, self.at = inner, at
+        self.layout = inner.layout
         self.capacity_chunks = inner.capacity_chunks
 
     def install(self, chunk_index: int, payload: torch.Tensor):
@@ -95,6 +96,12 @@ def restore_on_rank(
     timeout_s: float = 10.0,
     check_data: bool = True,
     backend: str | None = None,
+    late_rank: int | None = None,  # this rank reaches discovery `late_s` after the others
+    late_s: float = 0.0,
+    fifo_at_chunk: int | None = None,  # after discovery, a FIFO replaces this L2 record...
+    fifo_rank: int | None = None,  # ...on this rank
+    hold_slots: int = 0,  # slots of the engine held by the caller during the restore
+    shared_save_chunks: int = 0,  # a save of other tokens through the same engine meanwhile
 ) -> dict[str, Any]:
     lay = preset(layout, **(layout_kw or {}))
     base = Path(root)
@@ -132,8 +139,16 @@ def restore_on_rank(
         wp = WholePlanRestorer(store, lay, l1_bytes=budget, engine=engine, reads=whole_plan_reads)
         # LMCache's L1 pool is resident before any request: in the VmHWM, not in the time.
         wp.prepare(hit_tokens // lay.chunk_tokens * lay.chunk_bytes)
+    if late_rank == rank:
+        time.sleep(late_s)
     t1 = time.perf_counter()
     plan = r.probe(token_ids)
+    if fifo_at_chunk is not None and fifo_rank == rank:
+        path = store.tier("L2").path_of(keys[fifo_at_chunk])
+        path.unlink()
+        os.mkfifo(path)  # no writer: a blocking open would never return
+    held = [engine.lease() for _ in range(hold_slots)]
+    saver = _save_in_background(r, lay, shared_save_chunks, seed) if shared_save_chunks else None
     target = dest
     if kill_at_chunk is not None and kill_rank == rank:
         target = _KillAt(dest, kill_at_chunk)
@@ -144,6 +159,12 @@ def restore_on_rank(
     else:
         raise ValueError(f"mode must be 'bsr' or 'whole_plan', got {mode!r}")
     wall = time.perf_counter() - t1
+    saved = None
+    if saver is not None:
+        saver[0].join()
+        saved = saver[1][0] if saver[1] else None
+    for slot in held:
+        slot.release()
     growth = vmhwm_bytes() - hwm0
     data_ok = None
     if check_data and res.complete and (dest_cap_tokens or hit_tokens) >= hit_tokens:
@@ -173,7 +194,23 @@ def restore_on_rank(
         "restore_s": wall,
         "timings": res.timings,
         "fill_s": fill_s,
+        "saved_chunks": saved,
     }
+
+
+def _save_in_background(r: Restorer, lay, chunks: int, seed: int):
+    """(thread, result list): a save of `chunks` chunks of other tokens through `r`'s
+    engine, racing the restore for its slots."""
+    import threading
+
+    src = PagedKVCache.allocate(lay, chunks * lay.chunk_tokens)
+    for t in src.tensors:
+        t.view(torch.uint8).fill_(0x5A)
+    other = synthetic_tokens(seed + 99, chunks * lay.chunk_tokens)
+    out: list[int] = []
+    t = threading.Thread(target=lambda: out.append(r.save(other, src)), daemon=True)
+    t.start()
+    return t, out
 
 
 def _fault(kind: str, *, tier: str = "L2", **kw: Any) -> dict[str, Any]:
@@ -230,6 +267,26 @@ FAULT_MATRIX: list[dict[str, Any]] = [
         "name": "rank-stalls-mid-restore",
         "expected": "zero",
         "kw": {"timeout_s": 3.0, "faults": [_fault("slow", chunks=[2], ranks=[1], delay_s=8.0)]},
+    },
+    {
+        "name": "rank-late-at-discovery",  # later than the timeout: both adopt one decision
+        "expected": "zero",
+        "kw": {"timeout_s": 3.0, "late_rank": 1, "late_s": 4.5},
+    },
+    {
+        "name": "fifo-at-record-path-one-rank",  # refused without blocking: a bad chunk
+        "expected": "zero",
+        "kw": {"fifo_at_chunk": 3, "fifo_rank": 1},
+    },
+    {
+        "name": "fifo-at-record-path-l3-has-copy",
+        "expected": "complete",
+        "kw": {"l3": "copy", "fifo_at_chunk": 3, "fifo_rank": 1},
+    },
+    {
+        "name": "shared-engine-slot-held-and-save",  # back-pressure, not a bad chunk
+        "expected": "complete",
+        "kw": {"hold_slots": 1, "shared_save_chunks": 6},
     },
     {
         "name": "rank-killed-mid-restore",
