@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,8 +38,17 @@ def _run(what: str, tp: int, work: Path, timeout: float) -> dict:
 
 
 @pytest.fixture(scope="session")
-def vllm_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("vllm")
+def vllm_root(request) -> Path:
+    """A directory of our own, not under pytest's basetemp: other pytest sessions on the
+    machine prune old basetemps, which would delete a store under a running engine.
+    Kept when a test failed (its path is printed), removed otherwise."""
+    root = Path(tempfile.mkdtemp(prefix="bsr-vllm-tests-"))
+    failed_before = request.session.testsfailed
+    yield root
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(root, ignore_errors=True)
+    else:
+        print(f"\nvLLM test files kept in {root}")
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])

@@ -230,7 +230,8 @@ def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
     store = os.path.join(work, "store")
     events = Events(os.path.join(work, "events.jsonl"))
     cfg = {"store_dir": store, "window": WINDOW, "chunk_tokens": CHUNK_TOKENS,
-           "load_timeout_s": 4.0, "events_path": events.path, "faults": faults_for(tp)}  # fmt: skip
+           "load_timeout_s": 4.0, "save_timeout_s": 600.0, "events_path": events.path,
+           "faults": faults_for(tp)}  # fmt: skip
     llm = engine(model, tp, connector=cfg)
     P = prompts()
     out: dict[str, Any] = {"tp": tp}
@@ -238,7 +239,10 @@ def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
     def run(name: str, salt: str | None = None, save: bool = False) -> dict[str, Any]:
         toks, cached, rid, dt = generate(llm, P[name], salt=salt)
         if save:  # a computed request: wait until every rank stored its chunks
-            events.wait(rid, "save", tp)
+            done = events.wait(rid, "save", tp)
+            bad = [e for e in done if e["outcome"] != "complete"]
+            if bad:
+                raise RuntimeError(f"the save of {name} failed: {bad}")
         return {"tokens": toks, "cached": cached, "loads": events.of(rid, "load"),
                 "saves": events.of(rid, "save"), "seconds": dt, "request_id": rid}  # fmt: skip
 
