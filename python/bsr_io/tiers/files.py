@@ -247,6 +247,9 @@ class FileTier(Tier):
                     continue  # a link or anything else is not a record we wrote
                 try:
                     st = f.stat(follow_symlinks=False)
+                except OSError:
+                    continue  # removed meanwhile, or not ours to look at
+                try:
                     header = self._read_header_path(path)
                 except FileNotFoundError:
                     continue  # removed meanwhile by another process

@@ -63,7 +63,7 @@ class MemoryTier(Tier):
         slot.fill_from(entry.data)
         slot.set_length(n)
         if slot.checksum(0, n) != entry.xxh3:
-            del slot  # back to the ring now: a kept exception must not hold it
+            slot.release()  # back to the ring now: a kept exception must not hold it
             self.invalidate(key, "payload checksum mismatch in memory")
             raise ChunkCorrupt("payload checksum mismatch", key=key, tier=self.name)
         self._count(hits=1, reads=1, bytes_read=n)
