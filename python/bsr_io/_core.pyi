@@ -11,12 +11,34 @@ fallback: a kept traceback must not be able to starve the ring.
 """
 
 import sys
+from collections.abc import Sequence
 from os import PathLike
+from typing import Any, Self, final
 
 if sys.version_info >= (3, 12):
     from collections.abc import Buffer
 else:
     from typing_extensions import Buffer
+
+__all__ = [
+    "Engine",
+    "File",
+    "Slot",
+    "Pending",
+    "BsrError",
+    "BsrIoError",
+    "AlignmentError",
+    "ShortReadError",
+    "EngineClosedError",
+    "BackendUnavailable",
+    "NoFreeSlot",
+    "NoSpaceError",
+    "FileMissingError",
+    "FilePermissionError",
+    "WaitTimeoutError",
+    "xxh3_64",
+    "dio_alignment",
+]
 
 class BsrError(Exception):
     """Root of every bsr-io error: the engine's, and chunk, layout, capacity and
@@ -52,6 +74,7 @@ class FilePermissionError(BsrIoError, PermissionError):
 class WaitTimeoutError(BsrIoError, TimeoutError):
     """A wait ran past its timeout (errno ETIMEDOUT); the operation keeps its slot."""
 
+@final
 class File:
     """An open file used by the engine (O_DIRECT unless the filesystem refused it)."""
 
@@ -77,6 +100,7 @@ class File:
     def __enter__(self) -> File: ...
     def __exit__(self, *exc: object) -> None: ...
 
+@final
 class Slot:
     """One staging slot, lent to Python. Supports the buffer protocol (writable).
 
@@ -118,7 +142,12 @@ class Slot:
         """xxh3-64 of slot bytes [offset, offset+length), GIL released."""
     def fill_from(self, data: Buffer, offset: int = 0) -> None:
         """Copy bytes into the slot at `offset` (GIL released)."""
+    def install_xxh3(self, dsts: Sequence[Any], runs: Sequence[tuple[int, int, int, int]]) -> int:
+        """Copy the valid bytes into the writable buffers `dsts` along `runs` ((buffer
+        index, offset in it, slot offset, length), in slot order) and return the xxh3-64
+        of all the valid bytes, in one pass (GIL released)."""
 
+@final
 class Pending:
     """An in-flight read or write. The slot is owned by the operation until done."""
 
@@ -130,16 +159,17 @@ class Pending:
         A read's slot is handed out once; the Pending keeps only a weak reference, so
         a later wait returns the same Slot while it lives and ValueError after."""
 
+@final
 class Engine:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         window: int,
         slot_bytes: int,
         *,
         queue_depth: int = 32,
         request_bytes: int = 1 << 20,
         backend: str | None = None,
-    ) -> None:
+    ) -> Self:
         """`backend`: None/"auto" (or env BSR_IO_BACKEND), "io_uring" (fixed buffers
         and registered files where allowed), "io_uring_plain", "pread".
         Raises ValueError for window < 1, slot_bytes == 0, queue_depth < 1,

@@ -17,18 +17,25 @@ window re-reads it from a lower tier into the same blocks, or the restore ends z
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from bsr_io._core import Slot
 from bsr_io.kvcache import Destination, Fence
 from bsr_io.tiers.base import PendingChunk
 
+if TYPE_CHECKING:
+    import numpy as np
 
-def fused_runs(dest: Destination, index: int):
+HostRuns = tuple[list["np.ndarray[Any, Any] | None"], list[tuple[int, int, int, int]]]
+
+
+def fused_runs(dest: Destination, index: int) -> HostRuns | None:
     """(host byte buffers, runs) for the fused install of chunk `index`, or None when the
     destination's memory is not plain host memory it can hand out."""
     runs = getattr(dest, "host_runs", None)
-    return runs(index) if runs is not None else None
+    return None if runs is None else runs(index)
 
 
 def install_chunk(
@@ -47,15 +54,16 @@ def install_chunk(
     which no one sees before the commit."""
     expected = pending.expected_xxh3 if pending is not None else None
     where = fused_runs(dest, index) if fused and expected is not None else None
+    got: int | None = None
+    fence: Fence | None = None
     if where is not None:
         bufs, runs = where
         got = slot.install_xxh3(bufs, runs)
-        fence = None
     else:
         fence = dest.install(index, torch.frombuffer(slot, dtype=torch.uint8, count=chunk_bytes))
         # With an asynchronous copy in flight the hash overlaps it: both only read the slot.
         got = slot.checksum(0, chunk_bytes) if expected is not None else None
-    if expected is not None and got != expected:
+    if pending is not None and expected is not None and got != expected:
         if fence is not None:
             fence.synchronize()  # the copy still reads the slot: finish before it is reused
         raise pending.reject("payload checksum mismatch after the install copy")

@@ -21,19 +21,24 @@ Where LMCache would busy-wait for L1 room forever, this fails cleanly with outco
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeGuard
 
 import torch
 
-from bsr_io._core import Engine
+from bsr_io._core import Engine, Slot
 from bsr_io.discovery import Plan
 from bsr_io.errors import ChunkError
 from bsr_io.kvcache import Destination
+from bsr_io.layout import KVLayout
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import COMPLETE, ZERO, RestoreResult
+from bsr_io.store import Store
+from bsr_io.tiers.base import PendingChunk, Tier
 from bsr_io.tiers.files import FileTier
 
 READS = ("lmcache", "engine")
@@ -43,11 +48,11 @@ class L1Exhausted(Exception):
     """The hit does not fit in the L1 budget."""
 
 
-def _buffered_read(path, out: torch.Tensor) -> None:
+def _buffered_read(path: str | os.PathLike[str], out: torch.Tensor) -> None:
     """One buffered Python read of a record's payload into the L1 buffer `out`."""
     with open(path, "rb") as f:
         f.seek(HEADER_BYTES)
-        got = f.readinto(out.numpy())
+        got = f.readinto(out.numpy().data)
     if got != out.numel():
         raise OSError(f"short read of {path}: {got} of {out.numel()} bytes")
 
@@ -57,8 +62,8 @@ class WholePlanRestorer:
 
     def __init__(
         self,
-        store,
-        layout,
+        store: Store,
+        layout: KVLayout,
         *,
         l1_bytes: int,
         engine: Engine | None = None,
@@ -90,11 +95,11 @@ class WholePlanRestorer:
             self.pool = torch.ones(want, dtype=torch.uint8)  # ones: every page touched
         return self.pool
 
-    def _file_tier(self, tier) -> bool:
+    def _file_tier(self, tier: Tier) -> TypeGuard[FileTier]:
         # A wrapped tier (fault injection) must be read through its own interface.
         return self.reads == "lmcache" and isinstance(tier, FileTier)
 
-    def _stage_lmcache(self, tiers, plan: Plan, bufs: list[torch.Tensor]) -> None:
+    def _stage_lmcache(self, tiers: Sequence[Tier], plan: Plan, bufs: list[torch.Tensor]) -> None:
         def one(i: int) -> None:
             tier = tiers[plan.sources[i]]
             if self._file_tier(tier):
@@ -108,15 +113,15 @@ class WholePlanRestorer:
                     self.on_chunk(i)
 
     @staticmethod
-    def _copy_from_slot(slot, out: torch.Tensor) -> None:
+    def _copy_from_slot(slot: Slot, out: torch.Tensor) -> None:
         try:
             out.numpy()[:] = memoryview(slot)[: out.numel()]
         finally:
             del slot
 
-    def _stage_engine(self, tiers, plan: Plan, bufs: list[torch.Tensor]) -> None:
+    def _stage_engine(self, tiers: Sequence[Tier], plan: Plan, bufs: list[torch.Tensor]) -> None:
         """Reads through the engine, as many in flight as it has slots (its W)."""
-        inflight: deque = deque()
+        inflight: deque[PendingChunk] = deque()
         n = len(bufs)
         nxt = 0
         try:

@@ -16,15 +16,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from bsr_io._core import Engine, NoFreeSlot
+from bsr_io._core import Engine, NoFreeSlot, Slot
 from bsr_io.discovery import holds
 from bsr_io.engine import give_back, wait_for_slot
 from bsr_io.errors import ChunkError
 from bsr_io.install import install_chunk
 from bsr_io.keys import ChunkKey
-from bsr_io.kvcache import Destination
-from bsr_io.tiers.base import ENGINE_ERRORS
+from bsr_io.kvcache import Destination, Fence
+from bsr_io.tiers.base import ENGINE_ERRORS, PendingChunk, Tier
 
 
 class _NotStarted(str):
@@ -53,7 +54,7 @@ class ChunkUnavailable(Exception):
 class InstallReport:
     installed: int = 0
     sources: list[str] = field(default_factory=list)  # tier name per installed chunk
-    fallbacks: list[dict] = field(default_factory=list)
+    fallbacks: list[dict[str, Any]] = field(default_factory=list)
     bytes_read: dict[str, int] = field(default_factory=dict)
     error: str = ""
     read_wait_s: float = 0.0
@@ -66,7 +67,7 @@ class Window:
     def __init__(
         self,
         engine: Engine,
-        tiers: Sequence,
+        tiers: Sequence[Tier],
         chunk_bytes: int,
         width: int | None = None,
         fused: bool = True,
@@ -80,26 +81,36 @@ class Window:
         self.fused = fused  # verify while copying where the destination allows it
         self._install_s = 0.0
 
-    def _submit(self, key: ChunkKey, source: int):
+    def _submit(self, key: ChunkKey, source: int) -> PendingChunk | _NotStarted:
         """Start the read in the source tier; a failure to start is kept for `_finish`."""
         tier = self.tiers[source]
         try:
             if tier.defers_verify:
-                return tier.submit_read(key, self.engine, verify=False)
+                # Only tiers that defer the check (record-file tiers) take `verify`.
+                return tier.submit_read(key, self.engine, verify=False)  # type: ignore[call-arg]
             return tier.submit_read(key, self.engine)
         except ENGINE_ERRORS:
             raise  # the engine's own state (full, closed): never a failed chunk
         except (ChunkError, OSError) as exc:
             return _not_started(f"{self.tiers[source].name}: {exc}", exc)
 
-    def _install(self, dest: Destination, index: int, slot, pending=None):
+    def _install(
+        self, dest: Destination, index: int, slot: Slot, pending: PendingChunk | None = None
+    ) -> Fence | None:
         t0 = time.perf_counter()
         try:
             return install_chunk(dest, index, slot, self.chunk_bytes, pending, self.fused)
         finally:
             self._install_s += time.perf_counter() - t0
 
-    def _finish(self, index: int, key: ChunkKey, source: int, pending, dest: Destination):
+    def _finish(
+        self,
+        index: int,
+        key: ChunkKey,
+        source: int,
+        pending: PendingChunk | _NotStarted,
+        dest: Destination,
+    ) -> tuple[Slot, Fence | None, int, list[str]]:
         """Install chunk `index` verified, from its source tier, else from a lower one.
         Returns (slot, fence of the install or None, tier index, causes)."""
         causes: list[str] = []
@@ -140,7 +151,7 @@ class Window:
             self._invalidate(ti, key, causes[-1], record)
         raise ChunkUnavailable(index, key, causes)
 
-    def _read_waiting(self, tier, key: ChunkKey):
+    def _read_waiting(self, tier: Tier, key: ChunkKey) -> Slot:
         """`tier.read_into`, waiting (until the slot deadline) while the ring is full."""
         while True:
             try:
@@ -176,8 +187,8 @@ class Window:
         self._deadline = time.monotonic() + 30.0 if slot_deadline is None else slot_deadline
         report = InstallReport()
         stop_every = stop_every or self.width
-        reads: deque = deque()  # started reads, in chunk order
-        held: deque = deque()  # (slot, tensor, fence) awaiting an asynchronous install
+        reads: deque[PendingChunk | _NotStarted] = deque()  # started reads, in chunk order
+        held: deque[tuple[Slot, Fence]] = deque()  # slots awaiting an asynchronous install
         next_read = 0
         try:
             for i in range(n):

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from bsr_io._core import Engine, Slot, xxh3_64
 from bsr_io.errors import (
@@ -89,7 +90,9 @@ class _Call:
 
     __slots__ = ("fn", "args", "hold", "done", "result", "error", "started", "abandoned", "_lock")
 
-    def __init__(self, fn: Callable[..., Any], args: tuple, hold: tuple) -> None:
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], hold: tuple[Any, ...]
+    ) -> None:
         self.fn, self.args, self.hold = fn, args, hold
         self.done = threading.Event()
         self.result: Any = None
@@ -120,7 +123,7 @@ class _Call:
             raise self.error
         return self.result
 
-    def take(self) -> tuple:
+    def take(self) -> tuple[Any, ...]:
         """The memory the call held (once it has returned)."""
         hold, self.hold = self.hold, ()
         return hold
@@ -149,7 +152,7 @@ class _Workers:
         while (call := self._q.get()) is not None:
             call.run()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, hold: tuple = ()) -> _Call:
+    def submit(self, fn: Callable[..., Any], *args: Any, hold: tuple[Any, ...] = ()) -> _Call:
         call = _Call(fn, args, hold)
         self._q.put(call)
         return call
@@ -166,11 +169,11 @@ class _HeaderBuffers:
 
     def __init__(self, register: Callable[[int, int], int]) -> None:
         self._register = register
-        self._blocks: list[np.ndarray] = []
-        self._free: list[np.ndarray] = []
+        self._blocks: list[npt.NDArray[np.uint8]] = []
+        self._free: list[npt.NDArray[np.uint8]] = []
         self._lock = threading.Lock()
 
-    def take(self) -> np.ndarray:
+    def take(self) -> npt.NDArray[np.uint8]:
         with self._lock:
             if not self._free:
                 block = np.zeros(self.BLOCK * HEADER_BYTES, dtype=np.uint8)
@@ -182,11 +185,11 @@ class _HeaderBuffers:
                                for i in range(self.BLOCK)]  # fmt: skip
             return self._free.pop()
 
-    def give(self, buf: np.ndarray) -> None:
+    def give(self, buf: npt.NDArray[np.uint8]) -> None:
         with self._lock:
             self._free.append(buf)
 
-    def blocks(self) -> list[np.ndarray]:
+    def blocks(self) -> list[npt.NDArray[np.uint8]]:
         return list(self._blocks)
 
 
@@ -428,6 +431,7 @@ class MooncakeTier(Tier):
         return PendingChunk(key, finish, call.done.is_set)
 
     def _verify(self, key: ChunkKey, name: str, n: int, call: _Call, out: list[int]) -> Slot:
+        slot: Slot
         slot, hdr = call.take()  # the call has returned: its memory is ours again
         try:
             rc = int(out[0]) if out else RPC_FAIL
@@ -556,11 +560,12 @@ class MooncakeTier(Tier):
         Memory outside a registered engine arena is registered for the put (RDMA needs
         it; TCP does not care) and unregistered after."""
         n = layout.chunk_bytes
+        owner: object
         if isinstance(payload, Slot):
             addr, owner, checksum = payload.address, payload, payload.checksum(0, n)
         else:
             arr = np.frombuffer(payload_view(payload, layout), dtype=np.uint8)
-            addr, owner, checksum = arr.ctypes.data, arr, xxh3_64(arr)
+            addr, owner, checksum = arr.ctypes.data, arr, xxh3_64(arr.data)
         with self._lock:
             inside = any(a <= addr and addr + n <= a + b for a, b in self._arenas.items())
         if inside:
@@ -606,7 +611,9 @@ class MooncakeTier(Tier):
         except TierDown:
             pass  # the local withdrawal still keeps this process from advertising it
 
-    def invalidate(self, key: ChunkKey, reason: str) -> None:
+    def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
+        # Pool objects are write-once under their name: the object that failed is the one
+        # there, so `record` (a file tier's identity of it) has nothing to add.
         self._withdraw(key, self.object_name(key), reason)
 
     def keys(self) -> list[ChunkKey]:
