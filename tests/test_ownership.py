@@ -206,3 +206,33 @@ def test_failed_save_kept_exception_pins_no_slot(tmp_path):
     res = r.restore(r.probe(tokens), dest)
     assert res.outcome == "complete", res.reason
     _intact(store, dest, r, tokens)
+
+
+class _ExtractFails:
+    """Destination double: gathering chunk 1 fails (a device error, say)."""
+
+    def __init__(self, inner: PagedKVCache) -> None:
+        self.inner, self.layout = inner, inner.layout
+        self.capacity_chunks = inner.capacity_chunks
+
+    def extract(self, chunk_index: int, out: torch.Tensor) -> None:
+        if chunk_index == 1:
+            raise RuntimeError("injected: cannot gather chunk 1")
+        self.inner.extract(chunk_index, out)
+
+    def install(self, chunk_index: int, payload: torch.Tensor):
+        return self.inner.install(chunk_index, payload)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+
+def test_failed_extract_kept_exception_pins_no_slot(tmp_path):
+    engine, store, r, tokens = _setup(tmp_path, window=2)
+    src = _ExtractFails(PagedKVCache.allocate(LAYOUT, 4 * 16))
+    with pytest.raises(RuntimeError, match="injected") as kept:
+        r.save(list(range(4 * 16)), src)
+    assert any("extract failed at" in n for n in kept.value.__notes__)
+    assert engine.free_slots() == 2  # the kept exception holds no view of a slot
+    dest = PagedKVCache.allocate(LAYOUT, CHUNKS * 16)
+    assert r.restore(r.probe(tokens), dest).complete

@@ -10,6 +10,7 @@ prefix through the same bounded staging.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -79,6 +80,17 @@ def _layout_mismatch(layout: KVLayout, dest: object) -> str:
         f"chunks as {layout.name!r} ({layout.fingerprint()}); installing would scramble the "
         "groups' bytes. Build the destination from the restorer's layout."
     )
+
+
+def _extract(dest: Destination, index: int, slot, nbytes: int) -> None:
+    """`dest.extract` into `slot`. If it raises, its frames (which hold a view of the
+    slot) are dropped from the traceback, their text kept as a note: a caller keeping
+    the exception must not keep the view, or the slot could not be released."""
+    try:
+        dest.extract(index, as_tensor(slot, length=nbytes))
+    except BaseException as exc:
+        exc.add_note("extract failed at:\n" + "".join(traceback.format_tb(exc.__traceback__)))
+        raise exc.with_traceback(None) from None
 
 
 class Restorer:
@@ -282,7 +294,7 @@ class Restorer:
             if skip_existing and top.probe([keys[i]]) == 1:
                 return 0
             with lease(self.engine, time.monotonic() + self.timeout_s) as slot:
-                dest.extract(i, as_tensor(slot, length=chunk_bytes))
+                _extract(dest, i, slot, chunk_bytes)
                 slot.set_length(chunk_bytes)
                 self.store.write(keys[i], slot, self.layout)
             return 1

@@ -127,6 +127,12 @@ class Window:
             except (ChunkError, OSError) as exc:
                 causes.append(f"{self.tiers[source].name}: {exc}")
                 record = getattr(exc, "record", None)
+            except BaseException:
+                # The destination failed (out of memory...): the caller may keep the
+                # exception, whose frames must not keep the slot.
+                if slot is not None:
+                    give_back(slot)
+                raise
             # The failed chunk's slot goes back now: the fallback read below may need it.
             if slot is not None:
                 give_back(slot)
@@ -145,6 +151,10 @@ class Window:
             except (ChunkError, OSError) as exc:
                 causes.append(f"{tier.name}: {exc}")
                 record = getattr(exc, "record", None)
+            except BaseException:
+                if slot is not None:
+                    give_back(slot)
+                raise
             if slot is not None:
                 give_back(slot)
             del slot
