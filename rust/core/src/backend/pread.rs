@@ -119,3 +119,95 @@ fn transfer(req: &Request) -> std::result::Result<u64, i32> {
         Ok(rc as u64)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The pread pool on real files: many requests per op, the end of the file, an
+    //! errno from the kernel, an abandoned read, and shutdown finishing queued work.
+    //! (EINTR/EAGAIN and short transfers: the accounting tests in backend/mod.rs; the
+    //! worker loops on whatever `account` hands back.)
+
+    use super::super::tests::{data_file, pattern};
+    use super::super::{OpKind, Pending};
+    use super::*;
+    use crate::arena::Arena;
+    use crate::error::Error;
+
+    fn read_op(f: &Arc<crate::file::EngineFile>, a: &Arc<Arena>, off: u64, n: u64) -> Pending {
+        let lease = Arc::new(a.try_lease().unwrap());
+        Pending::new(OpState::new(OpKind::Read, Arc::clone(f), off, n, n, lease))
+    }
+
+    #[test]
+    fn reads_a_range_in_many_requests() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = data_file(&dir, true);
+        let arena = Arena::new(1, 40 << 10).unwrap();
+        let pool = PreadPool::start(3, 4096).unwrap();
+        let p = read_op(&f, &arena, 8192, 40 << 10);
+        pool.submit(Arc::clone(&p.op));
+        assert_eq!(p.wait(None), Ok(40 << 10));
+        let lease = p.take_lease().unwrap();
+        // SAFETY: the read is complete and the lease is ours alone.
+        let got = unsafe { lease.bytes(0, 40 << 10) }.unwrap();
+        assert_eq!(got, &pattern(64 << 10)[8192..8192 + (40 << 10)]);
+    }
+
+    #[test]
+    fn a_read_past_the_end_is_short() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = data_file(&dir, true);
+        let arena = Arena::new(1, 16 << 10).unwrap();
+        let pool = PreadPool::start(2, 4096).unwrap();
+        let p = read_op(&f, &arena, (64 << 10) - 4096, 16 << 10);
+        pool.submit(Arc::clone(&p.op));
+        assert!(matches!(
+            p.wait(None),
+            Err(Error::ShortRead { got: 4096, .. })
+        ));
+        assert_eq!(arena.free_slots(), 1);
+    }
+
+    #[test]
+    fn an_errno_fails_the_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = data_file(&dir, false); // read-only descriptor
+        let arena = Arena::new(1, 4096).unwrap();
+        let lease = Arc::new(arena.try_lease().unwrap());
+        lease.write_started();
+        let op = OpState::new(OpKind::Write, Arc::clone(&f), 0, 4096, 4096, lease);
+        let pool = PreadPool::start(1, 4096).unwrap();
+        pool.submit(Arc::clone(&op));
+        let err = op.wait(None).unwrap_err();
+        assert_eq!(err.errno(), Some(libc::EBADF), "{err}");
+        assert!(err.to_string().starts_with("write failed"));
+    }
+
+    #[test]
+    fn abandoned_reads_and_shutdown_return_every_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = data_file(&dir, true);
+        let arena = Arena::new(4, 16 << 10).unwrap();
+        let mut pool = PreadPool::start(2, 4096).unwrap();
+        let mut ops = Vec::new(); // what an I/O thread might still hold after the end
+        let mut kept = None;
+        for i in 0..4 {
+            let p = read_op(&f, &arena, i * (16 << 10), 16 << 10);
+            pool.submit(Arc::clone(&p.op));
+            ops.push(Arc::clone(&p.op));
+            if i == 3 {
+                kept = Some(p); // control: a handle someone will still take the slot from
+            } // the others: dropped, nobody will wait for them
+        }
+        pool.shutdown(); // finishes what is queued, then stops
+        assert!(ops.iter().all(|o| o.is_done()));
+        assert_eq!(
+            arena.free_slots(),
+            3,
+            "abandoned reads gave their slots back"
+        );
+        drop(kept);
+        assert_eq!(arena.free_slots(), 4);
+        assert_eq!(arena.live_bytes(), 0);
+    }
+}
