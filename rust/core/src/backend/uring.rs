@@ -385,3 +385,125 @@ fn register_slots(ring: &IoUring, arena: &Arena, notes: &mut Vec<String>) -> boo
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The io_uring driver on real files, registered and plain: more requests than the
+    //! queue depth, the end of the file, an errno in a completion, and a read abandoned
+    //! while the kernel holds it (on a FIFO, so it stays in flight until we write).
+    //! Skipped where the kernel refuses io_uring.
+
+    use std::ffi::CString;
+    use std::io::Write;
+    use std::time::Duration;
+
+    use super::super::tests::{data_file, pattern};
+    use super::super::{OpKind, Pending};
+    use super::*;
+    use crate::file::OpenOptions;
+
+    fn drivers(arena: &Arc<Arena>, queue_depth: u32) -> Vec<UringDriver> {
+        [true, false]
+            .into_iter()
+            .filter_map(|register| {
+                let cfg = UringConfig {
+                    queue_depth,
+                    request_bytes: 4096,
+                    register,
+                };
+                UringDriver::start(cfg, Arc::clone(arena)).ok()
+            })
+            .collect()
+    }
+
+    fn read_op(f: &Arc<EngineFile>, a: &Arc<Arena>, off: u64, n: u64) -> Pending {
+        let lease = Arc::new(a.try_lease().unwrap());
+        Pending::new(OpState::new(OpKind::Read, Arc::clone(f), off, n, n, lease))
+    }
+
+    #[test]
+    fn more_requests_than_the_queue_depth() {
+        let dir = tempfile::tempdir().unwrap();
+        let arena = Arena::new(1, 40 << 10).unwrap();
+        for d in drivers(&arena, 2) {
+            let f = data_file(&dir, true); // a file belongs to one engine (its ring's table)
+            let p = read_op(&f, &arena, 4096, 40 << 10); // 10 requests, 2 in flight
+            d.submit(Arc::clone(&p.op)).unwrap();
+            assert_eq!(p.wait(Some(Duration::from_secs(10))), Ok(40 << 10));
+            let lease = p.take_lease().unwrap();
+            // SAFETY: the read is complete and the lease is ours alone.
+            let got = unsafe { lease.bytes(0, 40 << 10) }.unwrap();
+            assert_eq!(got, &pattern(64 << 10)[4096..4096 + (40 << 10)]);
+        }
+    }
+
+    #[test]
+    fn a_read_past_the_end_is_short() {
+        let dir = tempfile::tempdir().unwrap();
+        let arena = Arena::new(1, 16 << 10).unwrap();
+        for d in drivers(&arena, 4) {
+            let f = data_file(&dir, true);
+            let p = read_op(&f, &arena, (64 << 10) - 8192, 16 << 10);
+            d.submit(Arc::clone(&p.op)).unwrap();
+            let r = p.wait(Some(Duration::from_secs(10)));
+            assert!(
+                matches!(r, Err(Error::ShortRead { got: 8192, .. })),
+                "{r:?}"
+            );
+            drop(p);
+            assert_eq!(arena.free_slots(), 1);
+        }
+    }
+
+    #[test]
+    fn an_errno_in_a_completion_fails_the_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let arena = Arena::new(1, 4096).unwrap();
+        for d in drivers(&arena, 4) {
+            let f = data_file(&dir, false); // read-only descriptor
+            let lease = Arc::new(arena.try_lease().unwrap());
+            lease.write_started();
+            let op = OpState::new(OpKind::Write, Arc::clone(&f), 0, 4096, 4096, lease);
+            d.submit(Arc::clone(&op)).unwrap();
+            let err = op.wait(Some(Duration::from_secs(10))).unwrap_err();
+            assert_eq!(err.errno(), Some(libc::EBADF), "{err}");
+            drop(op);
+            assert_eq!(arena.free_slots(), 1);
+        }
+    }
+
+    #[test]
+    fn a_read_abandoned_in_flight_frees_its_slot_when_the_kernel_is_done() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let c = CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let opts = OpenOptions {
+            special: true,
+            ..Default::default()
+        };
+        let f = Arc::new(EngineFile::open(fifo.to_str().unwrap(), opts).unwrap());
+        let arena = Arena::new(1, 4096).unwrap();
+        let Some(d) = drivers(&arena, 4).into_iter().next() else {
+            return;
+        };
+        let p = read_op(&f, &arena, 0, 4096);
+        let op = Arc::clone(&p.op);
+        d.submit(Arc::clone(&op)).unwrap();
+        assert_eq!(
+            op.wait(Some(Duration::from_millis(50))),
+            Err(Error::Timeout)
+        );
+        drop(p); // abandoned while the kernel holds the request
+        assert_eq!(
+            arena.free_slots(),
+            0,
+            "never reused while the kernel may write it"
+        );
+        let mut w = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+        w.write_all(&pattern(4096)).unwrap();
+        assert_eq!(op.wait(Some(Duration::from_secs(10))), Ok(4096));
+        assert_eq!(arena.free_slots(), 1, "back to the ring at the completion");
+    }
+}
