@@ -113,6 +113,7 @@ class Restorer:
         agreement: Agreement | None = None,
         timeout_s: float = 30.0,
         backend: str | None = None,
+        install_threads: int = 1,
     ) -> None:
         if window is None:
             window = engine.window if engine is not None else 32
@@ -149,6 +150,8 @@ class Restorer:
             )
         self.engine = engine
         self.window = window
+        # Fused installs of several chunks at once (window.py); 1: on the caller's thread.
+        self.install_threads = install_threads
         # Bounds waits for a free slot (a shared engine) as it bounds the agreement.
         self.timeout_s = timeout_s if agreement.world_size == 1 else agreement.timeout_s
 
@@ -258,7 +261,10 @@ class Restorer:
             register_cuda(self.engine)
         self.engine.reset_peak()
         tiers = self.tiers[: len(plan.tier_names)]
-        window = Window(self.engine, tiers, self.layout.chunk_bytes, self.window)
+        window = Window(
+            self.engine, tiers, self.layout.chunk_bytes, self.window,
+            install_threads=self.install_threads,
+        )  # fmt: skip
         deadline = time.monotonic() + self.timeout_s
         try:
             report = window.run(

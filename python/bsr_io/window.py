@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from bsr_io._core import Engine, NoFreeSlot, Slot
 from bsr_io.discovery import holds
 from bsr_io.engine import give_back, wait_for_slot
 from bsr_io.errors import ChunkError
-from bsr_io.install import install_chunk
+from bsr_io.install import fused_runs, install_chunk
 from bsr_io.keys import ChunkKey
 from bsr_io.kvcache import Destination, Fence
 from bsr_io.tiers.base import ENGINE_ERRORS, PendingChunk, Tier
@@ -38,6 +39,18 @@ def _not_started(text: str, exc: BaseException) -> _NotStarted:
     out = _NotStarted(text)
     out.record = getattr(exc, "record", None)
     return out
+
+
+class _ParallelInstall:
+    """A fused install running on an install thread: its fence. `synchronize` raises the
+    tier's ChunkCorrupt when the hash differs from the record header's."""
+
+    def __init__(self, future: Future[int], pending: PendingChunk) -> None:
+        self.future, self.pending = future, pending
+
+    def synchronize(self) -> None:
+        if self.future.result() != self.pending.expected_xxh3:
+            raise self.pending.reject("payload checksum mismatch after the install copy")
 
 
 class ChunkUnavailable(Exception):
@@ -71,6 +84,7 @@ class Window:
         chunk_bytes: int,
         width: int | None = None,
         fused: bool = True,
+        install_threads: int = 1,
     ) -> None:
         if width is not None and not 1 <= width <= engine.window:
             raise ValueError(f"window width {width} must be in [1, {engine.window}] slots")
@@ -79,6 +93,12 @@ class Window:
         self.chunk_bytes = chunk_bytes
         self.width = width or engine.window
         self.fused = fused  # verify while copying where the destination allows it
+        if install_threads < 1:
+            raise ValueError(f"install_threads must be at least 1, got {install_threads}")
+        # Above 1, fused installs of several chunks run at once on their own threads
+        # (GIL released), each holding its slot until it is verified.
+        self.install_threads = install_threads
+        self._pool: ThreadPoolExecutor | None = None
         self._install_s = 0.0
 
     def _submit(self, key: ChunkKey, source: int) -> PendingChunk | _NotStarted:
@@ -99,6 +119,11 @@ class Window:
     ) -> Fence | None:
         t0 = time.perf_counter()
         try:
+            if self._pool is not None and pending is not None and pending.expected_xxh3 is not None:
+                where = fused_runs(dest, index) if self.fused else None
+                if where is not None:
+                    job = self._pool.submit(slot.install_xxh3, *where)
+                    return _ParallelInstall(job, pending)
             return install_chunk(dest, index, slot, self.chunk_bytes, pending, self.fused)
         finally:
             self._install_s += time.perf_counter() - t0
@@ -137,6 +162,19 @@ class Window:
             if slot is not None:
                 give_back(slot)
             del slot, pending
+        return self._fallback(index, key, source, causes, record, dest)
+
+    def _fallback(
+        self,
+        index: int,
+        key: ChunkKey,
+        source: int,
+        causes: list[str],
+        record: object | None,
+        dest: Destination,
+    ) -> tuple[Slot, Fence | None, int, list[str]]:
+        """Chunk `index` failed in tier `source`: withdraw that record and install the
+        chunk from the next tier that holds a good copy, into the same blocks."""
         self._invalidate(source, key, causes[-1], record)
         for ti in range(source + 1, len(self.tiers)):
             tier = self.tiers[ti]
@@ -180,6 +218,33 @@ class Window:
         except (ChunkError, OSError):
             pass  # a tier that is down cannot record the loss; discovery skips it anyway
 
+    def _settle(
+        self, entry: tuple[Slot, Fence, int, ChunkKey, int], dest: Destination, report
+    ) -> None:
+        """Wait for one held install; a chunk that fails its check after a parallel
+        install is re-read from a lower tier into the same blocks (synchronously)."""
+        slot, fence, index, key, source = entry
+        t0 = time.perf_counter()
+        try:
+            fence.synchronize()
+            return
+        except ChunkError as exc:
+            causes = [f"{self.tiers[source].name}: {exc}"]
+            record = getattr(exc, "record", None)
+        finally:
+            give_back(slot)
+            del slot, entry
+            report.install_s += time.perf_counter() - t0
+        slot, fence2, ti, causes = self._fallback(index, key, source, causes, record, dest)
+        if fence2 is not None:
+            fence2.synchronize()
+        give_back(slot)
+        del slot
+        name = self.tiers[ti].name
+        report.fallbacks.append({"chunk": index, "tier": name, "causes": causes})
+        report.sources[index] = name
+        report.bytes_read[name] = report.bytes_read.get(name, 0) + self.chunk_bytes
+
     def run(
         self,
         keys: Sequence[ChunkKey],
@@ -198,8 +263,11 @@ class Window:
         report = InstallReport()
         stop_every = stop_every or self.width
         reads: deque[PendingChunk | _NotStarted] = deque()  # started reads, in chunk order
-        held: deque[tuple[Slot, Fence]] = deque()  # slots awaiting an asynchronous install
+        # (slot, fence, chunk, key, source tier) of installs still running
+        held: deque[tuple[Slot, Fence, int, ChunkKey, int]] = deque()
         next_read = 0
+        if self.install_threads > 1:
+            self._pool = ThreadPoolExecutor(self.install_threads, "bsr-install")
         try:
             for i in range(n):
                 # Every free window position gets a read before chunk i is installed.
@@ -212,7 +280,7 @@ class Window:
                         if reads:
                             break
                         if held:
-                            held.popleft()[1].synchronize()
+                            self._settle(held.popleft(), dest, report)
                             continue
                         wait_for_slot(self.engine, self._deadline)
                         continue
@@ -229,22 +297,29 @@ class Window:
                     report.fallbacks.append({"chunk": i, "tier": name, "causes": causes})
                 report.bytes_read[name] = report.bytes_read.get(name, 0) + self.chunk_bytes
                 if fence is not None:
-                    held.append((slot, fence))
-                    if len(held) >= self.width:
-                        held.popleft()[1].synchronize()
+                    held.append((slot, fence, i, keys[i], tier_index))
+                    parallel = isinstance(fence, _ParallelInstall)
+                    if len(held) >= (self.install_threads if parallel else self.width):
+                        self._settle(held.popleft(), dest, report)
                 if fence is None:
                     give_back(slot)  # installed: the slot returns to the ring now
                 del slot
                 report.install_s += self._install_s + time.perf_counter() - t1
                 report.installed += 1
-                report.sources.append(name)
+                report.sources.append(name)  # a parallel install's fallback rewrites it
                 if (i + 1) % stop_every == 0 and should_stop():
                     report.error = "a peer rank aborted the restore"
                     break
+            while held:
+                self._settle(held.popleft(), dest, report)
             dest.synchronize()
         except ChunkUnavailable as exc:
             report.error = str(exc)
         finally:
+            if self._pool is not None:
+                # Installs still running write into the destination: let them finish.
+                self._pool.shutdown(wait=True)
+                self._pool = None
             held.clear()
             # Reads already started own their slots until they complete: wait, then drop.
             while reads:

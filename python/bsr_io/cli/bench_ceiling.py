@@ -75,6 +75,12 @@ def register(bench_subparsers: Any) -> None:
         default=parse_size("1GiB"),
         help="host KV cache size; a larger state cycles through its blocks",
     )
+    p.add_argument(
+        "--install-threads",
+        type=int,
+        default=1,
+        help="fused installs of several chunks at once (default 1: on the restoring thread)",
+    )
     p.add_argument("--backend", default=None, help="engine backend (default: auto)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -187,7 +193,8 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     probe = eng.open(paths[0])
     direct = probe.direct
     probe.close()
-    restorer = Restorer(Store([l2]), lay, window=args.window, engine=eng, model=MODEL)
+    restorer = Restorer(Store([l2]), lay, window=args.window, engine=eng, model=MODEL,
+                        install_threads=args.install_threads)  # fmt: skip
     dest = _destination(lay, tokens, args.dest_cap)
     unfused = _Unfused(dest)
     rounds: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
@@ -226,6 +233,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
         "state_bytes": state,
         "window": args.window,
         "queue_depth": args.queue_depth,
+        "install_threads": args.install_threads,
         "backend": backend,
         "rounds": args.rounds,
         "engine_raw_gib_s": med["engine"],
