@@ -113,3 +113,19 @@ def test_6_cache_salt_isolates_tenants(run):
     _complete_on_every_rank(same, tp, 10)  # the first salt again: the hit returns
     assert same["cached"] == 10 * CHUNK_TOKENS
     assert same["tokens"] == base["A"]
+
+
+def test_prometheus_metrics_count_what_the_workers_did(run):
+    """Each worker serves RestoreMetrics; its counts match its own event log."""
+    s, tp = run["suite"], run["tp"]
+    for rank in range(tp):
+        m = s["metrics"][rank]
+        loads = [e for e in s["events"] if e["kind"] == "load" and e["rank"] == rank]
+        complete = sum(e["outcome"] == "complete" for e in loads)
+        # A load abandoned at its timeout ends without a result: not counted as a restore.
+        zero = sum(e["outcome"] == "zero" and "timed out" not in e["reason"] for e in loads)
+        assert m['bsr_io_restores_total{outcome="complete"}'] == complete > 0
+        assert m.get('bsr_io_restores_total{outcome="zero"}', 0.0) == zero
+        if rank == tp - 1:
+            assert zero >= 2  # the corrupt record and the vanished one, on this rank
+        assert m["bsr_io_rws_peak_bytes"] == WINDOW * loads[-1]["chunk_bytes"]

@@ -26,11 +26,15 @@ class Guard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open = True
+        self.fences: list = []  # waits for copies already issued (a CUDA stream)
 
     def close(self) -> None:
-        """After this returns, no install or extract of this request runs or will run."""
+        """After this returns, no install or extract of this request runs or will run,
+        and no copy issued before is still in flight."""
         with self._lock:
             self._open = False
+        for wait in self.fences:
+            wait()
 
     def __enter__(self) -> Guard:
         self._lock.acquire()
@@ -44,7 +48,10 @@ class Guard:
 
 
 class RequestBlocks:
-    """Destination over one request's block ids in every layer's cache."""
+    """Destination over one request's block ids in every layer's cache.
+
+    It offers no `host_runs` (the fused copy-and-hash install): that path would bypass
+    the guard, and a chunk whose first blocks are vLLM's own is only partly written."""
 
     def __init__(
         self,
@@ -65,6 +72,8 @@ class RequestBlocks:
         self.device = self.layers[0].device if self.layers else torch.device("cpu")
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        if self._stream is not None:
+            self.guard.fences.append(self._stream.synchronize)
         num_blocks = self.layers[0].shape[0] if self.layers else 0
         bad = [b for b in self.block_ids if not 0 <= b < num_blocks]
         if bad:

@@ -50,6 +50,7 @@ class ConnectorConfig:
     save: bool = True
     model: str | None = None  # identity of the weights; default: vLLM's model and revision
     events_path: str | None = None  # JSON lines, one per load and save outcome
+    metrics_port: int | None = None  # Prometheus on 127.0.0.1:<port + TP rank>
     faults: list[dict[str, Any]] = field(default_factory=list)  # test double, see worker.py
 
     @classmethod
@@ -115,5 +116,6 @@ class ConnectorConfig:
             save=save,
             model=model,
             events_path=events,
+            metrics_port=_int(extra, "metrics_port", None),
             faults=list(faults),
         )

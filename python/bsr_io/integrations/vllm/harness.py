@@ -120,6 +120,42 @@ class Events:
         raise TimeoutError(f"no {kind} event from {ranks} ranks for request {request_id}")
 
 
+def free_ports(n: int) -> int:
+    """A port p such that p .. p+n-1 are free on 127.0.0.1 (one per TP worker)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as s0:
+            s0.bind(("127.0.0.1", 0))
+            p = s0.getsockname()[1]
+        try:
+            socks = []
+            for i in range(n):
+                so = socket.socket()
+                socks.append(so)
+                so.bind(("127.0.0.1", p + i))
+            return p
+        except OSError:
+            continue
+        finally:
+            for so in socks:
+                so.close()
+    raise RuntimeError("no free ports")
+
+
+def scrape(port: int) -> dict[str, float]:
+    """A worker's Prometheus samples (bsr-io's RestoreMetrics), name{labels} -> value."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out = {}
+    for line in text.decode().splitlines():
+        if line.startswith("bsr_io_"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def reset(llm, timeout: float = 300.0) -> None:
     """Drop vLLM's local prefix cache, so the next request must come from bsr-io."""
     deadline = time.monotonic() + timeout
@@ -229,9 +265,10 @@ def run_baseline(model: str, tp: int) -> dict[str, list[int]]:
 def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
     store = os.path.join(work, "store")
     events = Events(os.path.join(work, "events.jsonl"))
+    port = free_ports(tp)
     cfg = {"store_dir": store, "window": WINDOW, "chunk_tokens": CHUNK_TOKENS,
            "load_timeout_s": 4.0, "save_timeout_s": 600.0, "events_path": events.path,
-           "faults": faults_for(tp)}  # fmt: skip
+           "faults": faults_for(tp), "metrics_port": port}  # fmt: skip
     llm = engine(model, tp, connector=cfg)
     P = prompts()
     out: dict[str, Any] = {"tp": tp}
@@ -286,6 +323,7 @@ def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
         reset(llm)
         out[f"t5_{name}"] = run(name)
     out["events"] = events.all()
+    out["metrics"] = [scrape(port + r) for r in range(tp)]
     return out
 
 
@@ -303,7 +341,7 @@ def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int
                  block_size=block_size)  # fmt: skip
     rows = []
     for n in lengths:
-        prompt = tokens(1000 + n, n)
+        prompt = tokens(1000 + n, n + 16)  # n tokens of prefix to restore, then a question
         reset(llm)
         ref, _, rid, _ = generate(llm, prompt)  # computes and saves (salt None)
         events.wait(rid, "save", tp, timeout=600)
@@ -327,7 +365,7 @@ def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int
         med_re, med_rc = float(np.median(restore)), float(np.median(recompute))
         e0 = final_loads[0]
         rows.append({
-            "prompt_tokens": n,
+            "prompt_tokens": len(prompt),
             "restored_tokens": cached,
             "ttft_restore_s": med_re,
             "ttft_recompute_s": med_rc,

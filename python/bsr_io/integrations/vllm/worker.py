@@ -85,6 +85,11 @@ class WorkerSide:
             tiers, self._bind = _fault_double(cfg.faults, tiers, rank)
         self.tiers = tiers
         self.metrics = RestoreMetrics()
+        if cfg.metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(cfg.metrics_port + rank, addr="127.0.0.1",
+                              registry=self.metrics.registry)  # fmt: skip
         self.layers: list[torch.Tensor] = []
         self._jobs: dict[tuple[str, str], _Job] = {}
         self._lock = threading.Lock()
@@ -264,6 +269,7 @@ class WorkerSide:
         self._thread.join(timeout=5)
         for tier in self.tiers:
             tier.close()
+        self.engine.close()
 
 
 class _Shifted:
