@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
-from bsr_io._core import Engine
+from bsr_io._core import Engine, Slot
 from bsr_io.commit import Agreement
 from bsr_io.discovery import Plan, discover
 from bsr_io.engine import as_tensor, lease, register_cuda
@@ -82,7 +82,7 @@ def _layout_mismatch(layout: KVLayout, dest: object) -> str:
     )
 
 
-def _extract(dest: Destination, index: int, slot, nbytes: int) -> None:
+def _extract(dest: Destination, index: int, slot: Slot, nbytes: int) -> None:
     """`dest.extract` into `slot`. If it raises, its frames (which hold a view of the
     slot) are dropped from the traceback, their text kept as a note: a caller keeping
     the exception must not keep the view, or the slot could not be released."""

@@ -219,7 +219,10 @@ class Window:
             pass  # a tier that is down cannot record the loss; discovery skips it anyway
 
     def _settle(
-        self, entry: tuple[Slot, Fence, int, ChunkKey, int], dest: Destination, report
+        self,
+        entry: tuple[Slot, Fence, int, ChunkKey, int],
+        dest: Destination,
+        report: InstallReport,
     ) -> None:
         """Wait for one held install; a chunk that fails its check after a parallel
         install is re-read from a lower tier into the same blocks (synchronously)."""
