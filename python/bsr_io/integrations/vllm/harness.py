@@ -240,7 +240,7 @@ def prompts() -> dict[str, list[int]]:
 
 
 def faults_for(tp: int) -> list[dict]:
-    """TEST DOUBLE (bsr_io.faults) on the last rank: chunk 12's record vanishes just
+    """TEST DOUBLE (bsr_io.testing.faults) on the last rank: chunk 12's record vanishes just
     before its first read (prompt F is the first request that long); chunk 20's first
     read stalls 10 s, past the 4 s load timeout (prompt G)."""
     last = [tp - 1]
