@@ -41,7 +41,7 @@ def test_no_space(backend: str) -> None:
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
     eng = Engine(1, 4096, backend=backend)
-    f = eng.open("/dev/full", write=True)
+    f = eng.open("/dev/full", write=True, special=True)  # a device node: asked for
     slot = eng.lease()
     with pytest.raises(NoSpaceError) as exc:
         eng.write(slot, f, 0, 4096)
