@@ -96,8 +96,8 @@ def test_4_stalled_worker_times_out_and_request_recomputes(run):
 def test_5_rws_is_w_chunks_per_worker_whatever_the_prefix(run):
     s, base, tp = run["suite"], run["baseline"], run["tp"]
     short, long = s["t5_H1"], s["t5_H2"]
-    _complete_on_every_rank(short, tp, 8)
-    _complete_on_every_rank(long, tp, 64)
+    _complete_on_every_rank(short, tp, WINDOW)
+    _complete_on_every_rank(long, tp, 8 * WINDOW)
     assert long["cached"] >= 8 * short["cached"] > 0  # states 8x apart
     for phase in (short, long):
         for e in phase["loads"]:

@@ -234,8 +234,8 @@ def prompts() -> dict[str, list[int]]:
         "E": tokens(5, 10 * c + 17),
         "F": tokens(6, 14 * c + 17),
         "G": tokens(7, 22 * c + 17),
-        "H1": tokens(8, 8 * c + 17),
-        "H2": tokens(9, 64 * c + 17),
+        "H1": tokens(8, 4 * c + 17),  # W chunks: the window fills
+        "H2": tokens(9, 32 * c + 17),  # 8x the state
     }
 
 
