@@ -12,7 +12,12 @@ import importlib.util
 import os
 
 import pytest
-from bsr_io.testing.mooncake_pool import LoopbackPool, loopback_netns
+from bsr_io.testing.mooncake_pool import (
+    LoopbackNetns,
+    LoopbackPool,
+    loopback_netns,
+    netns_possible,
+)
 
 os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's client logs every call at INFO
 
@@ -26,11 +31,23 @@ def require_mooncake() -> None:
     pytest.skip(why)
 
 
+@pytest.fixture(scope="session")
+def _loopback_ns():
+    """One loopback-only namespace for the whole session (None when not root)."""
+    ns = LoopbackNetns() if netns_possible() else None
+    yield ns
+    if ns is not None:
+        ns.close()
+
+
 @pytest.fixture(scope="module")
-def netns():
-    """True when the module runs in a loopback-only network namespace."""
+def netns(_loopback_ns):
+    """True when the module runs in the loopback-only network namespace."""
     require_mooncake()
-    with loopback_netns() as inside:
+    if _loopback_ns is None:
+        yield False
+        return
+    with loopback_netns(_loopback_ns) as inside:
         yield inside
 
 

@@ -15,7 +15,7 @@ try:
 except ImportError:  # before ranks.py moved into bsr_io.testing
     from bsr_io.ranks import launch
 
-netns, pool, fresh_pool = mf.netns, mf.pool, mf.fresh_pool
+_loopback_ns, netns, pool, fresh_pool = mf._loopback_ns, mf.netns, mf.pool, mf.fresh_pool
 TARGET = "bsr_io.testing.mooncake_scenarios:remote_on_rank"
 CHUNKS, WINDOW = 8, 2
 

@@ -34,7 +34,7 @@ from bsr_io.tiers.mooncake_config import MooncakeConfig
 mf.require_mooncake()
 from bsr_io.tiers.mooncake import MooncakeTier  # noqa: E402
 
-netns, pool, fresh_pool = mf.netns, mf.pool, mf.fresh_pool
+_loopback_ns, netns, pool, fresh_pool = mf._loopback_ns, mf.netns, mf.pool, mf.fresh_pool
 
 LAYOUT = preset("tiny", chunk_tokens=256)
 N = LAYOUT.chunk_bytes

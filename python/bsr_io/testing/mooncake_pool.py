@@ -69,35 +69,71 @@ def netns_possible() -> bool:
     return os.geteuid() == 0 and os.path.exists("/proc/thread-self/ns/net")
 
 
-@contextmanager
-def loopback_netns() -> Iterator[bool]:
-    """Run the calling thread in a fresh network namespace with only `lo` (up).
-
-    Processes and threads started inside inherit it. Yields False (and changes nothing)
-    where that is not allowed (not root); the caller then relies on explicit binds.
-    """
-    if not netns_possible():
-        yield False
-        return
+def _setns(fd: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if libc.unshare(_CLONE_NEWNET) != 0:
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns to a network namespace failed: {os.strerror(err)}")
+
+
+class LoopbackNetns:
+    """A network namespace with only `lo` (up), made once and entered as often as needed.
+
+    Mooncake keeps process-wide transfer-engine state, so a process's clients must all
+    live in one namespace: tests enter this same one for every module."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if libc.unshare(_CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"unshare(CLONE_NEWNET) failed: {os.strerror(err)}")
+            try:
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    req = struct.pack("16sH", b"lo", 0)
+                    flags = struct.unpack("16sH", fcntl.ioctl(s, _SIOCGIFFLAGS, req))[1]
+                    fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | _IFF_UP))
+                self.fd = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            finally:
+                _setns(home)
+        finally:
+            os.close(home)
+
+    @contextmanager
+    def entered(self) -> Iterator[None]:
+        """Run the calling thread (and what it starts meanwhile) inside the namespace."""
+        home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _setns(self.fd)
+            try:
+                yield
+            finally:
+                _setns(home)
+        finally:
+            os.close(home)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+@contextmanager
+def loopback_netns(ns: LoopbackNetns | None = None) -> Iterator[bool]:
+    """Run the calling thread in a network namespace with only `lo` (a fresh one unless
+    `ns` is given). Processes and threads started inside inherit it. Yields False (and
+    changes nothing) where that is not allowed (not root); the caller then relies on
+    explicit binds."""
+    if ns is None:
+        if not netns_possible():
             yield False
             return
         try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                req = struct.pack("16sH", b"lo", 0)
-                flags = struct.unpack("16sH", fcntl.ioctl(s, _SIOCGIFFLAGS, req))[1]
-                fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | _IFF_UP))
-            yield True
-        finally:
-            if libc.setns(home, _CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"cannot return to the original network namespace: "
-                              f"{os.strerror(err)}")  # fmt: skip
-    finally:
-        os.close(home)
+            ns = LoopbackNetns()
+        except OSError:
+            yield False
+            return
+    with ns.entered():
+        yield True
 
 
 class LoopbackPool:
