@@ -1,9 +1,21 @@
-"""Tiers where chunk records live: L1 host memory, L2 local SSD, L3 lower tier."""
+"""Tiers where chunk records live: L1 host memory, L2 local SSD, L3 lower tier or a
+Mooncake Store pool (`MooncakeTier`; Mooncake itself is imported only when one is built)."""
 
 from bsr_io.tiers.base import PendingChunk, Tier
 from bsr_io.tiers.files import FileTier
 from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.memory import MemoryTier
+from bsr_io.tiers.mooncake import MooncakeTier
+from bsr_io.tiers.mooncake_config import MooncakeConfig
 from bsr_io.tiers.ssd import SSDTier
 
-__all__ = ["FileTier", "LowerTier", "MemoryTier", "PendingChunk", "SSDTier", "Tier"]
+__all__ = [
+    "FileTier",
+    "LowerTier",
+    "MemoryTier",
+    "MooncakeConfig",
+    "MooncakeTier",
+    "PendingChunk",
+    "SSDTier",
+    "Tier",
+]
