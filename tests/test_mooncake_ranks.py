@@ -85,8 +85,12 @@ def test_storage_node_lost_mid_restore(fresh_pool, tmp_path, case):
                       timeout_s=timeout_s)  # fmt: skip
     finally:
         fresh_pool.signal_node(signal.SIGCONT)
-    check_common(results, "zero")
+    # Usually `zero`; a restore whose remaining reads all still completed is `complete`
+    # with verified bytes (seen once for SIGSTOP). Both ranks agree either way.
+    outcome = results[0]["outcome"]
+    check_common(results, outcome)
+    assert outcome in ("zero", "complete")
     for r in results:
         assert r["restore_s"] < timeout_s, r
-        if case == "node_stop":
-            assert r["l3_stats"]["timeouts"] >= 1 or r["rank"] == 1, r
+    if case == "node_stop" and outcome == "zero":  # zero because a read hit its deadline
+        assert any(r["l3_stats"]["timeouts"] >= 1 for r in results), results
