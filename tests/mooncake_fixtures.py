@@ -8,8 +8,10 @@ package fails the tests instead of skipping them.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import sys
 
 import pytest
 from bsr_io.testing.mooncake_pool import (
@@ -31,9 +33,18 @@ def require_mooncake() -> None:
     pytest.skip(why)
 
 
+def _exit_before_mooncake_teardown(session: pytest.Session) -> None:
+    # Mooncake 0.3.13's clients abort the interpreter at exit (std::terminate, rc 134)
+    # once a pool they used is gone: leave with pytest's own status before that.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(getattr(session, "exitstatus", 1)))
+
+
 @pytest.fixture(scope="session")
-def _loopback_ns():
+def _loopback_ns(request):
     """One loopback-only namespace for the whole session (None when not root)."""
+    atexit.register(_exit_before_mooncake_teardown, request.session)
     ns = LoopbackNetns() if netns_possible() else None
     yield ns
     if ns is not None:
