@@ -110,7 +110,7 @@ class Events:
             if kind is None or e["kind"] == kind
         ]  # fmt: skip
 
-    def wait(self, request_id: str, kind: str, ranks: int, timeout: float = 300.0) -> list[dict]:
+    def wait(self, request_id: str, kind: str, ranks: int, timeout: float = 900.0) -> list[dict]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             got = self.of(request_id, kind)
