@@ -22,6 +22,7 @@ Where LMCache would busy-wait for L1 room forever, this fails cleanly with outco
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -100,12 +101,17 @@ class WholePlanRestorer:
         return self.reads == "lmcache" and isinstance(tier, FileTier)
 
     def _stage_lmcache(self, tiers: Sequence[Tier], plan: Plan, bufs: list[torch.Tensor]) -> None:
+        # Tiers without files read through the engine: no more readers than it has slots,
+        # so a full ring never passes for a failed chunk.
+        slots = threading.BoundedSemaphore(self.engine.window)
+
         def one(i: int) -> None:
             tier = tiers[plan.sources[i]]
             if self._file_tier(tier):
                 _buffered_read(tier.path_of(plan.keys[i]), bufs[i])
             else:
-                self._copy_from_slot(tier.read_into(plan.keys[i], self.engine), bufs[i])
+                with slots:
+                    self._copy_from_slot(tier.read_into(plan.keys[i], self.engine), bufs[i])
 
         with ThreadPoolExecutor(self.threads, thread_name_prefix="whole-plan-read") as ex:
             for i, _ in enumerate(ex.map(one, range(len(bufs)))):
