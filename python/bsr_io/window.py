@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from bsr_io._core import Engine, NoFreeSlot, Slot
@@ -128,6 +129,36 @@ class Window:
         finally:
             self._install_s += time.perf_counter() - t0
 
+    def _attempt(
+        self,
+        source: int,
+        dest: Destination,
+        index: int,
+        causes: list[str],
+        read: Callable[[], Slot],
+        pending: PendingChunk | None = None,
+    ) -> tuple[tuple[Slot, Fence | None] | None, object | None]:
+        """One try at chunk `index` from tier `source`: ((slot, fence), None) once it is
+        installed, else (None, the failed record) with the cause appended to `causes`.
+        A failed try's slot goes back at once, also when the destination raised: the
+        caller may keep that exception, whose frames must not keep the slot."""
+        slot = None
+        try:
+            slot = read()
+            return (slot, self._install(dest, index, slot, pending)), None
+        except ENGINE_ERRORS:
+            raise
+        except (ChunkError, OSError) as exc:
+            causes.append(f"{self.tiers[source].name}: {exc}")
+            record = getattr(exc, "record", None)
+        except BaseException:
+            if slot is not None:
+                give_back(slot)
+            raise
+        if slot is not None:
+            give_back(slot)
+        return None, record
+
     def _finish(
         self,
         index: int,
@@ -143,25 +174,10 @@ class Window:
             causes.append(pending)
             record = getattr(pending, "record", None)
         else:
-            slot = None
-            try:
-                slot = pending.wait()
-                return slot, self._install(dest, index, slot, pending), source, causes
-            except ENGINE_ERRORS:
-                raise
-            except (ChunkError, OSError) as exc:
-                causes.append(f"{self.tiers[source].name}: {exc}")
-                record = getattr(exc, "record", None)
-            except BaseException:
-                # The destination failed (out of memory...): the caller may keep the
-                # exception, whose frames must not keep the slot.
-                if slot is not None:
-                    give_back(slot)
-                raise
-            # The failed chunk's slot goes back now: the fallback read below may need it.
-            if slot is not None:
-                give_back(slot)
-            del slot, pending
+            done, record = self._attempt(source, dest, index, causes, pending.wait, pending)
+            if done is not None:
+                return *done, source, causes
+            del pending  # the failed read's slot must be free for the fallback read
         return self._fallback(index, key, source, causes, record, dest)
 
     def _fallback(
@@ -180,22 +196,11 @@ class Window:
             tier = self.tiers[ti]
             if not holds(tier, key):
                 continue
-            slot = None
-            try:
-                slot = self._read_waiting(tier, key)  # checked by the tier
-                return slot, self._install(dest, index, slot), ti, causes
-            except ENGINE_ERRORS:
-                raise
-            except (ChunkError, OSError) as exc:
-                causes.append(f"{tier.name}: {exc}")
-                record = getattr(exc, "record", None)
-            except BaseException:
-                if slot is not None:
-                    give_back(slot)
-                raise
-            if slot is not None:
-                give_back(slot)
-            del slot
+            # Checked by the tier itself (no deferred verification on a fallback).
+            read = partial(self._read_waiting, tier, key)
+            done, record = self._attempt(ti, dest, index, causes, read)
+            if done is not None:
+                return *done, ti, causes
             self._invalidate(ti, key, causes[-1], record)
         raise ChunkUnavailable(index, key, causes)
 
