@@ -41,11 +41,10 @@ from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, KVLayout, preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
-from bsr_io.sizes import fmt_size, parse_size
+from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.store import Store, synthetic_tokens
 from bsr_io.tiers import SSDTier
 
-GiB = 1 << 30
 MODEL = "bsr-io-bench-ceiling"
 GOAL = 0.85  # restore / engine at W=32 with the deepseek-v4-flash chunk (issue 13)
 METHODS = ("engine", "restore", "restore_unfused")

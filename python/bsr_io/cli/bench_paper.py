@@ -19,9 +19,7 @@ from typing import Any
 from bsr_io.cli import bench_sweep
 from bsr_io.layout import PRESETS, preset
 from bsr_io.record import HEADER_BYTES
-from bsr_io.sizes import fmt_size, parse_size
-
-GiB = 1 << 30
+from bsr_io.sizes import GiB, fmt_size, parse_size
 
 
 def register(bench_subparsers: Any) -> None:

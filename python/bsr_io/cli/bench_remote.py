@@ -30,11 +30,9 @@ from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
-from bsr_io.sizes import fmt_size, parse_size
+from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.store import Store, synthetic_tokens
 from bsr_io.tiers.mooncake_config import MooncakeConfig
-
-GiB = 1 << 30
 
 
 def register(bench_subparsers: Any) -> None:

@@ -23,9 +23,8 @@ from bsr_io._core import Engine, File
 from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read, huge_page_buffers
 from bsr_io.cli.report import write_json
 from bsr_io.engine import as_numpy
-from bsr_io.sizes import fmt_size, parse_size
+from bsr_io.sizes import GiB, fmt_size, parse_size
 
-GiB = 1 << 30
 FIO_BLOCK, FIO_DEPTH = 1 << 20, 32  # fio_read's request size and queue depth
 METHODS = ("fio", "fio_hugemem", "bsr_io", "buffered")
 

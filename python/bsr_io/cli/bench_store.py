@@ -24,11 +24,9 @@ from bsr_io.cli.report import write_json
 from bsr_io.engine import as_numpy
 from bsr_io.keys import ChunkKey, chunk_keys
 from bsr_io.layout import PRESETS, KVLayout, preset
-from bsr_io.sizes import fmt_size, parse_size
+from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.store import synthetic_tokens
 from bsr_io.tiers import SSDTier
-
-GiB = 1 << 30
 
 
 def register(bench_subparsers: Any) -> None:

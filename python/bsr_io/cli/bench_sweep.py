@@ -36,12 +36,10 @@ from bsr_io.cli.progress import bar
 from bsr_io.cli.report import write_json
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
-from bsr_io.sizes import fmt_size, parse_size
+from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.testing.ranks import launch
 
 RESTORE = "bsr_io.testing.scenarios:restore_on_rank"  # one rank's restore, run by launch
-
-GiB = 1 << 30
 
 
 def register(bench_subparsers: Any) -> None:

@@ -54,12 +54,11 @@ from bsr_io.layout import PRESETS, KVLayout, preset
 from bsr_io.metrics import RestoreMetrics
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
-from bsr_io.sizes import fmt_size
+from bsr_io.sizes import GiB, fmt_size
 from bsr_io.store import Store, synthetic_tokens
 from bsr_io.tiers import SSDTier
 from bsr_io.whole_plan import WholePlanRestorer
 
-GiB = 1 << 30
 # fast sits between the two fio runs in every round, whichever way the order turns.
 METHODS = ("naive", "naive_engine", "fio", "fast", "fio_hugemem")
 FIO_DEPTH = 32

@@ -35,13 +35,12 @@ from bsr_io.layout import PRESETS, KVLayout, preset
 from bsr_io.metrics import RestoreMetrics
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
-from bsr_io.sizes import fmt_size, parse_size
+from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.store import Store, synthetic_tokens
 from bsr_io.testing.faults import Fault, FaultPlan
 from bsr_io.tiers import LowerTier, SSDTier
 from bsr_io.whole_plan import WholePlanRestorer
 
-GiB = 1 << 30
 RANKS = 2
 TARGET = "bsr_io.cli.demo:demo_rank"
 MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "hugetlbfs", "squashfs", "overlay"}

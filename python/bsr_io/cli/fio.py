@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from bsr_io.sizes import GiB
+
 __all__ = [
     "FioResult",
     "HugeMem",
@@ -33,7 +35,6 @@ __all__ = [
     "huge_page_buffers",
 ]
 
-GiB = 1 << 30
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 _LOCK = Path(tempfile.gettempdir()) / "bsr-io-hugepages.lock"
 
