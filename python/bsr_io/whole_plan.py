@@ -22,7 +22,6 @@ Where LMCache would busy-wait for L1 room forever, this fails cleanly with outco
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -39,10 +38,11 @@ from bsr_io.layout import KVLayout
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import COMPLETE, ZERO, RestoreResult
 from bsr_io.store import Store
-from bsr_io.tiers.base import PendingChunk, Tier
+from bsr_io.tiers.base import PendingChunk, Tier, read_waiting
 from bsr_io.tiers.files import FileTier
 
 READS = ("lmcache", "engine")
+SLOT_WAIT_S = 30.0  # how long a reader waits for a free slot of a full ring
 
 
 class L1Exhausted(Exception):
@@ -101,17 +101,18 @@ class WholePlanRestorer:
         return self.reads == "lmcache" and isinstance(tier, FileTier)
 
     def _stage_lmcache(self, tiers: Sequence[Tier], plan: Plan, bufs: list[torch.Tensor]) -> None:
-        # Tiers without files read through the engine: no more readers than it has slots,
-        # so a full ring never passes for a failed chunk.
-        slots = threading.BoundedSemaphore(self.engine.window)
+        # Tiers without files read through the engine, whose ring may hold fewer slots
+        # than there are readers: a reader then waits for a slot (back-pressure).
+        deadline = time.monotonic() + SLOT_WAIT_S
 
         def one(i: int) -> None:
             tier = tiers[plan.sources[i]]
             if self._file_tier(tier):
                 _buffered_read(tier.path_of(plan.keys[i]), bufs[i])
             else:
-                with slots:
-                    self._copy_from_slot(tier.read_into(plan.keys[i], self.engine), bufs[i])
+                # Handed straight on: no frame but _copy_from_slot's holds the slot.
+                key = plan.keys[i]
+                self._copy_from_slot(read_waiting(tier, key, self.engine, deadline), bufs[i])
 
         with ThreadPoolExecutor(self.threads, thread_name_prefix="whole-plan-read") as ex:
             for i, _ in enumerate(ex.map(one, range(len(bufs)))):

@@ -27,7 +27,7 @@ from bsr_io.errors import ChunkError
 from bsr_io.install import fused_runs, install_chunk
 from bsr_io.keys import ChunkKey
 from bsr_io.kvcache import Destination, Fence
-from bsr_io.tiers.base import ENGINE_ERRORS, PendingChunk, Tier
+from bsr_io.tiers.base import ENGINE_ERRORS, PendingChunk, Tier, read_waiting
 
 
 class _NotStarted(str):
@@ -197,21 +197,12 @@ class Window:
             if not holds(tier, key):
                 continue
             # Checked by the tier itself (no deferred verification on a fallback).
-            read = partial(self._read_waiting, tier, key)
+            read = partial(read_waiting, tier, key, self.engine, self._deadline)
             done, record = self._attempt(ti, dest, index, causes, read)
             if done is not None:
                 return *done, ti, causes
             self._invalidate(ti, key, causes[-1], record)
         raise ChunkUnavailable(index, key, causes)
-
-    def _read_waiting(self, tier: Tier, key: ChunkKey) -> Slot:
-        """`tier.read_into`, waiting (until the slot deadline) while the ring is full."""
-        while True:
-            try:
-                return tier.read_into(key, self.engine)
-            except NoFreeSlot:
-                pass
-            wait_for_slot(self.engine, self._deadline)
 
     def _invalidate(self, ti: int, key: ChunkKey, reason: str, record: object | None) -> None:
         """Withdraw exactly the record that failed (a newer one at its place stays)."""

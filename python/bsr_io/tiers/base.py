@@ -161,6 +161,19 @@ class Tier(ABC):
         """Release resources (open files, caches). The records stay."""
 
 
+def read_waiting(tier: Tier, key: ChunkKey, engine: Engine, deadline: float) -> Slot:
+    """`tier.read_into`, waiting for a free slot while the ring is full: a full ring is
+    back-pressure, never a failed chunk (EngineBusy at `deadline`, time.monotonic)."""
+    from bsr_io.engine import wait_for_slot
+
+    while True:
+        try:
+            return tier.read_into(key, engine)
+        except NoFreeSlot:
+            pass
+        wait_for_slot(engine, deadline)
+
+
 def payload_view(payload: Payload, layout: KVLayout) -> memoryview:
     """A flat byte view of `payload`, checked to be exactly one chunk of `layout`."""
     want = layout.chunk_bytes
