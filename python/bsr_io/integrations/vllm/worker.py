@@ -44,11 +44,12 @@ from bsr_io.window import Window
 log = logging.getLogger("bsr_io.vllm")
 
 
-def _fault_double(faults: list[dict[str, Any]], tiers: list[Any], rank: int):
-    """(wrapped tiers, bind(tiers, keys)) of bsr-io's fault-injection test double."""
-    from bsr_io.testing.faults import FaultPlan, bind
+def _fault_double(faults: list[dict[str, Any]], tiers: list[Any], rank: int) -> list[Any]:
+    """`tiers` inside bsr-io's fault-injection test double. Fault positions count from
+    the request's chunk 0: discovery hands each tier the request's keys first."""
+    from bsr_io.testing.faults import FaultPlan
 
-    return FaultPlan.from_json(json.dumps(faults)).wrap_all(tiers, rank), bind
+    return FaultPlan.from_json(json.dumps(faults)).wrap_all(tiers, rank)
 
 
 @dataclass
@@ -80,9 +81,8 @@ class WorkerSide:
         ]
         if lower is not None:
             tiers.append(lower)
-        self._bind = None
         if cfg.faults:
-            tiers, self._bind = _fault_double(cfg.faults, tiers, rank)
+            tiers = _fault_double(cfg.faults, tiers, rank)
         self.tiers = tiers
         self.metrics = RestoreMetrics()
         if cfg.metrics_port is not None:
@@ -176,8 +176,6 @@ class WorkerSide:
         t = job.transfer
         t0 = time.perf_counter()
         keys = self._keys(t)
-        if self._bind is not None:
-            self._bind(self.tiers, keys)  # fault positions count from the request's chunk 0
         sources, _ = discover(self.tiers, keys, self.layout)
         n = len(keys)
         if len(sources) < n:
