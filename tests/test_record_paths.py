@@ -21,8 +21,9 @@ from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
-from bsr_io.store import Store, fill_state, open_store, synthetic_chunk
-from bsr_io.tiers import LowerTier, SSDTier
+from bsr_io.store import Store, open_store
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk
+from bsr_io.tiers import LowerTier, MemoryTier, SSDTier
 
 LAYOUT = preset("tiny")
 CHUNKS = 6
@@ -185,6 +186,44 @@ def test_invalidation_spares_a_record_republished_meanwhile(tmp_path, damage):
     plain = Restorer(store, LAYOUT, window=2, engine=engine, model="m")
     plan = plain.probe(tokens)
     assert plan.source_names() == ["L2"] * CHUNKS  # the fresh record is advertised
+    dest = PagedKVCache.allocate(LAYOUT, CHUNKS * 16)
+    assert plain.restore(plan, dest).complete
+    assert dest.chunk_bytes(BAD) == synthetic_chunk(LAYOUT, 7, BAD).tobytes()
+
+
+def test_memory_invalidation_spares_an_entry_written_meanwhile(tmp_path):
+    """L1 honours the record identity too: the failing read's entry is dropped, a good
+    copy written at the same key between the failure and the window's invalidation
+    (a save of the same prefix, a promotion) stays and is served next time."""
+    engine = Engine(2, LAYOUT.chunk_bytes)
+    l1 = MemoryTier(64 * LAYOUT.chunk_bytes, layout=LAYOUT)
+    l3 = LowerTier(tmp_path / "l3", None, layout=LAYOUT)
+    tokens, keys = fill_state(l1, LAYOUT, CHUNKS * 16, seed=7, model="m")
+    fill_state(l3, LAYOUT, CHUNKS * 16, seed=7, model="m")
+    fresh = []
+
+    def republish(key):
+        if key == keys[BAD] and not fresh:
+            assert l1.write(key, synthetic_chunk(LAYOUT, 7, BAD), LAYOUT)
+            fresh.append(l1._entries[key])
+
+    racing = Store([_RepublishBeforeInvalidate(l1, republish), l3])
+    r = Restorer(racing, LAYOUT, window=2, engine=engine, model="m")
+    plan = r.probe(tokens)
+    assert plan.source_names()[BAD] == "L1"
+    with l1._lock:  # real damage to the private copy after discovery (a stray write)
+        l1._entries[keys[BAD]].data[10] ^= 0xFF
+    dest = PagedKVCache.allocate(LAYOUT, CHUNKS * 16)
+    res = r.restore(plan, dest)
+    assert res.outcome == "complete", res.reason
+    assert res.source_tiers[BAD] == "L3"
+    assert fresh, "the failed read never reached invalidation"
+    assert l1.contains(keys[BAD]), "the entry written meanwhile was dropped"
+    assert l1._entries[keys[BAD]] is fresh[0]
+    assert l1.stats()["quarantined"] == 1  # the damaged entry, once
+    plain = Restorer(Store([l1, l3]), LAYOUT, window=2, engine=engine, model="m")
+    plan = plain.probe(tokens)
+    assert plan.source_names() == ["L1"] * CHUNKS  # the fresh entry is advertised
     dest = PagedKVCache.allocate(LAYOUT, CHUNKS * 16)
     assert plain.restore(plan, dest).complete
     assert dest.chunk_bytes(BAD) == synthetic_chunk(LAYOUT, 7, BAD).tobytes()

@@ -64,8 +64,8 @@ class MemoryTier(Tier):
         slot.set_length(n)
         if slot.checksum(0, n) != entry.xxh3:
             slot.release()  # back to the ring now: a kept exception must not hold it
-            self.invalidate(key, "payload checksum mismatch in memory")
-            raise ChunkCorrupt("payload checksum mismatch", key=key, tier=self.name)
+            self.invalidate(key, "payload checksum mismatch in memory", record=entry)
+            raise ChunkCorrupt("payload checksum mismatch", key=key, tier=self.name, record=entry)
         self._count(hits=1, reads=1, bytes_read=n)
         return PendingChunk.ready(key, slot)
 
@@ -100,8 +100,16 @@ class MemoryTier(Tier):
             return True
 
     def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
-        if self.remove(key):
-            self._count(quarantined=1)
+        """Drop `record` (the failing read's entry, `ChunkError.record`) if it is still
+        the one held at `key`; a copy written there since the read is good and stays.
+        Without a record, whatever `key` holds goes."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or (record is not None and entry is not record):
+                return
+            del self._entries[key]
+            self._used -= len(entry.data)
+            self._counts["quarantined"] += 1
 
     def keys(self) -> list[ChunkKey]:
         with self._lock:
