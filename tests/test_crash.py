@@ -13,7 +13,7 @@ import pytest
 from bsr_io import Engine
 from bsr_io.keys import chunk_keys
 from bsr_io.layout import preset
-from bsr_io.store import synthetic_chunk, synthetic_tokens
+from bsr_io.testing.synthetic import synthetic_chunk, synthetic_tokens
 from bsr_io.tiers import LowerTier, SSDTier
 
 # ~540 KiB chunks: a write takes long enough to be killed in the middle of it.
@@ -25,7 +25,7 @@ import os, signal, sys
 from bsr_io import Engine
 from bsr_io.keys import chunk_keys
 from bsr_io.layout import preset
-from bsr_io.store import synthetic_chunk, synthetic_tokens
+from bsr_io.testing.synthetic import synthetic_chunk, synthetic_tokens
 from bsr_io.tiers import LowerTier, SSDTier
 
 kind, root, seed, point, at = sys.argv[1:6]

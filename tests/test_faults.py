@@ -6,8 +6,9 @@ import pytest
 from bsr_io import Engine
 from bsr_io.errors import ChunkCorrupt, ChunkMissing, ChunkReadError, TierDown
 from bsr_io.layout import preset
-from bsr_io.store import Store, fill_state, synthetic_chunk
+from bsr_io.store import Store
 from bsr_io.testing.faults import Fault, FaultPlan, FaultyTier
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk
 from bsr_io.tiers import LowerTier, MemoryTier, SSDTier
 
 LAYOUT = preset("tiny")

@@ -13,7 +13,8 @@ from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
-from bsr_io.store import fill_state, open_store, synthetic_chunk
+from bsr_io.store import open_store
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk
 
 LAYOUT = preset("tiny")
 CHUNKS = 12

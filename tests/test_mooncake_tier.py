@@ -27,7 +27,8 @@ from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
-from bsr_io.store import Store, synthetic_chunk, synthetic_tokens
+from bsr_io.store import Store
+from bsr_io.testing.synthetic import synthetic_chunk, synthetic_tokens
 from bsr_io.tiers import LowerTier
 from bsr_io.tiers.mooncake_config import MooncakeConfig
 

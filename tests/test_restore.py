@@ -10,7 +10,8 @@ from bsr_io import Engine
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import preset
 from bsr_io.restore import Restorer
-from bsr_io.store import fill_state, open_store, synthetic_chunk
+from bsr_io.store import open_store
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk
 from bsr_io.whole_plan import WholePlanRestorer
 
 LAYOUT = preset("tiny")

@@ -11,7 +11,8 @@ from bsr_io.errors import LayoutError
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import KVLayout, preset
 from bsr_io.restore import Restorer
-from bsr_io.store import fill_state, open_store
+from bsr_io.store import open_store
+from bsr_io.testing.synthetic import fill_state
 
 LAYOUT = preset("tiny")
 CHUNKS = 4

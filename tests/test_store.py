@@ -7,7 +7,8 @@ from bsr_io.errors import ChunkCorrupt, ChunkMissing
 from bsr_io.keys import chunk_keys
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
-from bsr_io.store import Store, fill_state, open_store, synthetic_chunk, synthetic_tokens
+from bsr_io.store import Store, open_store
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk, synthetic_tokens
 from bsr_io.tiers import LowerTier, MemoryTier
 
 LAYOUT = preset("tiny")

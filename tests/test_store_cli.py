@@ -8,7 +8,7 @@ from bsr_io.cli import main
 from bsr_io.keys import chunk_keys
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
-from bsr_io.store import synthetic_tokens
+from bsr_io.testing.synthetic import synthetic_tokens
 
 
 def fill(tmp_path, capsys, *extra):

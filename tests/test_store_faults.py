@@ -15,7 +15,7 @@ from bsr_io import Engine
 from bsr_io.errors import ChunkCorrupt, ChunkWriteError, TierDown
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
-from bsr_io.store import fill_state, synthetic_chunk
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk
 from bsr_io.tiers import LowerTier, SSDTier
 
 LAYOUT = preset("tiny")
@@ -141,7 +141,7 @@ import json, sys
 from bsr_io import Engine
 from bsr_io.errors import ChunkWriteError, TierDown
 from bsr_io.layout import preset
-from bsr_io.store import fill_state
+from bsr_io.testing.synthetic import fill_state
 from bsr_io.tiers import SSDTier
 lay = preset("tiny")
 out = {}

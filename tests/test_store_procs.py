@@ -7,7 +7,7 @@ import sys
 from bsr_io import Engine
 from bsr_io.keys import chunk_keys
 from bsr_io.layout import preset
-from bsr_io.store import synthetic_chunk, synthetic_tokens
+from bsr_io.testing.synthetic import synthetic_chunk, synthetic_tokens
 from bsr_io.tiers import SSDTier
 
 LAYOUT = preset("tiny", chunk_tokens=256)  # 33 KiB chunks
@@ -18,7 +18,7 @@ from bsr_io import Engine
 from bsr_io.errors import ChunkCorrupt, ChunkMissing
 from bsr_io.keys import chunk_keys
 from bsr_io.layout import preset
-from bsr_io.store import fill_state, synthetic_chunk, synthetic_tokens
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk, synthetic_tokens
 from bsr_io.tiers import SSDTier
 
 role, root, rank, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])

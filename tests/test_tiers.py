@@ -12,8 +12,8 @@ from bsr_io.errors import CapacityError, ChunkCorrupt, ChunkMissing, LayoutError
 from bsr_io.keys import chunk_keys
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
-from bsr_io.store import synthetic_chunk
 from bsr_io.testing.faults import Fault, FaultPlan
+from bsr_io.testing.synthetic import synthetic_chunk
 from bsr_io.tiers import LowerTier, MemoryTier, SSDTier
 
 LAYOUT = preset("tiny")

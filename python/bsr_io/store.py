@@ -12,12 +12,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
 from bsr_io._core import Engine, Slot
 from bsr_io.errors import ChunkError, ChunkMissing, TierDown
-from bsr_io.keys import ChunkKey, chunk_keys
+from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.tiers.base import Payload, PendingChunk, Tier
 from bsr_io.tiers.lower import LowerTier
@@ -159,42 +156,3 @@ def open_store(
     if lower is not None:
         tiers.append(lower)
     return Store(tiers)
-
-
-# -- synthetic state (benchmarks, demos, checks) ---------------------------------------
-VOCAB = 128_000
-
-
-def synthetic_tokens(seed: int, tokens: int) -> npt.NDArray[np.int64]:
-    """Deterministic token ids (int64) for `seed`."""
-    return np.random.default_rng([seed, 0x70CE]).integers(0, VOCAB, size=tokens, dtype=np.int64)
-
-
-def synthetic_chunk(
-    layout: KVLayout, seed: int, index: int, rank: int = 0
-) -> npt.NDArray[np.uint8]:
-    """Deterministic bytes (uint8, `layout.chunk_bytes`) of chunk `index` on `rank`, so a
-    check can regenerate what `fill_state` stored and compare byte for byte."""
-    rng = np.random.default_rng([seed, rank, index, 0xC4])
-    return rng.integers(0, 256, size=layout.chunk_bytes, dtype=np.uint8)
-
-
-def fill_state(
-    target: Tier,
-    layout: KVLayout,
-    tokens: int,
-    seed: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
-    model: str = "synthetic",
-) -> tuple[npt.NDArray[np.int64], list[ChunkKey]]:
-    """Write a synthetic state of `tokens` tokens (full chunks) into `target`.
-
-    Returns the token ids and the keys written; chunk i holds
-    `synthetic_chunk(layout, seed, i, rank)`.
-    """
-    token_ids = synthetic_tokens(seed, tokens)
-    keys = chunk_keys(token_ids, layout, model, rank, world_size)
-    for i, key in enumerate(keys):
-        target.write(key, synthetic_chunk(layout, seed, i, rank), layout)
-    return token_ids, keys

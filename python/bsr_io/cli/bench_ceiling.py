@@ -42,7 +42,8 @@ from bsr_io.layout import PRESETS, KVLayout, preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB, fmt_size, parse_size
-from bsr_io.store import Store, synthetic_tokens
+from bsr_io.store import Store
+from bsr_io.testing.synthetic import synthetic_tokens
 from bsr_io.tiers import SSDTier
 
 MODEL = "bsr-io-bench-ceiling"

@@ -31,7 +31,8 @@ from bsr_io.layout import PRESETS, preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB, fmt_size, parse_size
-from bsr_io.store import Store, synthetic_tokens
+from bsr_io.store import Store
+from bsr_io.testing.synthetic import fill_random, synthetic_tokens
 from bsr_io.tiers.mooncake_config import MooncakeConfig
 
 
@@ -134,12 +135,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _fill(tier, engine: Engine, layout, keys) -> None:
-    rng = np.random.default_rng(0xB5)
     slot = engine.lease()
     slot.set_length(layout.chunk_bytes)
     view = as_numpy(slot)
-    for k in keys:
-        view[:] = rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8)
+    for i, k in enumerate(keys):
+        fill_random(view, 0xB5, i)
         tier.write(k, slot, layout)
     del view, slot
 

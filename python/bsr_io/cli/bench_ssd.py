@@ -17,13 +17,12 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bsr_io._core import Engine, File
 from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read, huge_page_buffers
 from bsr_io.cli.report import write_json
 from bsr_io.engine import as_numpy
 from bsr_io.sizes import GiB, fmt_size, parse_size
+from bsr_io.testing.synthetic import fill_random
 
 FIO_BLOCK, FIO_DEPTH = 1 << 20, 32  # fio_read's request size and queue depth
 METHODS = ("fio", "fio_hugemem", "bsr_io", "buffered")
@@ -52,7 +51,6 @@ def register(bench_subparsers: Any) -> None:
 
 def write_test_file(path: Path, size: int, window: int, slot: int) -> None:
     """Write `size` pseudo-random bytes with O_DIRECT through the engine."""
-    rng = np.random.default_rng(0x5EED)
     with Engine(window, slot) as eng:
         f = eng.open(path, create=True)
         pending: deque[Any] = deque()
@@ -60,7 +58,7 @@ def write_test_file(path: Path, size: int, window: int, slot: int) -> None:
             if len(pending) == window:
                 pending.popleft().wait()
             s = eng.lease()
-            as_numpy(s)[:] = rng.integers(0, 256, len(s), dtype=np.uint8)
+            fill_random(as_numpy(s), 0x5EED, off)
             pending.append(eng.submit_write(s, f, off, min(slot, size - off)))
             del s
         while pending:

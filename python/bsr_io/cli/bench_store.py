@@ -15,8 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bsr_io._core import Engine
 from bsr_io.cli.bench_ssd import engine_read
 from bsr_io.cli.fio import drop_caches, fio_available, fio_read
@@ -25,7 +23,7 @@ from bsr_io.engine import as_numpy
 from bsr_io.keys import ChunkKey, chunk_keys
 from bsr_io.layout import PRESETS, KVLayout, preset
 from bsr_io.sizes import GiB, fmt_size, parse_size
-from bsr_io.store import synthetic_tokens
+from bsr_io.testing.synthetic import fill_random, synthetic_tokens
 from bsr_io.tiers import SSDTier
 
 
@@ -46,12 +44,11 @@ def register(bench_subparsers: Any) -> None:
 def _fill_slots(engine: Engine, layout: KVLayout, n: int) -> list[Any]:
     """`n` leased slots of pseudo-random chunk bytes (made once: generating 16 MiB of
     random bytes per chunk would cost more than writing it)."""
-    rng = np.random.default_rng(0xB5)
     slots = []
-    for _ in range(n):
+    for i in range(n):
         s = engine.lease()
         s.set_length(layout.chunk_bytes)
-        as_numpy(s)[:] = rng.integers(0, 256, layout.chunk_bytes, dtype=np.uint8)
+        fill_random(as_numpy(s), 0xB5, i)
         slots.append(s)
     return slots
 

@@ -33,9 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bsr_io._core import Engine, Slot
+from bsr_io._core import Engine
 from bsr_io.cli.demo import _mem_available, pick_base_dir
 from bsr_io.cli.fio import (
     HugeMem,
@@ -55,7 +53,8 @@ from bsr_io.metrics import RestoreMetrics
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB, fmt_size
-from bsr_io.store import Store, synthetic_tokens
+from bsr_io.store import Store
+from bsr_io.testing.synthetic import fill_chunk, fill_random, synthetic_chunk, synthetic_tokens
 from bsr_io.tiers import SSDTier
 from bsr_io.whole_plan import WholePlanRestorer
 
@@ -99,30 +98,13 @@ def register(bench_subparsers: Any) -> None:
 
 
 # -- the state -------------------------------------------------------------------------
-def _random_fill(slot: Slot, n: int, seed: int, index: int) -> None:
-    """Deterministic random bytes for chunk `index` (64 random bits at a time)."""
-    rng = np.random.default_rng([seed, index, 0x77F7])
-    arr = as_numpy(slot, count=n)
-    words = n // 8
-    arr[: words * 8].view(np.uint64)[:] = rng.bit_generator.random_raw(words)
-    arr[words * 8 :] = rng.integers(0, 256, n - words * 8, dtype=np.uint8)
-
-
-def expected_chunk(lay: KVLayout, seed: int, index: int) -> bytes:
-    rng = np.random.default_rng([seed, index, 0x77F7])
-    n = lay.chunk_bytes
-    words = n // 8
-    head = rng.bit_generator.random_raw(words).view(np.uint8).tobytes()
-    return head + rng.integers(0, 256, n - words * 8, dtype=np.uint8).tobytes()
-
-
 def write_state(l2: SSDTier, engine: Engine, lay: KVLayout, keys, seed: int, quiet: bool) -> float:
     """Every chunk through the L2 tier (O_DIRECT, durable); a few writers at a time."""
     n = lay.chunk_bytes
 
     def one(i: int) -> None:
         slot = engine.lease()
-        _random_fill(slot, n, seed, i)
+        fill_chunk(as_numpy(slot, count=n), seed, i)
         slot.set_length(n)
         l2.write(keys[i], slot, lay)
 
@@ -146,7 +128,7 @@ def write_fio_file(path: Path, size: int, engine: Engine, quiet: bool) -> None:
                 pending.pop(0).wait()
             n = min(step, size - off)
             slot = engine.lease()
-            _random_fill(slot, n, 0xF10, i)
+            fill_random(as_numpy(slot, count=n), 0xF10, i)
             slot.set_length(n)
             pending.append(engine.submit_write(slot, f, off, n))
             del slot
@@ -236,7 +218,7 @@ class _Bench:
     def check(self) -> bool:
         """The first and last chunk in the destination are the bytes that were written."""
         return all(
-            self.dest.chunk_bytes(i) == expected_chunk(self.lay, self.seed, i)
+            self.dest.chunk_bytes(i) == synthetic_chunk(self.lay, self.seed, i).tobytes()
             for i in {0, self.chunks - 1}
         )
 

@@ -36,8 +36,9 @@ from bsr_io.metrics import RestoreMetrics
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB, fmt_size, parse_size
-from bsr_io.store import Store, synthetic_tokens
+from bsr_io.store import Store
 from bsr_io.testing.faults import Fault, FaultPlan
+from bsr_io.testing.synthetic import synthetic_tokens
 from bsr_io.tiers import LowerTier, SSDTier
 from bsr_io.whole_plan import WholePlanRestorer
 

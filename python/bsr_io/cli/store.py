@@ -14,7 +14,7 @@ from bsr_io.errors import ChunkError
 from bsr_io.layout import PRESETS, preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.sizes import fmt_size
-from bsr_io.store import fill_state
+from bsr_io.testing.synthetic import fill_state
 from bsr_io.tiers import LowerTier, SSDTier
 from bsr_io.tiers.files import FileTier
 

@@ -17,7 +17,7 @@ from bsr_io.cli.bench_remote import add_pool_args, pool_config
 from bsr_io.errors import ChunkError
 from bsr_io.keys import chunk_keys
 from bsr_io.layout import PRESETS, preset
-from bsr_io.store import synthetic_chunk, synthetic_tokens
+from bsr_io.testing.synthetic import synthetic_chunk, synthetic_tokens
 
 
 def register_pool(store_sub: Any) -> None:

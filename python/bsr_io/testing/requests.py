@@ -29,7 +29,8 @@ from bsr_io.commit import Agreement
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import KVLayout, preset
 from bsr_io.restore import Restorer
-from bsr_io.store import fill_state, open_store, synthetic_chunk, synthetic_tokens
+from bsr_io.store import open_store
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk, synthetic_tokens
 
 PHASES = ("discovery", "install", "vote", "raise")
 

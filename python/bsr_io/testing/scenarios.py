@@ -22,8 +22,9 @@ from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import preset
 from bsr_io.restore import Restorer
-from bsr_io.store import Store, fill_state, open_store, synthetic_chunk, synthetic_tokens
+from bsr_io.store import Store, open_store
 from bsr_io.testing.faults import Fault, FaultPlan
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk, synthetic_tokens
 from bsr_io.whole_plan import WholePlanRestorer
 
 
