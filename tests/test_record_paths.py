@@ -21,7 +21,8 @@ from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
-from bsr_io.store import Store, fill_state, open_store, synthetic_chunk
+from bsr_io.store import Store, open_store
+from bsr_io.testing.synthetic import fill_state, synthetic_chunk
 from bsr_io.tiers import LowerTier, MemoryTier, SSDTier
 
 LAYOUT = preset("tiny")
