@@ -2,7 +2,7 @@
 
 The state's record files live on a RAM-backed filesystem that accepts O_DIRECT (tmpfs
 does on current kernels), so reads cost a kernel copy and no device time. In the same
-run, interleaved, median of rounds:
+run, interleaved, median of rounds after one uncounted warm-up round:
 
 - engine: the engine alone reading every record's payload range through the same W
   slots at the same queue depth (each file opened, each slot released unread): the
@@ -200,7 +200,10 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     rounds: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     outcomes, rws = set(), 0
     load0 = os.getloadavg()[0]
-    for r in range(args.rounds):
+    # Round -1 is a warm-up, not counted: the first pass of each path pays one-time costs
+    # (the I/O workers starting, the destination's pages faulting in) that would
+    # otherwise land on whichever path runs first.
+    for r in range(-1, args.rounds):
         order = METHODS[r % 3 :] + METHODS[: r % 3]  # none always goes first
         for method in order:
             c0 = _cpu_s()
@@ -216,6 +219,8 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
                 if not res.complete:
                     raise RuntimeError(f"{method} did not complete: {res.reason}")
             cpu = _cpu_s() - c0
+            if r < 0:
+                continue
             rounds[method].append(
                 {"gib_s": state / secs / GiB, "seconds": secs, "cpu_s_per_gib": cpu * GiB / state}
             )
