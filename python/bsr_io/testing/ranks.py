@@ -17,8 +17,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
-from typing import Any
+from typing import IO, Any
 
 _MARK = "BSR-IO-RANK-RESULT "
 
@@ -50,24 +51,48 @@ def launch(
         procs.append(
             subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env)
         )
+    # Every child's pipes are drained from the start, concurrently: a rank that fills
+    # its pipe while another is waited on would block (and, through the rank-0 exit
+    # wait below, hold the others) until the timeout.
+    pipes = [(_Drain(p.stdout), _Drain(p.stderr)) for p in procs]
     deadline = time.monotonic() + timeout_s
     results = []
-    for rank, p in enumerate(procs):
+    for rank, (p, (out, err)) in enumerate(zip(procs, pipes, strict=True)):
         try:
-            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-            out, err = p.communicate()
-            results.append({"rank": rank, "exit_code": "timeout", "stderr": err.decode()[-2000:]})
+            p.wait()
+            results.append({"rank": rank, "exit_code": "timeout", "stderr": err.text()[-2000:]})
             continue
-        found = [ln for ln in out.decode().splitlines() if ln.startswith(_MARK)]
+        found = [ln for ln in out.text().splitlines() if ln.startswith(_MARK)]
         if p.returncode == 0 and found:
             results.append(json.loads(found[-1][len(_MARK) :]))
         else:
-            results.append(
-                {"rank": rank, "exit_code": p.returncode, "stderr": err.decode()[-2000:]}
-            )
+            results.append({"rank": rank, "exit_code": p.returncode, "stderr": err.text()[-2000:]})
     return results
+
+
+class _Drain:
+    """Reads one child pipe to its end on a thread of its own."""
+
+    def __init__(self, pipe: IO[bytes] | None) -> None:
+        assert pipe is not None
+        self._pipe = pipe
+        self._parts: list[bytes] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with self._pipe:
+            while part := os.read(self._pipe.fileno(), 1 << 16):
+                self._parts.append(part)
+
+    def text(self) -> str:
+        """Everything the child wrote. Its exit closes the pipe unless a grandchild
+        still holds it; then only a short wait, and what came so far."""
+        self._thread.join(timeout=5.0)
+        return b"".join(self._parts).decode(errors="replace")
 
 
 def _main(argv: list[str]) -> int:
