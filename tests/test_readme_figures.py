@@ -87,5 +87,4 @@ def test_results_json_carry_no_temporary_paths():
 
 def test_named_json_files_exist():
     for name in re.findall(r"`([\w-]+\.json)`", (ROOT / "README.md").read_text()):
-        if name != "paper.json":  # the paper-scale run is committed when it has run
-            assert (RESULTS / name).is_file(), f"README cites {name}, not in docs/results"
+        assert (RESULTS / name).is_file(), f"README cites {name}, not in docs/results"
