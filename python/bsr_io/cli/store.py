@@ -60,8 +60,8 @@ def run_stats(args: argparse.Namespace) -> int:
     nbytes = 0
     for key in tier.keys():
         groups[(key.model, key.world_size, key.rank, key.layout_fingerprint)] += 1
-    for entry in tier._index.values():
-        nbytes += entry.nbytes
+    for header in tier.headers():
+        nbytes += header.record_bytes
     out = {
         "dir": str(tier.root),
         "records": len(tier.keys()),
@@ -88,7 +88,7 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_verify(args: argparse.Namespace) -> int:
     scan = _open_existing(args.dir)
-    sizes = [e.header.payload_len for e in scan._index.values()]
+    sizes = [h.payload_len for h in scan.headers()]
     bad: list[tuple[str, str, str]] = [("?", p.path, p.reason) for p in scan.problems]
     ok = 0
     if sizes:

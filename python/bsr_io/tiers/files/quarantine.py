@@ -1,0 +1,93 @@
+"""Records that failed verification are moved aside, so no probe advertises them again:
+
+    quarantine/<namespace>-<chunk hash>.<ns time>.chunk (+ .why)
+
+Only the exact file that failed (its RecordId) is moved: a record republished at the
+path meanwhile stays, and one renamed in between the check and the move is put back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bsr_io.keys import ChunkKey
+from bsr_io.record import RecordFormatError
+from bsr_io.tiers.files.records import SUFFIX, RecordId, mkdir_private, read_header
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """A record that failed verification (and was quarantined)."""
+
+    path: str
+    reason: str
+    key: ChunkKey | None
+
+
+class Quarantine:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self._unmovable: set[tuple[int, int, int]] = set()  # bad files we could not move
+
+    def move_aside(self, path: Path, record: RecordId, reason: str) -> bool:
+        """Withdraw `record`: move it here with a note of `reason`, or, where it cannot be
+        moved (a read-only store), remember it as bad. False when there was nothing to
+        withdraw (gone, or the file at `path` is no longer that record)."""
+        try:
+            if not _is_record(path, record):
+                return False
+            mkdir_private(self.dir)
+            dest = self.dir / f"{path.parent.name}-{path.name.removesuffix(SUFFIX)}"
+            dest = dest.with_name(f"{dest.name}.{time.time_ns()}{SUFFIX}")
+            os.rename(path, dest)
+            if not record.same_file(os.stat(dest)):
+                # Replaced between the check and the rename: put the newcomer back,
+                # unless yet another record took the name (link never replaces).
+                try:
+                    os.link(dest, path)
+                except FileExistsError:
+                    pass
+                os.unlink(dest)
+                return False
+            fd = os.open(dest.with_suffix(".why"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, (reason + "\n").encode())
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            # Cannot move it: at least stop advertising it here.
+            try:
+                st = os.stat(path)
+                if record.same_file(st):
+                    self._unmovable.add((st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                return False
+        return True
+
+    def holds(self, st: os.stat_result) -> bool:
+        """Whether the file `st` describes is a bad record that could not be moved."""
+        return (st.st_ino, st.st_mtime_ns, st.st_size) in self._unmovable
+
+    def files(self) -> list[Path]:
+        try:
+            return sorted(self.dir.glob("*" + SUFFIX))
+        except OSError:
+            return []
+
+
+def _is_record(path: Path, record: RecordId) -> bool:
+    """Whether the file at `path` now is `record` (same inode and mtime, same header)."""
+    st = os.stat(path, follow_symlinks=False)
+    if not record.same_file(st):
+        return False
+    if record.header is None:
+        return True
+    try:
+        return read_header(path) == record.header
+    except (OSError, RecordFormatError):
+        return True  # the same inode, now unreadable: still the record that failed

@@ -1,0 +1,296 @@
+"""FileTier: a tier of record files in a directory, the part L2 and L3 share.
+
+Each process keeps its own index (index.py); probes stat the file, so records written
+or removed by other processes sharing the directory are seen. A record unlinked
+(evicted) while a reader has it open stays readable to that reader; one unlinked
+before the open is reported as ChunkMissing. Writes publish atomically (publish.py),
+within the capacity (capacity.py); failed records go to quarantine (quarantine.py).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from abc import abstractmethod
+from pathlib import Path
+from typing import Any
+
+from bsr_io.errors import (
+    ChunkCorrupt,
+    ChunkError,
+    ChunkMissing,
+    ChunkReadError,
+    LayoutError,
+    TierDown,
+)
+from bsr_io.keys import ChunkKey
+from bsr_io.layout import KVLayout
+from bsr_io.record import HEADER_BYTES, RecordFormatError, RecordHeader, decode_header
+from bsr_io.tiers.base import Payload, Tier, check_capacity, check_payload
+from bsr_io.tiers.files.capacity import Room
+from bsr_io.tiers.files.index import RecordIndex, scan_records
+from bsr_io.tiers.files.publish import copy_record, publish
+from bsr_io.tiers.files.quarantine import Problem, Quarantine
+from bsr_io.tiers.files.records import (
+    Entry,
+    RecordId,
+    mkdir_private,
+    open_record,
+    read_header,
+    record_path,
+)
+
+
+class FileTier(Tier):
+    """A tier of record files under `root`; subclasses supply the payload I/O."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int | None,
+        *,
+        name: str,
+        layout: KVLayout | None = None,
+        evict_to: FileTier | None = None,
+    ) -> None:
+        super().__init__(name)
+        check_capacity(name, capacity_bytes, HEADER_BYTES + layout.chunk_bytes if layout else None)
+        self.capacity_bytes = capacity_bytes
+        self.root = Path(os.path.abspath(root))
+        self.chunks_dir = self.root / "chunks"
+        self.quarantine_dir = self.root / "quarantine"
+        self.evict_to = evict_to
+        self._index = RecordIndex(self._lock)
+        self._room = Room(self._lock, capacity_bytes, self._index)
+        self._quarantine = Quarantine(self.quarantine_dir)
+        self.problems: list[Problem] = []
+        try:
+            mkdir_private(self.chunks_dir)
+        except OSError as exc:
+            raise TierDown(f"cannot create or open store directory {self.root}", tier=name,
+                           cause=exc) from exc  # fmt: skip
+        if not os.access(self.chunks_dir, os.R_OK | os.X_OK):
+            raise TierDown(f"store directory {self.chunks_dir} is not readable", tier=name)
+        self.scan()
+
+    def path_of(self, key: ChunkKey) -> Path:
+        return record_path(self.chunks_dir, key)
+
+    # -- index --------------------------------------------------------------------------
+    def scan(self) -> None:
+        """Rebuild the index from the directory: headers only; torn writes are removed,
+        records that fail their header checks are quarantined."""
+        found = scan_records(
+            self.chunks_dir, self.name, lambda path, rid, why: self._withdraw(path, rid, None, why)
+        )
+        self._index.replace(found)
+
+    def contains(self, key: ChunkKey, group: str | None = None) -> bool:
+        path = self.path_of(key)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            self._index.forget(key)
+            return False
+        except OSError as exc:
+            raise TierDown(f"cannot stat {path}", key=key, tier=self.name, cause=exc) from exc
+        if not stat.S_ISREG(st.st_mode):
+            self._index.forget(key)
+            return False  # records are regular files, never links
+        entry = self._index.get(key)
+        if entry is not None and (entry.ino, entry.mtime_ns) == (st.st_ino, st.st_mtime_ns):
+            return True
+        if self._quarantine.holds(st):
+            return False
+        # Written (or replaced) by another process: adopt it after a header check.
+        try:
+            header = read_header(path)
+        except FileNotFoundError:
+            return False
+        except (OSError, RecordFormatError) as exc:
+            self._withdraw(path, RecordId.of(st), key, f"unreadable header: {exc}")
+            return False
+        problem = header.check(key)
+        if problem is None and st.st_size != header.record_bytes:
+            problem = f"file is {st.st_size} bytes, record is {header.record_bytes}"
+        if problem:
+            self._withdraw(path, RecordId.of(st, header), key, problem)
+            return False
+        self._index.remember(key, Entry.of(header, st))
+        return True
+
+    def keys(self) -> list[ChunkKey]:
+        return self._index.keys()
+
+    def headers(self) -> list[RecordHeader]:
+        """The indexed records' headers, in LRU order (oldest first)."""
+        return [e.header for e in self._index.entries()]
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            out = self._stats(len(self._index), self._index.used, self.capacity_bytes)
+        out["root"] = str(self.root)
+        return out
+
+    # -- verification failures ----------------------------------------------------------
+    def _withdraw(self, path: Path, record: RecordId, key: ChunkKey | None, reason: str) -> None:
+        """Stop advertising `key` and quarantine the bad record `record` (only that file)."""
+        if key is not None:
+            self._index.forget(key)
+        if self._quarantine.move_aside(path, record, reason):
+            self.problems.append(Problem(str(path), reason, key))
+            self._count(quarantined=1)
+
+    def _corrupt(self, key: ChunkKey, path: Path, record: RecordId, reason: str) -> ChunkCorrupt:
+        self._withdraw(path, record, key, reason)
+        return ChunkCorrupt(f"{reason}; record quarantined", key=key, tier=self.name,
+                            cause=str(path), record=record)  # fmt: skip
+
+    def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
+        """Withdraw `record`, the exact file that failed (`ChunkError.record`). Without
+        one (the failure came before any file was opened) only the index entry goes:
+        the file at the path, if any, is not known to be bad and is checked again."""
+        if not isinstance(record, RecordId):
+            self._index.forget(key)
+            return
+        self._withdraw(self.path_of(key), record, key, f"invalidated: {reason}")
+
+    def quarantined_files(self) -> list[Path]:
+        return self._quarantine.files()
+
+    # -- writes -------------------------------------------------------------------------
+    def remove(self, key: ChunkKey) -> bool:
+        path = self.path_of(key)
+        self._index.forget(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _evict(self, key: ChunkKey) -> None:
+        self._count(evictions=1)
+        path = self.path_of(key)
+        if self.evict_to is not None:
+            try:
+                self.evict_to.adopt(key, path)
+            except (ChunkError, OSError):
+                pass  # demotion is best effort; the record is evicted either way
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def write(self, key: ChunkKey, payload: Payload, layout: KVLayout) -> bool:
+        if key.layout_fingerprint != layout.fingerprint():
+            raise LayoutError(
+                f"chunk {key.short()} was keyed for another layout than {layout.name}"
+            )
+        check_capacity(self.name, self.capacity_bytes, HEADER_BYTES + layout.chunk_bytes)
+        check_payload(payload, layout)  # bad input is refused before the disk is touched
+        if self.contains(key):
+            self._index.touch(key)
+            return False
+        # Held in a list the record writer empties, so a leased staging slot goes back
+        # to the ring as soon as its bytes are written, not after the rename and fsync.
+        staged = [self._stage(payload, layout)]
+        nbytes = HEADER_BYTES + layout.chunk_bytes
+        self._room.reserve(nbytes, self._evict)
+        try:
+            header, st = publish(
+                self.name,
+                key,
+                self.path_of(key),
+                lambda fd, tmp: self._write_record(fd, tmp, key, layout, staged.pop()),
+            )
+        finally:
+            staged.clear()  # even on error
+            self._room.release(nbytes)
+        self._index.remember(key, Entry.of(header, st))
+        self._count(writes=1, bytes_written=header.payload_len)
+        return True
+
+    def adopt(self, key: ChunkKey, src: Path) -> bool:
+        """Copy a record file from another tier (demotion); the copy is verified on read."""
+        header = read_header(src)
+        if header.key != key:
+            raise ChunkCorrupt("demoted record holds another key", key=key, tier=self.name)
+        if self.contains(key):
+            return False
+        self._room.reserve(header.record_bytes, self._evict)
+        try:
+            _, st = publish(self.name, key, self.path_of(key),
+                            lambda fd, _tmp: self._copy_from(key, src, header, fd))  # fmt: skip
+        finally:
+            self._room.release(header.record_bytes)
+        self._index.remember(key, Entry.of(header, st))
+        self._count(writes=1, bytes_written=header.payload_len)
+        return True
+
+    def _copy_from(self, key: ChunkKey, src: Path, header: RecordHeader, fd: int) -> RecordHeader:
+        src_fd, _ = open_record(src)
+        try:
+            if not copy_record(src_fd, fd, header.record_bytes):
+                raise ChunkCorrupt("demoted record is truncated", key=key, tier=self.name)
+        finally:
+            os.close(src_fd)
+        return header
+
+    # -- what subclasses provide --------------------------------------------------------
+    @abstractmethod
+    def _stage(self, payload: Payload, layout: KVLayout) -> Any:
+        """Check `payload` and get it ready to write (before any file is created)."""
+
+    @abstractmethod
+    def _write_record(
+        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any
+    ) -> RecordHeader:
+        """Write header and payload to the new temp file `fd` and make them durable."""
+
+    # -- shared read checks -------------------------------------------------------------
+    def _known_header(self, key: ChunkKey, st: os.stat_result) -> RecordHeader | None:
+        """The indexed header of `key` if the open file is the one it was checked on.
+
+        Saves a synchronous header read per chunk, which would queue behind the payload
+        reads in flight. A file replaced or rewritten since (new inode or mtime) has its
+        header read and checked again."""
+        e = self._index.get(key)
+        if e is None or (e.ino, e.mtime_ns, e.nbytes) != (st.st_ino, st.st_mtime_ns, st.st_size):
+            return None
+        return e.header
+
+    def _open_checks(self, key: ChunkKey, path: Path, raw_header: bytes,
+                     st: os.stat_result) -> RecordHeader:  # fmt: skip
+        try:
+            header = decode_header(raw_header)
+        except RecordFormatError as exc:
+            raise self._corrupt(key, path, RecordId.of(st), f"bad header: {exc}") from None
+        problem = header.check(key)
+        if problem is None and st.st_size != header.record_bytes:
+            problem = f"file is {st.st_size} bytes, record is {header.record_bytes} (truncated?)"
+        if problem:
+            raise self._corrupt(key, path, RecordId.of(st, header), problem)
+        return header
+
+    def _checked(self, key: ChunkKey, header: RecordHeader, st: os.stat_result) -> None:
+        self._index.remember(key, Entry.of(header, st))
+
+    def _touch(self, key: ChunkKey) -> None:
+        self._index.touch(key)
+
+    def _missing(self, key: ChunkKey, exc: OSError | None = None) -> ChunkError:
+        self._index.forget(key)
+        self._count(misses=1)
+        if not self.chunks_dir.is_dir():
+            return TierDown(f"store directory {self.chunks_dir} is gone", key=key,
+                            tier=self.name, cause=exc)  # fmt: skip
+        return ChunkMissing("no record", key=key, tier=self.name, cause=exc)
+
+    def _read_error(
+        self, key: ChunkKey, path: Path, exc: OSError, record: RecordId | None = None
+    ) -> ChunkError:
+        if not self.chunks_dir.is_dir():
+            return TierDown(f"store directory {self.chunks_dir} is gone", key=key,
+                            tier=self.name, cause=exc)  # fmt: skip
+        return ChunkReadError(f"cannot read {path}", key=key, tier=self.name, cause=exc,
+                              record=record)  # fmt: skip
