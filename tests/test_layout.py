@@ -124,3 +124,22 @@ def test_from_transformers_config():
     lay = KVLayout.from_transformers_config(hybrid, dtype=torch.float16)
     assert lay.group_names() == ["sliding_attention", "full_attention"]
     assert lay.token_bytes == 4 * 2 * 2 * 16 * 2
+
+
+@pytest.mark.parametrize("config", ["DeepseekV3Config", "DeepseekV2Config"])
+def test_from_transformers_config_mla_is_one_latent_per_layer(config):
+    transformers = pytest.importorskip("transformers")
+    # DeepSeek-V3's own sizes: 61 layers, a 512-wide latent and a 64-wide rotary key.
+    cfg = getattr(transformers, config)(
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        hidden_size=7168, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128,
+    )  # fmt: skip
+    one = KVLayout.from_transformers_config(cfg)
+    assert one.group_names() == ["compressed_kv"]
+    assert one.groups[0].token_shape == (61, 576)
+    assert one.token_bytes == 61 * 576 * 2  # 70,272 B/token: not heads x head_dim
+    # The latent has no heads to split: every rank holds all of it, under its own name.
+    two = KVLayout.from_transformers_config(cfg, world_size=2)
+    assert two.token_bytes == one.token_bytes
+    assert two.fingerprint() != one.fingerprint()

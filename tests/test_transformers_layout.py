@@ -142,3 +142,37 @@ def test_chunked_prefill_matches_one_pass(family):
     for (k1, v1), (k2, v2) in zip(kv_tensors(chunked), kv_tensors(one_pass), strict=True):
         torch.testing.assert_close(k1, k2, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(v1, v2, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["DeepseekV3", "DeepseekV2"])
+def test_mla_layout_is_the_cached_latent_whole_on_every_rank(family):
+    """MLA caches one latent (kv_lora_rank) and one rotary key (qk_rope_head_dim) per
+    token per layer, not heads x head_dim: the layout follows the real model's cache."""
+    model = tiny_model("deepseek_v3") if family == "DeepseekV3" else None
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, head_dim=8,
+    )  # fmt: skip
+    layouts = [
+        kv_layout(cfg, chunk_tokens=16, dtype=torch.bfloat16, rank=r, world_size=2)
+        for r in range(2)
+    ]
+    for layout in layouts:
+        assert layout.group_names() == [
+            f"layer{i}.{g}" for i in range(3) for g in ("latent", "rope")
+        ]
+        assert [g.token_shape for g in layout.groups] == [(1, 32), (1, 8)] * 3
+        assert layout.token_bytes == 3 * (32 + 8) * 2
+    assert layouts[0] == layouts[1]
+    if model is not None:  # the real model's cache has exactly this shape
+        cache = _cache_of(model, 16)
+        layout = kv_layout(model.config, chunk_tokens=16, cache=cache)
+        assert [g.token_shape for g in layout.groups] == [(1, 32), (1, 8)] * 2
+
+
+def test_mla_without_a_rotary_width_is_refused_by_name():
+    cfg = transformers.DeepseekV3Config(num_hidden_layers=2, kv_lora_rank=32)
+    cfg.qk_rope_head_dim = 0
+    with pytest.raises(ValueError, match="deepseek_v3.*qk_rope_head_dim"):
+        kv_layout(cfg, chunk_tokens=16, dtype=torch.float32)

@@ -107,7 +107,8 @@ def _scenario(rank, root, family):
     return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+# deepseek_v3 (MLA): no heads to shard; each rank stores and restores the whole latent.
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3"])
 def test_two_ranks_restore_shards_all_or_nothing(tmp_path, family):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()

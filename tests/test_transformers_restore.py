@@ -62,7 +62,12 @@ def _continue(model, cache, suffix):
 
 @pytest.mark.parametrize(
     "family,dtype",
-    [("llama", torch.float32), ("qwen3", torch.float32), ("llama", torch.bfloat16)],
+    [
+        ("llama", torch.float32),
+        ("qwen3", torch.float32),
+        ("llama", torch.bfloat16),
+        ("deepseek_v3", torch.float32),  # MLA: the latent and rotary key per layer
+    ],
 )
 @pytest.mark.parametrize("prefix", [3 * CT, 3 * CT + 11, 5 * CT + 9])
 def test_restored_continuation_is_bit_identical(tmp_path, family, dtype, prefix):
@@ -88,7 +93,7 @@ def test_restored_continuation_is_bit_identical(tmp_path, family, dtype, prefix)
         assert tokens == ref_tokens
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "deepseek_v3"])
 def test_restore_agrees_with_one_pass_recompute(tmp_path, family):
     s = Setup(tmp_path, family)
     prefix = 4 * CT + 7

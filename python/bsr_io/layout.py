@@ -246,11 +246,26 @@ class KVLayout:
 
         KV heads are split over `world_size` ranks (replicated when fewer than ranks).
         Configs with `layer_types` (hybrid sliding/full attention) get one group per type.
+        MLA configs (DeepSeek-V2/V3: `kv_lora_rank`) get one `compressed_kv` group: per
+        layer the latent and the rotary key, `kv_lora_rank + qk_rope_head_dim` wide,
+        whole on every rank (it has no heads to split).
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = int(cfg.num_hidden_layers)
+        label = name or getattr(cfg, "model_type", None) or "transformers"
+        label = re.sub(r"[^A-Za-z0-9_.:-]", "_", str(label))[:100]
+        if getattr(cfg, "kv_lora_rank", None):
+            rope = getattr(cfg, "qk_rope_head_dim", None)
+            if not rope:
+                raise LayoutError(
+                    f"{label}: kv_lora_rank {cfg.kv_lora_rank} without qk_rope_head_dim is "
+                    "not an MLA cache bsr-io knows the width of"
+                )
+            width = int(cfg.kv_lora_rank) + int(rope)
+            latent = AllocatorGroup("compressed_kv", dtype, (layers, width), block_tokens)
+            return cls(f"{label}-mla-tp{world_size}", (latent,), chunk_tokens)
         heads = int(cfg.num_attention_heads)
         kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -265,8 +280,6 @@ class KVLayout:
             AllocatorGroup(t, dtype, (n, 2, per_rank, int(head_dim)), block_tokens)
             for t, n in counts.items()
         )
-        label = name or getattr(cfg, "model_type", None) or "transformers"
-        label = re.sub(r"[^A-Za-z0-9_.:-]", "_", str(label))[:100]
         return cls(f"{label}-tp{world_size}", groups, chunk_tokens)
 
 

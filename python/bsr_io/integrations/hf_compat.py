@@ -16,11 +16,16 @@ import torch
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """KV geometry of a decoder: what one token of one layer stores."""
+    """KV geometry of a decoder as transformers caches it: what one token of one layer
+    stores in the cache's keys and values, each `[batch, num_kv_heads, seq, dim]`."""
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    key_dim: int
+    value_dim: int
+    # MLA: one compressed latent that every attention head reads; it has no heads to
+    # split, so each tensor-parallel rank holds all of it.
+    latent: bool = False
 
 
 def attention_shape(config) -> AttentionShape:
@@ -28,11 +33,11 @@ def attention_shape(config) -> AttentionShape:
 
     Sliding-window and linear-attention layers keep a rolling or recurrent state,
     not one K/V row per prefix token, so chunks of them cannot be restored by position.
+    MLA (DeepSeek-V2/V3, `kv_lora_rank`) is one row per token too: transformers 5.x
+    caches the normalised latent (`kv_lora_rank` wide) in the keys' place and the
+    shared rotary key (`qk_rope_head_dim`) in the values', each as a single head.
     """
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     layer_types = getattr(text, "layer_types", None) or []
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other or _uses_sliding_window(text):
@@ -41,7 +46,19 @@ def attention_shape(config) -> AttentionShape:
             f"{type(config).__name__} has {kinds} layers; bsr-io restores dense full-attention "
             "caches only (set sliding_window=None / use_sliding_window=False)"
         )
-    return AttentionShape(text.num_hidden_layers, kv_heads, head_dim)
+    if getattr(text, "kv_lora_rank", None):
+        rope = getattr(text, "qk_rope_head_dim", None)
+        if not rope:
+            raise ValueError(
+                f"{type(config).__name__} ({getattr(text, 'model_type', '?')}) has "
+                f"kv_lora_rank {text.kv_lora_rank} but no qk_rope_head_dim: not an MLA "
+                "cache bsr-io knows the shape of"
+            )
+        return AttentionShape(text.num_hidden_layers, 1, text.kv_lora_rank, rope, latent=True)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return AttentionShape(text.num_hidden_layers, kv_heads, head_dim, head_dim)
 
 
 def _uses_sliding_window(text) -> bool:

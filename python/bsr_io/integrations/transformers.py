@@ -3,7 +3,9 @@
 A prefix's cache is stored as chunks of `chunk_tokens` tokens. Each layer's keys
 and values are separate allocator groups, token-major `[tokens, kv_heads, head_dim]`:
 that is one strided copy per group per chunk into the `[1, heads, seq, dim]`
-tensors transformers keeps, and it lets K and V differ in shape (as in MLA).
+tensors transformers keeps, and it lets K and V differ in shape. MLA models
+(DeepSeek-V2/V3) cache a latent and a rotary key per layer instead, one "head"
+each: groups layer{i}.latent and layer{i}.rope, whole on every rank.
 
 Restore is all-or-nothing (the Restorer's commit). Whatever is not restored (a
 zero outcome, a short hit, or the tail that is not a whole chunk) is recomputed
@@ -26,7 +28,13 @@ from collections.abc import Sequence
 
 import torch
 
-from bsr_io.integrations.hf_compat import attention_shape, forward, kv_tensors, new_cache
+from bsr_io.integrations.hf_compat import (
+    AttentionShape,
+    attention_shape,
+    forward,
+    kv_tensors,
+    new_cache,
+)
 from bsr_io.layout import AllocatorGroup, KVLayout
 
 
@@ -42,6 +50,15 @@ def head_shard(num_kv_heads: int, rank: int, world_size: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
+def rank_heads(shape: AttentionShape, rank: int, world_size: int) -> slice:
+    """The cache heads rank `rank` stores: its shard, or all of an MLA latent."""
+    if shape.latent:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        return slice(0, shape.num_kv_heads)
+    return head_shard(shape.num_kv_heads, rank, world_size)
+
+
 def kv_layout(
     config,
     *,
@@ -51,7 +68,8 @@ def kv_layout(
     rank: int = 0,
     world_size: int = 1,
 ) -> KVLayout:
-    """One rank's chunk layout for a model config: groups layer{i}.k and layer{i}.v.
+    """One rank's chunk layout for a model config: groups layer{i}.k and layer{i}.v
+    (layer{i}.latent and layer{i}.rope for MLA).
 
     The dtype is the cache's: pass `cache` (it is also checked against the config)
     or `dtype`. A dense cache has no blocks, so a group's block is the whole chunk.
@@ -60,26 +78,28 @@ def kv_layout(
     if cache is not None:
         kv = kv_tensors(cache)
         k = kv[0][0]
-        found = (len(kv), k.shape[1], k.shape[-1])
-        if found != (shape.num_layers, shape.num_kv_heads, shape.head_dim):
+        found = (len(kv), k.shape[1], k.shape[-1], kv[0][1].shape[-1])
+        want = (shape.num_layers, shape.num_kv_heads, shape.key_dim, shape.value_dim)
+        if found != want:
             raise ValueError(
-                f"cache has (layers, kv heads, head dim) {found}, the config says "
-                f"{(shape.num_layers, shape.num_kv_heads, shape.head_dim)}"
+                f"cache has (layers, kv heads, key dim, value dim) {found}, the config says {want}"
             )
         if dtype is not None and dtype != k.dtype:
             raise ValueError(f"dtype {dtype} given, the cache holds {k.dtype}")
         dtype = k.dtype
     if dtype is None:
         raise ValueError("kv_layout needs the cache or its dtype")
-    shard = head_shard(shape.num_kv_heads, rank, world_size)
-    token_shape = (shard.stop - shard.start, shape.head_dim)
+    shard = rank_heads(shape, rank, world_size)
+    heads = shard.stop - shard.start
+    kinds = ("latent", "rope") if shape.latent else ("k", "v")
     groups = tuple(
-        AllocatorGroup(f"layer{i}.{kind}", dtype, token_shape, chunk_tokens)
+        AllocatorGroup(f"layer{i}.{kind}", dtype, (heads, dim), chunk_tokens)
         for i in range(shape.num_layers)
-        for kind in ("k", "v")
+        for kind, dim in zip(kinds, (shape.key_dim, shape.value_dim), strict=True)
     )
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    name = f"hf-{getattr(text, 'model_type', 'decoder')}-tp{world_size}"
+    mla = "-mla" if shape.latent else ""
+    name = f"hf-{getattr(text, 'model_type', 'decoder')}{mla}-tp{world_size}"
     return KVLayout(name, groups, chunk_tokens)
 
 
@@ -168,7 +188,11 @@ def save_prefix(restorer, token_ids: torch.Tensor, cache) -> int:
 
     Returns the number of chunks written (chunks already stored are skipped).
     """
-    heads = head_shard(_kv_heads(cache), restorer.rank, restorer.world_size)
+    total = _kv_heads(cache)
+    if restorer.layout.groups[0].token_shape[0] == total:
+        heads = slice(0, total)  # one rank, or an MLA latent that every rank holds whole
+    else:
+        heads = head_shard(total, restorer.rank, restorer.world_size)
     dest = CacheDestination.from_cache(restorer.layout, cache, heads)
     return restorer.save(_ids(token_ids)[: dest.tokens], dest)
 
@@ -185,21 +209,20 @@ def restore_prefix(restorer, model, token_ids: torch.Tensor, plan=None, group=No
     if plan is None:
         plan = restorer.probe(_ids(token_ids))
     shape = attention_shape(model.config)
-    heads = head_shard(shape.num_kv_heads, restorer.rank, restorer.world_size)
+    heads = rank_heads(shape, restorer.rank, restorer.world_size)
     param = next(model.parameters())
     dtype = layout.groups[0].dtype
     if dtype != param.dtype:
         raise ValueError(f"the layout stores {dtype}, the model computes in {param.dtype}")
     tensors = [
-        torch.empty(
-            1, shape.num_kv_heads, plan.hit_tokens, shape.head_dim, dtype=dtype, device=param.device
-        )
-        for _ in layout.groups
+        torch.empty(1, shape.num_kv_heads, plan.hit_tokens, dim, dtype=dtype, device=param.device)
+        for _ in range(shape.num_layers)
+        for dim in (shape.key_dim, shape.value_dim)
     ]
     result = restorer.restore(plan, CacheDestination(layout, tensors, heads))
     kv = None
     if result.outcome == "complete" and result.committed_tokens > 0:
-        if restorer.world_size > 1:
+        if restorer.world_size > 1 and not shape.latent:
             tensors = [_gather_heads(t, heads, group) for t in tensors]
         kv = list(zip(tensors[0::2], tensors[1::2], strict=True))
     cache, _ = prefill(model, token_ids, new_cache(model, kv), chunk_tokens=layout.chunk_tokens)
