@@ -36,6 +36,8 @@ __all__ = [
     "FileMissingError",
     "FilePermissionError",
     "WaitTimeoutError",
+    "EngineBrokenError",
+    "NoMemoryError",
     "xxh3_64",
     "dio_alignment",
 ]
@@ -73,6 +75,17 @@ class FilePermissionError(BsrIoError, PermissionError):
 
 class WaitTimeoutError(BsrIoError, TimeoutError):
     """A wait ran past its timeout (errno ETIMEDOUT); the operation keeps its slot."""
+
+class EngineBrokenError(BsrIoError):
+    """The engine's I/O thread met an error it cannot retry (io_uring_enter failing
+    with EBADF, ENOMEM...; a completion no request owns) or panicked. Every queued and
+    in-flight operation failed with it (errno kept; EIO for a panic), and every later
+    submit or lease raises it. Not a chunk failure: close the engine, make a new one."""
+
+class NoMemoryError(BsrIoError):
+    """The staging arena does not fit in the memory available (errno ENOMEM), checked
+    before mapping (MemAvailable, or the memory cgroup's limit where lower); the
+    message says how many bytes were asked and how many are available."""
 
 @final
 class File:
@@ -174,7 +187,8 @@ class Engine:
         and registered files where allowed), "io_uring_plain", "pread".
         Raises ValueError for window < 1, slot_bytes == 0, queue_depth < 1,
         request_bytes not a positive multiple of 4096; BackendUnavailable when an
-        explicitly requested backend cannot start."""
+        explicitly requested backend cannot start; NoMemoryError when the arena
+        (window x slot_bytes, plus 128 MiB of headroom) exceeds available memory."""
     @property
     def backend(self) -> str:
         """The path actually taken: "io_uring" or "pread"."""
@@ -233,10 +247,14 @@ class Engine:
         """Highest live_bytes since construction or reset_peak()."""
     def reset_peak(self) -> None: ...
     def close(self) -> None:
-        """Stop accepting I/O (waits for in-flight operations). The mapping lives on
-        until the last Slot is collected."""
+        """Stop accepting I/O (waits for in-flight operations, GIL released; so does
+        the engine's collection). The mapping lives on until the last Slot is
+        collected."""
     @property
     def closed(self) -> bool: ...
+    @property
+    def broken(self) -> str | None:
+        """Why the engine broke (see EngineBrokenError), or None while it works."""
     def __enter__(self) -> Engine: ...
     def __exit__(self, *exc: object) -> None: ...
 

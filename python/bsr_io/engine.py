@@ -68,8 +68,8 @@ def wait_for_slot(engine: Engine, deadline: float) -> None:
 
     pause = 0.0002
     while engine.free_slots() == 0:
-        if engine.closed:
-            return  # the next call on the engine raises EngineClosedError
+        if engine.closed or engine.broken is not None:
+            return  # the next call raises EngineClosedError / EngineBrokenError
         if time.monotonic() >= deadline:
             raise EngineBusy(
                 f"none of the engine's {engine.window} staging slots came free in time: "

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from bsr_io._core import Engine, EngineClosedError, NoFreeSlot, Slot
+from bsr_io._core import Engine, EngineBrokenError, EngineClosedError, NoFreeSlot, Slot
 from bsr_io.errors import CapacityError, LayoutError
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
@@ -22,8 +22,9 @@ from bsr_io.layout import KVLayout
 Payload = Any  # Slot | torch.Tensor (uint8, CPU) | any contiguous buffer of chunk_bytes
 
 # The caller's engine state, not the tier's: passed through unchanged, never turned into
-# a ChunkError (a full ring is back-pressure, not a failed chunk).
-ENGINE_ERRORS = (NoFreeSlot, EngineClosedError)
+# a ChunkError (a full ring is back-pressure, not a failed chunk; a broken engine
+# failed every read it had, good records included).
+ENGINE_ERRORS = (NoFreeSlot, EngineClosedError, EngineBrokenError)
 
 
 class PendingChunk:

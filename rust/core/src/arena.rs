@@ -11,6 +11,10 @@ use crate::error::{Error, Result};
 
 pub const PAGE: u64 = 4096;
 const HUGE_PAGE: usize = 2 << 20;
+/// Memory left free beyond the arena, for the rest of the process (the interpreter, the
+/// destination's buffers, page tables): an arena that takes the last of it invites the
+/// OOM killer as surely as one that does not fit.
+pub const HEADROOM: u64 = 128 << 20;
 
 /// Free ring and counters, under one lock so `live` and `peak` are exact.
 #[derive(Debug)]
@@ -64,6 +68,11 @@ impl Arena {
         // pages a 1 MiB O_DIRECT request is 256 discontiguous segments, more than a
         // virtio-blk queue takes at once (max_segments 254), so every request is split.
         let map_bytes = round_up(span as u64, HUGE_PAGE as u64) as usize;
+        // Refuse before mapping: populating an arena the machine cannot hold would get
+        // this process (or a neighbour) OOM-killed instead of an error.
+        if let Some((available, source)) = available_memory() {
+            check_fits(map_bytes as u64, available, source)?;
+        }
         // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
         let ptr = unsafe {
             libc::mmap(
@@ -87,10 +96,25 @@ impl Arena {
             features.notes.push("madvise(MADV_HUGEPAGE) refused".into());
         }
         // Populate after the huge page advice so faults can use 2 MiB pages.
-        if let Err(errno) = populate(base, map_bytes) {
-            // SAFETY: unmapping the mapping created above; nothing else refers to it.
-            unsafe { libc::munmap(ptr, map_bytes) };
-            return Err(Error::os("populate staging arena", None, errno));
+        match populate(base, map_bytes) {
+            Ok(true) => {}
+            Ok(false) => features.notes.push(
+                "MADV_POPULATE_WRITE unknown to this kernel: slot pages fault in at first use"
+                    .into(),
+            ),
+            Err(errno) => {
+                // SAFETY: unmapping the mapping created above; nothing else refers to it.
+                unsafe { libc::munmap(ptr, map_bytes) };
+                return Err(match (errno, available_memory()) {
+                    (libc::ENOMEM, Some((available, source))) => Error::NoMemory {
+                        asked: map_bytes as u64,
+                        headroom: 0,
+                        available,
+                        source,
+                    },
+                    _ => Error::os("populate staging arena", None, errno),
+                });
+            }
         }
         // SAFETY: locks pages of our own mapping; failure is reported, not fatal.
         let rc = unsafe { libc::mlock(ptr, map_bytes) };
@@ -187,25 +211,94 @@ impl Arena {
     }
 }
 
-/// Fault every page in now so the first read does not pay for it. Fails (rather than
-/// being killed later) when the memory is not there.
-fn populate(base: NonNull<u8>, bytes: usize) -> std::result::Result<(), i32> {
+/// Fault every page in now so the first read does not pay for it. MADV_POPULATE_WRITE
+/// fails with ENOMEM when the memory is not there, where touching the pages would get
+/// the process killed. Ok(false): the kernel (before 5.14) does not know the advice;
+/// the pages then fault in at first use (and `mlock`, where allowed, populates them,
+/// failing just as cleanly).
+fn populate(base: NonNull<u8>, bytes: usize) -> std::result::Result<bool, i32> {
     // SAFETY: populating our own private mapping, writable by construction.
     let rc = unsafe { libc::madvise(base.as_ptr().cast(), bytes, libc::MADV_POPULATE_WRITE) };
     if rc == 0 {
-        return Ok(());
+        return Ok(true);
     }
     match crate::error::last_errno() {
-        // Kernels before 5.14 do not know the advice: touch each page instead.
-        libc::EINVAL => {
-            for off in (0..bytes).step_by(PAGE as usize) {
-                // SAFETY: `off < bytes`, inside the mapping we own; nothing uses it yet.
-                unsafe { base.as_ptr().add(off).write_volatile(0) };
-            }
-            Ok(())
-        }
+        libc::EINVAL => Ok(false),
         errno => Err(errno),
     }
+}
+
+/// Refuse an arena of `asked` bytes that would leave less than `HEADROOM` of `available`.
+fn check_fits(asked: u64, available: u64, source: &'static str) -> Result<()> {
+    if asked.saturating_add(HEADROOM) > available {
+        return Err(Error::NoMemory {
+            asked,
+            headroom: HEADROOM,
+            available,
+            source,
+        });
+    }
+    Ok(())
+}
+
+/// Memory this process can still get, and where the figure comes from: MemAvailable,
+/// lowered to what the process's memory cgroup has left where that is less. `None`
+/// where neither can be read (the check is then skipped; populating still fails clean).
+pub fn available_memory() -> Option<(u64, &'static str)> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let host = (
+        meminfo_available(&meminfo)?,
+        "MemAvailable in /proc/meminfo",
+    );
+    Some(match cgroup_room() {
+        Some(room) if room < host.0 => (room, "what the memory cgroup's limit leaves"),
+        _ => host,
+    })
+}
+
+/// MemAvailable from /proc/meminfo text, in bytes.
+fn meminfo_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let mut words = line.split_whitespace().skip(1);
+    let kib: u64 = words.next()?.parse().ok()?;
+    (words.next() == Some("kB")).then_some(kib * 1024)
+}
+
+/// Bytes the cgroup (v2, else v1, as mounted in this namespace) can still charge: its
+/// limit less its usage, counting inactive page cache as free (the kernel reclaims it
+/// first). `None` without a limit.
+fn cgroup_room() -> Option<u64> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let (limit, usage, stat, inactive) = if let Some(max) = read("/sys/fs/cgroup/memory.max") {
+        let usage = read("/sys/fs/cgroup/memory.current")?;
+        (
+            max,
+            usage,
+            read("/sys/fs/cgroup/memory.stat"),
+            "inactive_file",
+        )
+    } else {
+        let limit = read("/sys/fs/cgroup/memory/memory.limit_in_bytes")?;
+        let usage = read("/sys/fs/cgroup/memory/memory.usage_in_bytes")?;
+        let stat = read("/sys/fs/cgroup/memory/memory.stat");
+        (limit, usage, stat, "total_inactive_file")
+    };
+    cgroup_room_from(&limit, &usage, stat.as_deref(), inactive)
+}
+
+fn cgroup_room_from(limit: &str, usage: &str, stat: Option<&str>, inactive: &str) -> Option<u64> {
+    // "max" (v2) or a near-u64::MAX page-rounded value (v1): no limit.
+    let limit: u64 = limit.trim().parse().ok().filter(|&l| l < 1 << 60)?;
+    let usage: u64 = usage.trim().parse().ok()?;
+    let reclaimable = stat
+        .and_then(|s| {
+            s.lines()
+                .filter_map(|l| l.split_once(' '))
+                .find(|(k, _)| *k == inactive)
+                .and_then(|(_, v)| v.trim().parse::<u64>().ok())
+        })
+        .unwrap_or(0);
+    Some(limit.saturating_sub(usage.saturating_sub(reclaimable)))
 }
 
 impl Drop for Arena {
@@ -447,5 +540,63 @@ mod tests {
         assert_eq!(unsafe { s.bytes(10, 3) }.unwrap(), b"abc");
         assert!(s.copy_in(4095, b"ab").is_err());
         assert!(s.set_len(4097).is_err());
+    }
+
+    #[test]
+    fn a_window_larger_than_memory_is_refused_before_mapping() {
+        let Some((available, _)) = available_memory() else {
+            return; // no /proc/meminfo here: nothing to check against
+        };
+        // Twice what is available: refused by the check, never mapped or populated.
+        let slot = 1usize << 30;
+        let window = (2 * available / slot as u64 + 1) as usize;
+        match Arena::new(window, slot) {
+            Err(Error::NoMemory {
+                asked,
+                available: seen,
+                ..
+            }) => {
+                assert_eq!(asked, window as u64 * slot as u64);
+                // What the check saw is what there was (within what others took meanwhile).
+                assert!(
+                    seen.abs_diff(available) < available / 4,
+                    "{seen} vs {available}"
+                );
+            }
+            other => panic!("expected NoMemory, got {other:?}"),
+        }
+        // Control: a window that fits is mapped and populated.
+        let a = Arena::new(4, 1 << 20).unwrap();
+        assert_eq!(a.map_bytes(), 4 << 20);
+    }
+
+    #[test]
+    fn the_fit_check_keeps_headroom() {
+        assert!(check_fits(1 << 30, (1 << 30) + HEADROOM, "t").is_ok());
+        let err = check_fits(1 << 30, (1 << 30) + HEADROOM - 1, "t").unwrap_err();
+        assert_eq!(err.errno(), Some(libc::ENOMEM));
+        assert!(err.to_string().contains("1073741824 bytes"), "{err}");
+    }
+
+    #[test]
+    fn memory_figures_parse() {
+        let meminfo = "MemTotal:       24000000 kB\nMemFree:  100 kB\nMemAvailable:   2000 kB\n";
+        assert_eq!(meminfo_available(meminfo), Some(2000 * 1024));
+        assert_eq!(meminfo_available("MemTotal: 1 kB\n"), None);
+        // v2: no limit; a limit less usage, with inactive page cache counted as free.
+        assert_eq!(
+            cgroup_room_from("max\n", "5\n", None, "inactive_file"),
+            None
+        );
+        let stat = "anon 10\ninactive_file 300\nactive_file 7\n";
+        assert_eq!(
+            cgroup_room_from("1000\n", "800\n", Some(stat), "inactive_file"),
+            Some(500)
+        );
+        // v1's "unlimited" is a huge page-rounded number.
+        assert_eq!(
+            cgroup_room_from("9223372036854771712\n", "1\n", None, "total_inactive_file"),
+            None
+        );
     }
 }

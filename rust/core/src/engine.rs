@@ -7,7 +7,7 @@ use crate::align::{is_aligned, round_up};
 use crate::arena::{Arena, SlotLease, PAGE};
 use crate::backend::pread::PreadPool;
 use crate::backend::uring::{UringConfig, UringDriver};
-use crate::backend::{OpKind, OpState, Pending};
+use crate::backend::{Health, OpKind, OpState, Pending};
 use crate::error::{describe_errno, Error, Result};
 use crate::file::{EngineFile, OpenOptions};
 
@@ -115,10 +115,7 @@ impl Driver {
     fn submit(&self, op: Arc<OpState>) -> Result<()> {
         match self {
             Driver::Uring(d) => d.submit(op),
-            Driver::Pread(p) => {
-                p.submit(op);
-                Ok(())
-            }
+            Driver::Pread(p) => p.submit(op),
         }
     }
 }
@@ -126,6 +123,8 @@ impl Driver {
 pub struct Engine {
     arena: Arc<Arena>,
     driver: Mutex<Option<Driver>>,
+    /// Set by an I/O thread that cannot go on (see `Error::Broken`).
+    health: Arc<Health>,
     features: Features,
     /// The I/O threads live in this process only; a forked child must not use them.
     pid: u32,
@@ -145,6 +144,7 @@ impl Engine {
         cfg.validate()?;
         let arena = Arena::new(cfg.window, cfg.slot_bytes)?;
         let mut notes = arena.features.notes.clone();
+        let health = Arc::new(Health::default());
         let uring = |register: bool| {
             UringDriver::start(
                 UringConfig {
@@ -153,9 +153,16 @@ impl Engine {
                     register,
                 },
                 Arc::clone(&arena),
+                Arc::clone(&health),
             )
         };
-        let pread = || PreadPool::start(cfg.queue_depth.min(8), cfg.request_bytes as u64);
+        let pread = || {
+            PreadPool::start(
+                cfg.queue_depth.min(8),
+                cfg.request_bytes as u64,
+                Arc::clone(&health),
+            )
+        };
         let unavailable =
             |backend: &'static str, (errno, reason): (i32, String)| Error::BackendUnavailable {
                 backend,
@@ -201,6 +208,7 @@ impl Engine {
         Ok(Engine {
             arena,
             driver: Mutex::new(Some(driver)),
+            health,
             features,
             pid: std::process::id(),
         })
@@ -222,6 +230,11 @@ impl Engine {
         self.driver().is_none()
     }
 
+    /// Why the engine broke (an I/O thread's unretryable error or panic), if it did.
+    pub fn broken(&self) -> Option<Error> {
+        self.health.check().err()
+    }
+
     fn check_open(&self) -> Result<()> {
         if std::process::id() != self.pid {
             return Err(Error::invalid(format!(
@@ -232,10 +245,9 @@ impl Engine {
             )));
         }
         if self.is_closed() {
-            Err(Error::Closed("engine"))
-        } else {
-            Ok(())
+            return Err(Error::Closed("engine"));
         }
+        self.health.check()
     }
 
     pub fn open(&self, path: &str, opts: OpenOptions) -> Result<Arc<EngineFile>> {
@@ -333,6 +345,17 @@ impl Engine {
         match driver {
             Some(Driver::Uring(mut d)) => d.shutdown(),
             Some(Driver::Pread(mut p)) => p.shutdown(),
+            None => {}
+        }
+    }
+
+    /// Fault double for tests: make the I/O thread fail (io_uring: `fault`; the pread
+    /// pool: a worker panic, whatever `fault` says).
+    #[cfg(test)]
+    fn inject(&self, fault: crate::backend::uring::Fault) {
+        match self.driver().as_ref() {
+            Some(Driver::Uring(d)) => d.inject(fault),
+            Some(Driver::Pread(p)) => p.inject_panic(),
             None => {}
         }
     }
@@ -657,5 +680,80 @@ mod tests {
             assert!(matches!(Engine::new(cfg), Err(Error::InvalidArgument(_))));
         }
         assert!(BackendChoice::parse(Some("nope")).is_err());
+    }
+
+    #[test]
+    fn a_broken_io_thread_fails_every_op_and_refuses_the_next() {
+        use crate::backend::uring::Fault;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, pattern(1 << 20)).unwrap();
+        let path = path.to_str().unwrap();
+        let faults = [
+            Fault::EnterErrno {
+                errno: libc::ENOMEM,
+                after: 0,
+            },
+            Fault::Panic,
+        ];
+        for b in backends() {
+            for fault in faults {
+                let e = Engine::new(EngineConfig {
+                    backend: b,
+                    request_bytes: 64 << 10,
+                    queue_depth: 2,
+                    ..EngineConfig::new(4, 256 << 10)
+                })
+                .unwrap();
+                let opts = OpenOptions {
+                    direct: true,
+                    ..Default::default()
+                };
+                let f = e.open(path, opts).unwrap();
+                let slot = e.lease().unwrap(); // a leased slot survives the break
+                e.inject(fault); // fault double
+                let ops: Vec<_> = (0..3)
+                    .map(|i| e.submit_read(&f, i * (256 << 10), 256 << 10))
+                    .collect();
+                let mut errors = Vec::new();
+                for op in ops {
+                    // A submit after the break is refused; one before it fails on wait.
+                    let err = match op {
+                        Ok(op) => op
+                            .wait(Some(std::time::Duration::from_secs(10)))
+                            .unwrap_err(),
+                        Err(err) => err,
+                    };
+                    errors.push(err);
+                }
+                let expected = match (b, fault) {
+                    (BackendChoice::Pread, _) | (_, Fault::Panic) => libc::EIO,
+                    _ => libc::ENOMEM,
+                };
+                for err in &errors {
+                    assert!(
+                        matches!(err, Error::Broken { errno, .. } if *errno == expected),
+                        "{b:?} {fault:?}: {err:?}"
+                    );
+                }
+                assert!(e.broken().is_some(), "{b:?}");
+                assert!(matches!(
+                    e.submit_read(&f, 0, 4096),
+                    Err(Error::Broken { .. })
+                ));
+                assert!(matches!(e.lease(), Err(Error::Broken { .. })));
+                assert!(matches!(
+                    e.submit_write(&slot, &f, 0, Some(4096)),
+                    Err(Error::Broken { .. })
+                ));
+                e.close(); // joins a thread that already stopped: returns at once
+                assert!(matches!(
+                    e.submit_read(&f, 0, 4096),
+                    Err(Error::Closed("engine"))
+                ));
+                drop(slot);
+                assert_eq!(e.arena().free_slots(), 4, "{b:?} {fault:?}");
+            }
+        }
     }
 }

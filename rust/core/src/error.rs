@@ -31,6 +31,18 @@ pub enum Error {
     },
     /// Every slot of the window is leased or in flight.
     NoFreeSlot { window: usize },
+    /// The I/O thread met an error it cannot retry, or panicked: every queued and
+    /// in-flight operation failed with it, and the engine takes no more I/O.
+    Broken { errno: i32, reason: String },
+    /// The staging arena would not fit in the memory this process can get.
+    NoMemory {
+        asked: u64,
+        /// Kept free beyond `asked` for the rest of the process.
+        headroom: u64,
+        available: u64,
+        /// Where `available` comes from (MemAvailable, a cgroup limit, the kernel).
+        source: &'static str,
+    },
     /// A caller passed something invalid; the message says what.
     InvalidArgument(String),
     /// A wait ran past its timeout.
@@ -67,6 +79,8 @@ impl Error {
             Error::Closed(_) => Some(libc::ESHUTDOWN),
             Error::BackendUnavailable { errno, .. } => Some(*errno),
             Error::NoFreeSlot { .. } => Some(libc::EAGAIN),
+            Error::Broken { errno, .. } => Some(*errno),
+            Error::NoMemory { .. } => Some(libc::ENOMEM),
             Error::InvalidArgument(_) => None,
             Error::Timeout => Some(libc::ETIMEDOUT),
         }
@@ -121,6 +135,26 @@ impl fmt::Display for Error {
                 f,
                 "all {window} slots are leased or in flight; drop a Slot (and its views) first"
             ),
+            Error::Broken { errno, reason } => write!(
+                f,
+                "the engine is broken: {reason} ({}); every queued and in-flight operation \
+                 failed and no more I/O is accepted: close it and create a new Engine",
+                describe_errno(*errno)
+            ),
+            Error::NoMemory {
+                asked,
+                headroom,
+                available,
+                source,
+            } => write!(
+                f,
+                "the staging arena needs {asked} bytes ({}) plus {} of headroom, but only \
+                 {available} bytes ({}) are available ({source}): use a smaller window or \
+                 slot size",
+                human(*asked),
+                human(*headroom),
+                human(*available)
+            ),
             Error::InvalidArgument(msg) => write!(f, "{msg}"),
             Error::Timeout => write!(f, "timed out waiting for the operation"),
         }
@@ -128,6 +162,17 @@ impl fmt::Display for Error {
 }
 
 impl std::error::Error for Error {}
+
+/// Bytes in MiB or GiB, for messages.
+fn human(bytes: u64) -> String {
+    const MIB: f64 = (1u64 << 20) as f64;
+    let mib = bytes as f64 / MIB;
+    if mib >= 1024.0 {
+        format!("{:.2} GiB", mib / 1024.0)
+    } else {
+        format!("{mib:.1} MiB")
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -141,5 +186,28 @@ mod tests {
         assert_eq!(e.to_string(), "open failed: No such file or directory");
         assert_eq!(Error::NoFreeSlot { window: 2 }.errno(), Some(libc::EAGAIN));
         assert_eq!(Error::invalid("bad").errno(), None);
+    }
+
+    #[test]
+    fn broken_and_no_memory_say_what_and_keep_errno() {
+        let b = Error::Broken {
+            errno: libc::EBADF,
+            reason: "io_uring_enter failed".into(),
+        };
+        assert_eq!(b.errno(), Some(libc::EBADF));
+        assert!(b
+            .to_string()
+            .contains("io_uring_enter failed (Bad file descriptor)"));
+        let m = Error::NoMemory {
+            asked: 3 << 30,
+            headroom: 128 << 20,
+            available: 1 << 30,
+            source: "MemAvailable",
+        };
+        assert_eq!(m.errno(), Some(libc::ENOMEM));
+        let text = m.to_string();
+        for part in ["3221225472 bytes (3.00 GiB)", "1073741824 bytes (1.00 GiB)"] {
+            assert!(text.contains(part), "{text}");
+        }
     }
 }

@@ -22,6 +22,20 @@ pub(crate) struct PyEngine {
     inner: Engine,
 }
 
+impl Drop for PyEngine {
+    fn drop(&mut self) {
+        // The last reference went away (CPython holds the GIL here): joining the I/O
+        // thread waits for what is in flight, which may take long (a slow device, a
+        // FIFO), and must not stop every other Python thread meanwhile. Nothing can
+        // reach this object any more, so letting the GIL go is safe.
+        // (No interpreter to attach to, at its very end: close as `close()` would.)
+        let inner = &self.inner;
+        if Python::try_attach(|py| py.detach(|| inner.close())).is_none() {
+            inner.close();
+        }
+    }
+}
+
 impl PyEngine {
     fn read_op(
         &self,
@@ -239,6 +253,12 @@ impl PyEngine {
     #[getter]
     fn closed(&self) -> bool {
         self.inner.is_closed()
+    }
+
+    /// Why the engine broke (its I/O thread's error, as a message), or None.
+    #[getter]
+    fn broken(&self) -> Option<String> {
+        self.inner.broken().map(|e| e.to_string())
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -35,10 +35,12 @@ pub(crate) enum Exc {
     FileMissing,
     FilePermission,
     WaitTimeout,
+    EngineBroken,
+    NoMemory,
 }
 
 impl Exc {
-    pub(crate) const ALL: [Exc; 10] = [
+    pub(crate) const ALL: [Exc; 12] = [
         Exc::BsrIo,
         Exc::Alignment,
         Exc::ShortRead,
@@ -49,6 +51,8 @@ impl Exc {
         Exc::FileMissing,
         Exc::FilePermission,
         Exc::WaitTimeout,
+        Exc::EngineBroken,
+        Exc::NoMemory,
     ];
 
     /// Class name and docstring.
@@ -84,6 +88,17 @@ impl Exc {
             Exc::WaitTimeout => (
                 "WaitTimeoutError",
                 "A wait ran past its timeout (ETIMEDOUT); also a TimeoutError.",
+            ),
+            Exc::EngineBroken => (
+                "EngineBrokenError",
+                "The engine's I/O thread met an error it cannot retry, or panicked: every \
+                 queued and in-flight operation failed with it (errno kept) and no more I/O \
+                 is accepted. Close the engine and create a new one.",
+            ),
+            Exc::NoMemory => (
+                "NoMemoryError",
+                "The staging arena does not fit in the memory available (ENOMEM); the \
+                 message says how many bytes were asked and how many are available.",
             ),
         }
     }
@@ -136,6 +151,8 @@ fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         Error::Closed(_) => Exc::EngineClosed,
         Error::BackendUnavailable { .. } => Exc::BackendUnavailable,
         Error::NoFreeSlot { .. } => Exc::NoFreeSlot,
+        Error::Broken { .. } => Exc::EngineBroken,
+        Error::NoMemory { .. } => Exc::NoMemory,
         Error::Os { errno, op, .. } => match *errno {
             libc::ENOENT => Exc::FileMissing,
             libc::EACCES | libc::EPERM => Exc::FilePermission,

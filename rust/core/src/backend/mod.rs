@@ -1,5 +1,8 @@
 //! What the backends share: an operation (one slot <-> one file range), split into
-//! requests; each backend moves requests and reports how each ended.
+//! requests; each backend moves requests and reports how each ended. A request never
+//! vanishes: one dropped before it ended (an I/O thread that panicked or stopped) fails
+//! its operation, so no waiter is left hanging. `Health` is how an I/O thread that can
+//! no longer work tells the engine.
 
 pub mod pread;
 pub mod uring;
@@ -84,6 +87,7 @@ impl OpState {
                 start,
                 len,
                 moved: 0,
+                ended: false,
             })
             .collect();
         locked(&self.progress).outstanding = reqs.len();
@@ -97,8 +101,17 @@ impl OpState {
         self.finalize(&mut p);
     }
 
+    /// Another share of the op's slot, while the op holds one. An I/O thread that gives
+    /// up on a request the kernel still holds keeps the slot out of the ring with it.
+    pub fn slot_share(&self) -> Option<Arc<SlotLease>> {
+        locked(&self.lease).clone()
+    }
+
     fn request_ended(&self, start: u64, moved: u64, outcome: RequestEnd) {
         let mut p = locked(&self.progress);
+        if p.result.is_some() {
+            return; // ended already (failed before its requests were issued)
+        }
         match outcome {
             RequestEnd::Complete => {}
             RequestEnd::EndOfFile => {
@@ -118,6 +131,9 @@ impl OpState {
     }
 
     fn finalize(&self, p: &mut Progress) {
+        if p.result.is_some() {
+            return; // once: a second end would give the slot back twice
+        }
         let result = match p.error.take() {
             Some(e) => Err(e),
             None => match self.kind {
@@ -254,6 +270,23 @@ pub struct Request {
     pub len: u64,
     /// Bytes of the piece already moved (after short transfers).
     pub moved: u64,
+    /// Accounted or abandoned: its op knows how it ended.
+    ended: bool,
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if !self.ended {
+            // Dropped unended: a panicking I/O thread unwinding, or a channel dropped
+            // with the request in it. Fail the op rather than leave its waiter hanging.
+            let err = Error::Broken {
+                errno: libc::EIO,
+                reason: "the I/O thread stopped before this request ended".into(),
+            };
+            self.op
+                .request_ended(self.start, self.moved, RequestEnd::Failed(err));
+        }
+    }
 }
 
 impl Request {
@@ -297,15 +330,51 @@ impl Request {
                 }
             }
         };
+        self.ended = true;
         self.op.request_ended(self.start, self.moved, end);
         None
     }
 
     /// End the request with an error without transferring (engine torn down).
-    pub fn abandon(self, err: Error) {
+    pub fn abandon(mut self, err: Error) {
+        self.ended = true;
         self.op
             .request_ended(self.start, self.moved, RequestEnd::Failed(err));
     }
+}
+
+/// Whether the backend still works. Set once, by the I/O thread that found it cannot
+/// go on; every submit checks it.
+#[derive(Debug, Default)]
+pub struct Health {
+    broken: Mutex<Option<Error>>,
+}
+
+impl Health {
+    pub fn check(&self) -> Result<()> {
+        match &*locked(&self.broken) {
+            Some(e) => Err(e.clone()),
+            None => Ok(()),
+        }
+    }
+
+    pub fn is_broken(&self) -> bool {
+        locked(&self.broken).is_some()
+    }
+
+    /// Record why the backend stopped; the first cause stays. Returns the recorded one.
+    pub fn mark(&self, err: Error) -> Error {
+        locked(&self.broken).get_or_insert(err).clone()
+    }
+}
+
+/// What a caught panic said, for the engine's broken error.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "no message".into())
 }
 
 #[cfg(test)]
@@ -493,6 +562,89 @@ pub(crate) mod tests {
         assert_eq!(arena.free_slots(), 1);
         drop(kept); // dropped after the end: freed at once
         assert_eq!(arena.free_slots(), 2);
+    }
+
+    #[test]
+    fn a_request_dropped_unended_fails_its_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = data_file(&dir, false);
+        let arena = Arena::new(1, 8192).unwrap();
+        let o = op(OpKind::Read, &f, &arena, 8192);
+        let mut reqs = o.requests(4096).into_iter();
+        let first = reqs.next().unwrap();
+        // What a panicking I/O thread does to the request in its hands.
+        let unwound = std::thread::spawn(move || {
+            let _held = first;
+            panic!("fault double: an I/O thread panics holding a request");
+        })
+        .join();
+        assert!(unwound.is_err());
+        assert!(!o.is_done(), "the other request is still out");
+        drop(reqs); // and a queue dropped with its requests in it
+        let err = o.wait(Some(Duration::from_secs(5))).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                Error::Broken {
+                    errno: libc::EIO,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert_eq!(arena.free_slots(), 1, "a failed read gives its slot back");
+        // Control: accounted requests end the op without the guard having a say.
+        let o = op(OpKind::Read, &f, &arena, 4096);
+        let r = o.requests(4096).pop().unwrap();
+        assert!(r.account(Ok(4096)).is_none());
+        assert_eq!(o.wait(Some(Duration::ZERO)), Ok(4096));
+    }
+
+    #[test]
+    fn an_op_ends_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = data_file(&dir, false);
+        let arena = Arena::new(1, 4096).unwrap();
+        let lease = Arc::new(arena.try_lease().unwrap());
+        lease.write_started();
+        let o = OpState::new(
+            OpKind::Write,
+            Arc::clone(&f),
+            0,
+            4096,
+            4096,
+            Arc::clone(&lease),
+        );
+        let r = o.requests(4096).pop().unwrap();
+        o.fail_now(Error::Closed("engine"));
+        assert!(!lease.write_in_flight());
+        // The request still out ends later: no second end, no second write_ended.
+        r.abandon(Error::Timeout);
+        assert_eq!(o.wait(Some(Duration::ZERO)), Err(Error::Closed("engine")));
+        lease.write_started();
+        assert!(
+            lease.write_in_flight(),
+            "the count was not driven below zero"
+        );
+        lease.write_ended();
+    }
+
+    #[test]
+    fn health_keeps_the_first_cause() {
+        let h = Health::default();
+        assert_eq!(h.check(), Ok(()));
+        let first = Error::Broken {
+            errno: libc::EBADF,
+            reason: "first".into(),
+        };
+        assert_eq!(h.mark(first.clone()), first);
+        let second = Error::Broken {
+            errno: libc::EIO,
+            reason: "second".into(),
+        };
+        assert_eq!(h.mark(second), first);
+        assert!(h.is_broken());
+        assert_eq!(h.check(), Err(first));
     }
 
     #[test]

@@ -2,16 +2,25 @@
 //! channel, splits them into requests, keeps at most `queue_depth` in flight, reaps
 //! completions and resubmits short transfers. Setup degrades step by step: fixed buffers
 //! and registered files, then plain reads and writes on raw descriptors.
+//!
+//! An error the thread cannot retry (io_uring_enter failing with anything but
+//! EINTR/EAGAIN/EBUSY, a completion no request owns) or a panic breaks the engine: every
+//! queued and in-flight operation fails with that error, later submits are refused, and
+//! the thread stops. Slots of requests the kernel still holds stay leased until their
+//! completion is reaped, or for good when it never is (better a leaked slot than memory
+//! the kernel may still write handed to someone else).
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 
-use super::{OpState, Request};
-use crate::arena::Arena;
+use super::{panic_message, Health, Request};
+use crate::arena::{Arena, SlotLease};
 use crate::error::{describe_errno, Error, Result};
 use crate::file::{EngineFile, Registration};
 
@@ -20,6 +29,8 @@ const MAX_FIXED_BUFFERS: usize = 1 << 14;
 const MAX_FIXED_BUFFER_BYTES: usize = 1 << 30;
 /// Slots in the sparse file table.
 const FILE_TABLE: u32 = 1024;
+/// How long a broken ring's thread keeps reaping what the kernel still holds.
+const ORPHAN_GRACE: Duration = Duration::from_millis(100);
 
 #[derive(Debug, Clone)]
 pub struct UringConfig {
@@ -37,14 +48,30 @@ pub struct UringInfo {
 }
 
 enum Command {
-    Op(Arc<OpState>),
+    /// An operation's requests, split by the submitter.
+    Op(Vec<Request>),
     Unregister(u32),
     Shutdown,
+    #[cfg(test)]
+    Inject(Fault),
+}
+
+/// Fault doubles for tests: what the I/O thread does wrong next.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Fault {
+    /// io_uring_enter fails with `errno` after `after` more calls succeed.
+    EnterErrno { errno: i32, after: usize },
+    /// The next reap finds a completion whose user_data no request has.
+    UnknownUserData,
+    /// The thread panics at its next submit.
+    Panic,
 }
 
 pub struct UringDriver {
     tx: Sender<Command>,
     thread: Option<JoinHandle<()>>,
+    health: Arc<Health>,
     request_bytes: u64,
     pub info: UringInfo,
 }
@@ -53,19 +80,35 @@ pub struct UringDriver {
 pub type SetupError = (i32, String);
 
 impl UringDriver {
-    pub fn start(cfg: UringConfig, arena: Arc<Arena>) -> std::result::Result<Self, SetupError> {
+    pub fn start(
+        cfg: UringConfig,
+        arena: Arc<Arena>,
+        health: Arc<Health>,
+    ) -> std::result::Result<Self, SetupError> {
         let (tx, rx) = mpsc::channel();
         let (setup_tx, setup_rx) = mpsc::sync_channel(1);
         let unregister_tx = tx.clone();
         let request_bytes = cfg.request_bytes;
+        let thread_health = Arc::clone(&health);
         let thread = std::thread::Builder::new()
             .name("bsr-io-uring".into())
             .spawn(move || {
                 // The ring is created on the thread that will be its only submitter.
                 match RingLoop::setup(&cfg, arena, unregister_tx) {
-                    Ok((ring_loop, info)) => {
+                    Ok((mut ring_loop, info)) => {
                         let _ = setup_tx.send(Ok(info));
-                        ring_loop.run(rx);
+                        let err = match catch_unwind(AssertUnwindSafe(|| ring_loop.run(&rx))) {
+                            Ok(Ok(())) => return,
+                            Ok(Err(e)) => e,
+                            Err(panic) => Error::Broken {
+                                errno: libc::EIO,
+                                reason: format!(
+                                    "the io_uring thread panicked: {}",
+                                    panic_message(&*panic)
+                                ),
+                            },
+                        };
+                        ring_loop.break_down(thread_health.mark(err), &rx);
                     }
                     Err(e) => {
                         let _ = setup_tx.send(Err(e));
@@ -82,6 +125,7 @@ impl UringDriver {
             Ok(Ok(info)) => Ok(UringDriver {
                 tx,
                 thread: Some(thread),
+                health,
                 request_bytes,
                 info,
             }),
@@ -96,19 +140,34 @@ impl UringDriver {
         }
     }
 
-    pub fn submit(&self, op: Arc<OpState>) -> Result<()> {
+    /// Hand the op to the I/O thread. (A thread that breaks meanwhile fails the
+    /// requests, whether it took them from the channel or they drop with it.)
+    pub fn submit(&self, op: Arc<super::OpState>) -> Result<()> {
+        if let Err(e) = self.health.check() {
+            op.fail_now(e.clone());
+            return Err(e);
+        }
+        let reqs = op.requests(self.request_bytes);
         self.tx
-            .send(Command::Op(op))
+            .send(Command::Op(reqs))
             .map_err(|mpsc::SendError(cmd)| {
-                if let Command::Op(op) = cmd {
-                    op.fail_now(Error::Closed("engine"));
+                // The thread is gone: it broke (and said why), or it was shut down.
+                let err = self.health.check().err().unwrap_or(Error::Closed("engine"));
+                if let Command::Op(reqs) = cmd {
+                    reqs.into_iter().for_each(|r| r.abandon(err.clone()));
                 }
-                Error::Closed("engine")
+                err
             })
     }
 
     pub fn request_bytes(&self) -> u64 {
         self.request_bytes
+    }
+
+    /// Fault double for tests (see `Fault`).
+    #[cfg(test)]
+    pub(crate) fn inject(&self, fault: Fault) {
+        let _ = self.tx.send(Command::Inject(fault));
     }
 
     /// Finish every queued and in-flight operation, then stop the thread.
@@ -126,22 +185,34 @@ impl Drop for UringDriver {
     }
 }
 
+/// What a user_data names.
+#[derive(Debug, Default)]
+enum InFlight {
+    #[default]
+    Free,
+    Request(Request),
+    /// A request failed while the kernel still held it: its slot stays leased (here)
+    /// until the completion comes.
+    Orphan(Option<Arc<SlotLease>>),
+}
+
 /// State of the I/O thread. Field order matters: the ring (and with it the kernel's
-/// pins on the arena) is dropped before the arena reference.
+/// pins on the arena) is dropped before the slots it may still use and the arena.
 struct RingLoop {
     ring: IoUring,
-    slab: Vec<Option<Request>>,
+    slab: Vec<InFlight>,
     free_ids: Vec<usize>,
     queue: VecDeque<Request>,
     in_flight: usize,
     queue_depth: usize,
-    request_bytes: u64,
     fixed_buffers: bool,
     file_table: Vec<bool>,
     reaped: Vec<(u64, i32)>,
     /// Handed to registered files so their drop frees the table entry (in order with
     /// the operations already queued).
     unregister_tx: Sender<Command>,
+    #[cfg(test)]
+    fault: Option<Fault>,
     _arena: Arc<Arena>,
 }
 
@@ -188,7 +259,6 @@ impl RingLoop {
             queue: VecDeque::new(),
             in_flight: 0,
             queue_depth: cfg.queue_depth as usize,
-            request_bytes: cfg.request_bytes,
             fixed_buffers: info.fixed_buffers,
             file_table: vec![
                 false;
@@ -200,21 +270,24 @@ impl RingLoop {
             ],
             reaped: Vec::with_capacity(cfg.queue_depth as usize),
             unregister_tx,
+            #[cfg(test)]
+            fault: None,
             _arena: arena,
         };
         Ok((ring_loop, info))
     }
 
-    fn run(mut self, rx: Receiver<Command>) {
+    /// Move requests until shutdown (Ok) or an error that cannot be retried (Err).
+    fn run(&mut self, rx: &Receiver<Command>) -> Result<()> {
         let mut closing = false;
         loop {
             if self.in_flight == 0 && self.queue.is_empty() {
                 if closing {
-                    break;
+                    return Ok(());
                 }
                 match rx.recv() {
                     Ok(cmd) => closing |= self.handle(cmd),
-                    Err(_) => break,
+                    Err(_) => return Ok(()),
                 }
             }
             while let Ok(cmd) = rx.try_recv() {
@@ -222,7 +295,7 @@ impl RingLoop {
             }
             self.fill();
             if self.in_flight > 0 {
-                self.submit_and_reap();
+                self.submit_and_reap()?;
             }
         }
     }
@@ -230,11 +303,13 @@ impl RingLoop {
     /// Returns true on shutdown.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Op(op) => {
-                if !self.file_table.is_empty() && op.file.claim_registration() {
-                    self.register(&op.file);
+            Command::Op(reqs) => {
+                if let Some(first) = reqs.first() {
+                    let file = Arc::clone(&first.op.file);
+                    if !self.file_table.is_empty() && file.claim_registration() {
+                        self.register(&file);
+                    }
                 }
-                let reqs = op.requests(self.request_bytes);
                 self.queue.extend(reqs);
             }
             Command::Unregister(index) => {
@@ -244,6 +319,8 @@ impl RingLoop {
                 }
             }
             Command::Shutdown => return true,
+            #[cfg(test)]
+            Command::Inject(fault) => self.fault = Some(fault),
         }
         false
     }
@@ -281,20 +358,21 @@ impl RingLoop {
                 break;
             };
             let id = self.free_ids.pop().unwrap_or_else(|| {
-                self.slab.push(None);
+                self.slab.push(InFlight::Free);
                 self.slab.len() - 1
             });
             let entry = self.entry(&req, id as u64);
             // SAFETY: the entry points into a slot owned by `req`'s op (its lease keeps
             // the arena mapped); `req` is parked in the slab until its completion is
-            // reaped, so the memory outlives the kernel's use of it.
+            // reaped (or, failed early, its slot share is: `InFlight::Orphan`), so the
+            // memory outlives the kernel's use of it.
             if unsafe { self.ring.submission().push(&entry) }.is_err() {
                 // Submission queue full: send what is there first.
                 self.free_ids.push(id);
                 self.queue.push_front(req);
                 break;
             }
-            self.slab[id] = Some(req);
+            self.slab[id] = InFlight::Request(req);
             self.in_flight += 1;
         }
     }
@@ -326,27 +404,121 @@ impl RingLoop {
         e.user_data(user_data)
     }
 
-    fn submit_and_reap(&mut self) {
-        if let Err(e) = self.ring.submit_and_wait(1) {
+    /// io_uring_enter, waiting for `want` completions (through the fault double in tests).
+    fn enter(&mut self, want: usize) -> std::io::Result<usize> {
+        #[cfg(test)]
+        match self.fault.take() {
+            Some(Fault::Panic) => panic!("fault double: the io_uring thread panics"),
+            Some(Fault::EnterErrno { errno, after: 0 }) => {
+                return Err(std::io::Error::from_raw_os_error(errno))
+            }
+            Some(Fault::EnterErrno { errno, after }) => {
+                self.fault = Some(Fault::EnterErrno {
+                    errno,
+                    after: after - 1,
+                })
+            }
+            other => self.fault = other,
+        }
+        self.ring.submit_and_wait(want)
+    }
+
+    fn submit_and_reap(&mut self) -> Result<()> {
+        if let Err(e) = self.enter(1) {
             match errno_of(&e) {
+                // Interrupted, or the completion queue is full: reap, then go on.
                 libc::EINTR | libc::EAGAIN | libc::EBUSY => {}
-                _ => std::thread::sleep(std::time::Duration::from_millis(1)),
+                errno => {
+                    return Err(Error::Broken {
+                        errno,
+                        reason: "io_uring_enter failed".into(),
+                    })
+                }
             }
         }
+        self.reap()
+    }
+
+    /// Account every completion there is. A completion no request owns means the ring
+    /// and this thread disagree on what is in flight: nothing after it can be trusted.
+    fn reap(&mut self) -> Result<()> {
         self.reaped.clear();
         self.reaped
             .extend(self.ring.completion().map(|c| (c.user_data(), c.result())));
+        #[cfg(test)]
+        if let Some(Fault::UnknownUserData) = self.fault {
+            self.fault = None;
+            self.reaped.push((u64::MAX, 0));
+        }
+        let mut unknown = None;
         for i in 0..self.reaped.len() {
-            let (id, res) = self.reaped[i];
-            let id = id as usize;
-            let Some(req) = self.slab.get_mut(id).and_then(Option::take) else {
-                continue;
+            let (user_data, res) = self.reaped[i];
+            let id = user_data as usize;
+            let taken = match self.slab.get_mut(id) {
+                Some(entry) => std::mem::take(entry),
+                None => InFlight::Free,
             };
+            match taken {
+                InFlight::Free => {
+                    unknown.get_or_insert(user_data);
+                    continue;
+                }
+                InFlight::Orphan(_slot) => {} // the kernel is done with it: let it go
+                InFlight::Request(req) => {
+                    let res = if res < 0 { Err(-res) } else { Ok(res as u64) };
+                    if let Some(again) = req.account(res) {
+                        self.queue.push_front(again);
+                    }
+                }
+            }
             self.free_ids.push(id);
             self.in_flight -= 1;
-            let res = if res < 0 { Err(-res) } else { Ok(res as u64) };
-            if let Some(again) = req.account(res) {
-                self.queue.push_front(again);
+        }
+        match unknown {
+            None => Ok(()),
+            Some(user_data) => Err(Error::Broken {
+                errno: libc::EIO,
+                reason: format!("io_uring returned a completion for user_data {user_data}, which no request has"),
+            }),
+        }
+    }
+
+    /// The ring cannot go on: fail every queued and in-flight request with `err`, and
+    /// every op still in the channel; keep the slots the kernel may still use until
+    /// their completion comes (for a short while), then stop.
+    fn break_down(&mut self, err: Error, rx: &Receiver<Command>) {
+        for req in self.queue.drain(..) {
+            req.abandon(err.clone());
+        }
+        for entry in &mut self.slab {
+            if let InFlight::Request(req) = std::mem::take(entry) {
+                let slot = req.op.slot_share();
+                req.abandon(err.clone());
+                *entry = InFlight::Orphan(slot);
+            }
+        }
+        while let Ok(cmd) = rx.try_recv() {
+            if let Command::Op(reqs) = cmd {
+                reqs.into_iter().for_each(|r| r.abandon(err.clone()));
+            }
+        }
+        // Ops sent from now on are dropped with the channel when this thread ends, and
+        // their requests fail as they drop; submits after `health` was marked are refused.
+        let deadline = Instant::now() + ORPHAN_GRACE;
+        while self.in_flight > 0 && Instant::now() < deadline {
+            // A plain enter (no wait) lets the kernel post completions; it may fail
+            // again, since the ring is what broke.
+            let _ = self.ring.submit();
+            let _ = self.reap();
+            if self.in_flight > 0 {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        for entry in &mut self.slab {
+            if let InFlight::Orphan(slot) = std::mem::take(entry) {
+                // Never reaped: the kernel may still write the slot after the ring is
+                // gone. Keep it (and the arena) mapped for the life of the process.
+                std::mem::forget(slot);
             }
         }
     }
@@ -398,22 +570,155 @@ mod tests {
     use std::time::Duration;
 
     use super::super::tests::{data_file, pattern};
-    use super::super::{OpKind, Pending};
+    use super::super::{OpKind, OpState, Pending};
     use super::*;
     use crate::file::OpenOptions;
 
     fn drivers(arena: &Arc<Arena>, queue_depth: u32) -> Vec<UringDriver> {
         [true, false]
             .into_iter()
-            .filter_map(|register| {
-                let cfg = UringConfig {
-                    queue_depth,
-                    request_bytes: 4096,
-                    register,
-                };
-                UringDriver::start(cfg, Arc::clone(arena)).ok()
-            })
+            .filter_map(|register| start(arena, queue_depth, register, Arc::default()))
             .collect()
+    }
+
+    fn start(
+        arena: &Arc<Arena>,
+        queue_depth: u32,
+        register: bool,
+        health: Arc<Health>,
+    ) -> Option<UringDriver> {
+        let cfg = UringConfig {
+            queue_depth,
+            request_bytes: 4096,
+            register,
+        };
+        UringDriver::start(cfg, Arc::clone(arena), health).ok()
+    }
+
+    /// A FIFO opened for reading by the engine, and its writing end: a read of it stays
+    /// with the kernel until the test writes.
+    fn fifo(dir: &tempfile::TempDir, name: &str) -> (Arc<EngineFile>, std::fs::File) {
+        let path = dir.path().join(name);
+        let c = CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let opts = OpenOptions {
+            special: true,
+            ..Default::default()
+        };
+        let f = Arc::new(EngineFile::open(path.to_str().unwrap(), opts).unwrap());
+        let w = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        (f, w)
+    }
+
+    fn broken_with(r: Result<u64>, errno: i32) -> bool {
+        matches!(r, Err(Error::Broken { errno: e, .. }) if e == errno)
+    }
+
+    #[test]
+    fn an_enter_error_fails_queued_and_in_flight_ops_and_keeps_the_kernels_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        for (i, register) in [true, false].into_iter().enumerate() {
+            let arena = Arena::new(3, 40 << 10).unwrap();
+            let health = Arc::new(Health::default());
+            let Some(mut d) = start(&arena, 2, register, Arc::clone(&health)) else {
+                return; // io_uring refused here
+            };
+            let (pipe, mut writer) = fifo(&dir, &format!("fifo{i}"));
+            let stuck = read_op(&pipe, &arena, 0, 8192);
+            d.submit(Arc::clone(&stuck.op)).unwrap();
+            std::thread::sleep(Duration::from_millis(20)); // the kernel holds it now
+            let f = data_file(&dir, true);
+            let big = read_op(&f, &arena, 0, 40 << 10); // 10 requests at depth 2
+            d.submit(Arc::clone(&big.op)).unwrap();
+            // Fault double: the next io_uring_enter fails with EBADF.
+            d.inject(Fault::EnterErrno {
+                errno: libc::EBADF,
+                after: 0,
+            });
+            // Wake the thread: a short FIFO read is resubmitted, then the enter fails
+            // with the rest of the FIFO read and `big`'s first request in the ring.
+            writer.write_all(&[7; 100]).unwrap();
+            let t = Duration::from_secs(10);
+            assert!(broken_with(stuck.wait(Some(t)), libc::EBADF), "{register}");
+            assert!(broken_with(big.wait(Some(t)), libc::EBADF), "{register}");
+            assert!(broken_with(health.check().map(|()| 0), libc::EBADF));
+            d.shutdown(); // the thread stopped already: no hang
+                          // The FIFO read may still be with the kernel: its slot never comes back.
+                          // `big`'s slot came back once its request was reaped.
+            drop((stuck, big));
+            assert_eq!(arena.free_slots(), 2, "{register}");
+        }
+    }
+
+    #[test]
+    fn a_completion_nobody_owns_breaks_the_engine() {
+        let dir = tempfile::tempdir().unwrap();
+        let arena = Arena::new(1, 16 << 10).unwrap();
+        let health = Arc::new(Health::default());
+        let Some(mut d) = start(&arena, 2, true, Arc::clone(&health)) else {
+            return;
+        };
+        let f = data_file(&dir, true);
+        d.inject(Fault::UnknownUserData); // fault double: a stray completion
+        let p = read_op(&f, &arena, 0, 16 << 10);
+        d.submit(Arc::clone(&p.op)).unwrap();
+        let r = p.wait(Some(Duration::from_secs(10)));
+        assert!(
+            matches!(&r, Err(Error::Broken { errno: libc::EIO, reason }) if reason.contains("user_data")),
+            "{r:?}"
+        );
+        d.shutdown();
+        drop(p);
+        assert_eq!(arena.free_slots(), 1);
+    }
+
+    #[test]
+    fn a_panic_of_the_io_thread_fails_every_op() {
+        let dir = tempfile::tempdir().unwrap();
+        let arena = Arena::new(2, 16 << 10).unwrap();
+        let health = Arc::new(Health::default());
+        let Some(mut d) = start(&arena, 2, false, Arc::clone(&health)) else {
+            return;
+        };
+        let f = data_file(&dir, true);
+        d.inject(Fault::Panic); // fault double: the thread panics at its next enter
+        let ops: Vec<Pending> = [0, 16 << 10]
+            .into_iter()
+            .map(|off| {
+                let p = read_op(&f, &arena, off, 16 << 10);
+                // Refused (Broken) when the thread broke before this submit.
+                let _ = d.submit(Arc::clone(&p.op));
+                p
+            })
+            .collect();
+        for p in &ops {
+            let r = p.wait(Some(Duration::from_secs(10)));
+            assert!(
+                matches!(
+                    r,
+                    Err(Error::Broken {
+                        errno: libc::EIO,
+                        ..
+                    })
+                ),
+                "{r:?}"
+            );
+        }
+        let why = health.check().unwrap_err().to_string();
+        assert!(why.contains("panicked"), "{why}");
+        d.shutdown();
+        drop(ops);
+        assert_eq!(
+            arena.free_slots(),
+            2,
+            "the ring was never entered: all reaped"
+        );
+        // Control: the same reads on a driver with no fault succeed.
+        let d = start(&arena, 2, false, Arc::default()).unwrap();
+        let p = read_op(&f, &arena, 0, 16 << 10);
+        d.submit(Arc::clone(&p.op)).unwrap();
+        assert_eq!(p.wait(Some(Duration::from_secs(10))), Ok(16 << 10));
     }
 
     fn read_op(f: &Arc<EngineFile>, a: &Arc<Arena>, off: u64, n: u64) -> Pending {
