@@ -1,5 +1,6 @@
 """The package's layering: the core imports nothing from testing, the CLI (benchmarks,
-fio, plots, progress bars) or the integrations; integrations never import the CLI.
+fio, plots, progress bars) or the integrations; integrations and testing never import
+the CLI.
 
 Imports are read from the source (ast), including those inside functions, so a lazy
 import of a forbidden module is caught as well as a top-level one.
@@ -21,6 +22,9 @@ PKG = Path(bsr_io.__file__).parent
 FORBIDDEN = {
     "core": ("bsr_io.testing", "bsr_io.cli", "bsr_io.integrations", "tqdm", "matplotlib"),
     "integrations": ("bsr_io.cli", "tqdm", "matplotlib"),
+    # What tests, demos and benches share (faults, ranks, synthetic data, scratch dirs)
+    # stands below the CLI: the CLI uses it, never the other way round.
+    "testing": ("bsr_io.cli", "tqdm", "matplotlib"),
 }
 LAYERS = {"testing": "testing", "cli": "cli", "integrations": "integrations"}
 
@@ -74,18 +78,23 @@ def test_the_check_catches_forbidden_imports(tmp_path):
     pkg = tmp_path / "bsr_io"
     (pkg / "tiers").mkdir(parents=True)
     (pkg / "integrations").mkdir()
+    (pkg / "testing").mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "fine.py").write_text("from bsr_io.keys import ChunkKey\nimport numpy\n")
     (pkg / "lazy.py").write_text("def f():\n    from bsr_io.cli.progress import bar\n")
     (pkg / "tiers" / "rel.py").write_text("from ..testing import faults\n")
     (pkg / "tiers" / "sub.py").write_text("from bsr_io import cli\nimport tqdm\n")
     (pkg / "integrations" / "x.py").write_text("from bsr_io.cli.sizes import parse_size\n")
+    (pkg / "testing" / "ok.py").write_text("from bsr_io.tiers import files\n")
+    (pkg / "testing" / "up.py").write_text("def f():\n    from ..cli import host\n")
     found = violations(pkg)
     assert found == [
         "bsr_io/integrations/x.py imports bsr_io.cli.sizes",
         "bsr_io/integrations/x.py imports bsr_io.cli.sizes.parse_size",
         "bsr_io/lazy.py imports bsr_io.cli.progress",
         "bsr_io/lazy.py imports bsr_io.cli.progress.bar",
+        "bsr_io/testing/up.py imports bsr_io.cli",
+        "bsr_io/testing/up.py imports bsr_io.cli.host",
         "bsr_io/tiers/rel.py imports bsr_io.testing",
         "bsr_io/tiers/rel.py imports bsr_io.testing.faults",
         "bsr_io/tiers/sub.py imports bsr_io.cli",

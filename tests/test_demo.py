@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from bsr_io.cli import main
-from bsr_io.cli.demo import pick_base_dir
 from bsr_io.cli.progress import ProgressWatcher, RankProgress
 
 
@@ -27,6 +26,11 @@ def test_demo_small_end_to_end(tmp_path, capsys):
     # RWS is the window for both state sizes, on both ranks.
     rws = {x["rws_peak_bytes"] for x in runs["bsr"] + runs["bsr_half"]}
     assert rws == {2 * slot}
+    # Measured peak RSS: the whole-plan restore (its L1 pool of the state) grew the
+    # process by the state; BSR's by far less.
+    for wp, bsr in zip(runs["whole_plan_big_l1"], runs["bsr"], strict=True):
+        assert wp["vmhwm_growth_bytes"] >= doc["state_bytes"] * 3 // 4
+        assert bsr["vmhwm_growth_bytes"] < doc["state_bytes"] // 2
     assert doc["half_state_bytes"] * 2 == doc["state_bytes"]
     assert all(x["data_ok"] for x in runs["bsr"])
     # Whole-plan at BSR's budget fails cleanly and names the L1 it needed.
@@ -54,11 +58,11 @@ def test_demo_bad_input(tmp_path, capsys):
         main(["demo", "--state", "lots"])
 
 
-def test_demo_refuses_memory_dirs(tmp_path):
-    assert pick_base_dir(tmp_path) == tmp_path
-    if os.path.isdir("/dev/shm"):
-        with pytest.raises(ValueError, match="in memory"):
-            pick_base_dir(Path("/dev/shm"))
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm tmpfs")
+def test_demo_refuses_memory_dirs(capsys):
+    assert main(["demo", "--state", "64MiB", "--dir", "/dev/shm", "--quiet"]) == 2
+    assert "in memory" in capsys.readouterr().err
+    assert not list(Path("/dev/shm").glob("bsr-io-demo-*"))
 
 
 def test_rank_progress_files_and_watcher(tmp_path):

@@ -24,7 +24,6 @@ import os
 import resource
 import shutil
 import statistics
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 
 from bsr_io._core import Engine
 from bsr_io.cli.bench_ttft import write_state
-from bsr_io.cli.demo import MEMORY_FS, _fs_type, _mem_available
+from bsr_io.cli.host import mem_available
 from bsr_io.cli.report import write_json
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import PagedKVCache
@@ -43,6 +42,7 @@ from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.store import Store
+from bsr_io.testing.scratch import fs_type, scratch_base, scratch_dir
 from bsr_io.testing.synthetic import synthetic_tokens
 from bsr_io.tiers import SSDTier
 
@@ -106,19 +106,6 @@ class _Unfused:
         self.inner.synchronize()
 
 
-def _source_dir(explicit: Path | None) -> Path:
-    base = explicit or Path("/dev/shm")
-    if not base.is_dir():
-        raise ValueError(f"{base} is not a directory; pass --dir on a tmpfs")
-    kind = _fs_type(base)
-    if kind not in MEMORY_FS - {"overlay", "squashfs"}:
-        raise ValueError(
-            f"{base} is on {kind or 'an unknown filesystem'}, not in memory: the ceiling needs "
-            "a RAM-backed source (a tmpfs, e.g. /dev/shm) so the drive is not the limit"
-        )
-    return base
-
-
 def _destination(lay: KVLayout, tokens: int, cap_bytes: int) -> PagedKVCache:
     """A host KV cache; past `cap_bytes`, block ids cycle so memory stays bounded."""
     cap_tokens = max(lay.chunk_tokens, cap_bytes // lay.token_bytes)
@@ -157,24 +144,23 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens {args.tokens} is less than one chunk ({lay.chunk_tokens})")
     if args.window < 1 or args.rounds < 1:
         raise ValueError("--window and --rounds must be at least 1")
-    base = _source_dir(args.dir)
+    # The ceiling asks for memory on purpose: a RAM-backed source, so the drive is not
+    # the limit.
+    base = scratch_base(args.dir, memory=True)
     chunks = args.tokens // lay.chunk_tokens
     state = chunks * lay.chunk_bytes
     need = chunks * (lay.chunk_bytes + HEADER_BYTES)
     free = shutil.disk_usage(base).free
-    avail = _mem_available()
+    avail = mem_available()
     ram = need + min(state, args.dest_cap) + args.window * lay.chunk_bytes
     if need > free or (avail is not None and ram > avail):
         raise ValueError(
-            f"{args.tokens} tokens of {lay.name} take {fmt_size(need)} in {base} plus "
-            f"{fmt_size(ram - need)} of KV cache and slots; {fmt_size(free)} free there, "
-            f"{fmt_size(avail or 0)} of memory available: pass fewer --tokens"
+            f"{args.tokens} tokens of {lay.name} take {fmt_size(need)} ({need:,} bytes) in "
+            f"{base} plus {fmt_size(ram - need)} of KV cache and slots; {fmt_size(free)} free "
+            f"there, {fmt_size(avail or 0)} of memory available: pass fewer --tokens"
         )
-    root = Path(tempfile.mkdtemp(prefix="bsr-io-ceiling-", dir=base))
-    try:
+    with scratch_dir(base, "bsr-io-ceiling-", memory=True) as root:
         doc = measure(args, root, lay)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     print_table(doc)
     write_json(args.json, doc)
     return 0 if doc["outcome"] == "complete" else 1
@@ -230,7 +216,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     cpu = {m: statistics.median(x["cpu_s_per_gib"] for x in v) for m, v in rounds.items()}
     ratio = med["restore"] / med["engine"]
     return {
-        "source": f"{_fs_type(root)} ({'O_DIRECT' if direct else 'buffered: O_DIRECT refused'})",
+        "source": f"{fs_type(root)} ({'O_DIRECT' if direct else 'buffered: O_DIRECT refused'})",
         "layout": lay.name,
         "tokens": tokens,
         "chunks": chunks,

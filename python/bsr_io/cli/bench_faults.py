@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bsr_io.cli.report import write_json
 from bsr_io.testing.ranks import launch
 from bsr_io.testing.scenarios import FAULT_MATRIX
+from bsr_io.testing.scratch import make_scratch
 
 RESTORE = "bsr_io.testing.scenarios:restore_on_rank"  # one rank's restore, run by launch
 
@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise ValueError(f"unknown scenarios {sorted(unknown)}")
         cases = [c for c in cases if c["name"] in names]
-    base = args.dir or Path(tempfile.mkdtemp(prefix="bsr-faults-", dir="."))
+    base = make_scratch(args.dir, "bsr-faults-")
     chunk_tokens = 16 if args.layout == "tiny" else 256
     rows = []
     try:
@@ -94,8 +94,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
     finally:
-        if args.dir is None:
-            shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(base, ignore_errors=True)
     doc = {"ranks": args.ranks, "chunks": args.chunks, "window": args.window, "scenarios": rows}
     write_json(args.json, doc)
     return 0 if all(r["passed"] for r in rows) else 1

@@ -19,9 +19,11 @@ import shutil
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from bsr_io.cli.report import write_json
 from bsr_io.sizes import fmt_size, parse_size
+from bsr_io.testing.scratch import scratch_dir
 
 
 def register(bench_subparsers) -> None:
@@ -43,7 +45,12 @@ def register(bench_subparsers) -> None:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-size", type=int, default=64)
     p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--dir", help="scratch directory (default: a new one under $TMPDIR)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="base of the scratch directory (default: a temp dir on disk)",
+    )
     p.set_defaults(func=run)
 
 
@@ -162,18 +169,16 @@ def run(args) -> int:
     bsr_l1 = parse_size(args.bsr_l1)
     if bsr_l1 < args.window * shape.chunk_bytes:
         raise ValueError(f"--bsr-l1 must hold W={args.window} chunks of {shape.chunk_bytes} B")
-    scratch = args.dir or tempfile.mkdtemp(prefix="bsr-bench-lmcache-")
-    os.makedirs(scratch, exist_ok=True)
-    try:
+    # Stock LMCache's disk tier and bsr-io's each hold the largest state at a time.
+    need = 2 * max(states)
+    with scratch_dir(args.dir, "bsr-bench-lmcache-", need_bytes=need) as root:
+        scratch = str(root)
         stock = stock_rows(shape, states, _sizes(args.ladder), args.timeout, scratch)
         bsr = []
         for state in states:
             row = bsr_case(shape, state // shape.chunk_bytes, bsr_l1, args.window, scratch)
             bsr.append(row)
             _progress(f"bsr {fmt_size(row['state_bytes'])}: {row['result']}")
-    finally:
-        if not args.dir:
-            shutil.rmtree(scratch, ignore_errors=True)
     report = {
         "lmcache": _lmcache_version(),
         "shape": {**shape.__dict__, "chunk_bytes": shape.chunk_bytes},

@@ -18,11 +18,12 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
+from pathlib import Path
 
 from bsr_io.cli.report import write_json
 from bsr_io.sizes import fmt_size
+from bsr_io.testing.scratch import make_scratch
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -49,7 +50,12 @@ def register(bench_subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1,
                    help="torch CPU threads (1 avoids spin-waits on a shared host)")  # fmt: skip
-    p.add_argument("--dir", help="L2 directory (default: a new one under $TMPDIR, removed)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="base of the L2 directory (default: a temp dir on disk; removed)",
+    )
     p.set_defaults(func=run)
 
 
@@ -141,7 +147,7 @@ def run(args) -> int:
         dtype=dtype, seed=args.seed,
     )  # fmt: skip
     layout = kv_layout(model.config, chunk_tokens=args.chunk_tokens, dtype=dtype)
-    root = args.dir or tempfile.mkdtemp(prefix="bsr-bench-model-")
+    root = make_scratch(args.dir, "bsr-bench-model-")
     engine = Engine(args.window, layout.chunk_bytes)
     summary = layout.describe().split(";")[0]
     print(f"{args.family}, {args.layers} layers, {summary}; W={args.window}; "
@@ -157,8 +163,7 @@ def run(args) -> int:
             print(f"  {n} tokens done", file=sys.stderr, flush=True)
     finally:
         engine.close()
-        if args.dir is None:
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
     print(table(rows))
     write_json(args.json, {"config": vars(args) | {"func": None}, "rows": rows})
     return 0 if all(r["bit_identical"] for r in rows) else 1

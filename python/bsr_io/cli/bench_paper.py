@@ -20,6 +20,7 @@ from bsr_io.cli import bench_sweep
 from bsr_io.layout import PRESETS, preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.sizes import GiB, fmt_size, parse_size
+from bsr_io.testing.scratch import scratch_base
 
 
 def register(bench_subparsers: Any) -> None:
@@ -33,7 +34,12 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--tokens", type=int, default=524288, help="prefix length (default 524288)")
     p.add_argument("--ranks", type=int, default=2, help="ranks (default 2, the paper's TP)")
     p.add_argument("--window", type=int, default=32, help="W (default 32)")
-    p.add_argument("--dir", type=Path, default=None, help="store directory (default: .)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="base of the store directory (default: a temp dir on disk)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", type=Path, default=None, help="write the staging plot (PNG)")
     p.add_argument("--keep", action="store_true", help="keep the store afterwards")
@@ -52,16 +58,16 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 1 or args.ranks < 1 or args.window < 1:
         raise ValueError("--tokens, --ranks and --window must be at least 1")
     lay = preset(args.layout)
-    where = args.dir or Path(".")
-    where.mkdir(parents=True, exist_ok=True)
+    where = scratch_base(args.dir)
     need = disk_needed(args.layout, args.tokens, args.ranks)
     free = shutil.disk_usage(where).free
     if need > free:
         per_rank = lay.state_bytes(args.tokens)
         raise ValueError(
             f"bench paper: {args.tokens:,} tokens of {lay.name} on {args.ranks} rank(s) need "
-            f"{fmt_size(need)} free in {where.resolve()} ({fmt_size(per_rank)} of KV state per "
-            f"rank as record files, plus 1 GiB); {fmt_size(free)} is free, "
+            f"{fmt_size(need)} ({need:,} bytes) free in {where.resolve()} "
+            f"({fmt_size(per_rank)} of KV state per rank as record files, plus 1 GiB); "
+            f"{fmt_size(free)} is free, "
             f"{fmt_size(need - free)} short. Free space or pass --dir on a larger disk"
         )
     sweep = argparse.Namespace(

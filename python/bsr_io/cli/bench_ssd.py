@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -22,6 +22,7 @@ from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read, huge_p
 from bsr_io.cli.report import write_json
 from bsr_io.engine import as_numpy
 from bsr_io.sizes import GiB, fmt_size, parse_size
+from bsr_io.testing.scratch import make_scratch
 from bsr_io.testing.synthetic import fill_random
 
 FIO_BLOCK, FIO_DEPTH = 1 << 20, 32  # fio_read's request size and queue depth
@@ -118,8 +119,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--slot and --size must be positive")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
-    directory = args.dir or Path(tempfile.gettempdir())
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = make_scratch(args.dir, "bsr-io-bench-ssd-", need_bytes=args.size,
+                             what="the test file")  # fmt: skip
     path = directory / f"bsr-io-bench-ssd-{args.size}.bin"
     have_fio = fio_available()
     if not have_fio:
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
             report = measure(args, path, have_fio, huge)
     finally:
         if not args.keep:
-            path.unlink(missing_ok=True)
+            shutil.rmtree(directory, ignore_errors=True)
     print_table(report)
     write_json(args.json, report)
     return 0

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +20,9 @@ from bsr_io.cli.report import write_json
 from bsr_io.engine import as_numpy
 from bsr_io.keys import ChunkKey, chunk_keys
 from bsr_io.layout import PRESETS, KVLayout, preset
+from bsr_io.record import HEADER_BYTES
 from bsr_io.sizes import GiB, fmt_size, parse_size
+from bsr_io.testing.scratch import scratch_dir
 from bsr_io.testing.synthetic import fill_random, synthetic_tokens
 from bsr_io.tiers import SSDTier
 
@@ -110,11 +110,10 @@ def run(args: argparse.Namespace) -> int:
             f"need --size >= one chunk ({layout.chunk_bytes} bytes), --window >= 1, --rounds >= 1"
         )
     size = count * layout.chunk_bytes
-    work = Path(tempfile.mkdtemp(prefix="bsr-io-bench-store-", dir=args.dir))
-    try:
+    # The store's records and the raw file beside them.
+    need = 2 * count * (layout.chunk_bytes + HEADER_BYTES)
+    with scratch_dir(args.dir, "bsr-io-bench-store-", need_bytes=need) as work:
         report = measure(args, layout, count, size, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     print_report(report)
     write_json(args.json, report)
     return 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from bsr_io.layout import preset
 from bsr_io.record import HEADER_BYTES
 from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.testing.ranks import launch
+from bsr_io.testing.scratch import make_scratch
 
 RESTORE = "bsr_io.testing.scenarios:restore_on_rank"  # one rank's restore, run by launch
 
@@ -54,7 +54,12 @@ def register(bench_subparsers: Any) -> None:
     )
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--ranks", type=int, default=1, help="ranks (processes) per restore")
-    p.add_argument("--dir", type=Path, default=None, help="store directory (on the SSD)")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="base of the store directory (default: a temp dir on disk)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="write the staging plot (PNG)")
     p.add_argument("--l1", type=parse_size, default=None,
@@ -101,15 +106,9 @@ def run(args: argparse.Namespace) -> int:
     chunk = lay.chunk_bytes
     l1 = args.l1 if args.l1 is not None else args.window * chunk
     top = lay.state_bytes(tokens[-1])
-    root = args.dir or Path(tempfile.mkdtemp(prefix="bsr-sweep-", dir="."))
-    root.mkdir(parents=True, exist_ok=True)
     need = top * args.ranks + args.ref_size + GiB
-    free = shutil.disk_usage(root).free
-    if need > free:
-        raise ValueError(
-            f"the sweep needs about {fmt_size(need)} free in {root}, only {fmt_size(free)} "
-            "is free; pass smaller --tokens or another --dir"
-        )
+    root = make_scratch(args.dir, "bsr-sweep-", need_bytes=need, what="the sweep",
+                        hint="pass smaller --tokens or another --dir")  # fmt: skip
     cold = drop_caches()
     if not cold:
         print("note: cannot drop the page cache (not root): reads may be warm", file=sys.stderr)
@@ -134,9 +133,7 @@ def run(args: argparse.Namespace) -> int:
             records = _records_fio(args, root, lay, tokens[-1], huge)
     finally:
         if not args.keep:
-            shutil.rmtree(root / "store", ignore_errors=True)
-            if args.dir is None:
-                shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
     for r in rows:
         r["vs_ssd"] = r["aggregate_gib_s"] / ref["engine_gib_s"] if ref else None
     top = rows[-1]

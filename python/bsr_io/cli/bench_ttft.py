@@ -24,17 +24,14 @@ to the drive.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine
-from bsr_io.cli.demo import _mem_available, pick_base_dir
 from bsr_io.cli.fio import (
     HugeMem,
     drop_caches,
@@ -43,6 +40,7 @@ from bsr_io.cli.fio import (
     fio_read_payloads,
     huge_page_buffers,
 )
+from bsr_io.cli.host import check_memory
 from bsr_io.cli.progress import bar
 from bsr_io.cli.report import write_json
 from bsr_io.engine import as_numpy
@@ -54,6 +52,7 @@ from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB, fmt_size
 from bsr_io.store import Store
+from bsr_io.testing.scratch import check_room, scratch_base, scratch_dir
 from bsr_io.testing.synthetic import fill_chunk, fill_random, synthetic_chunk, synthetic_tokens
 from bsr_io.tiers import SSDTier
 from bsr_io.whole_plan import WholePlanRestorer
@@ -237,38 +236,33 @@ def _records_readable_by_fio(lay: KVLayout) -> bool:
     return lay.chunk_bytes % 4096 == 0
 
 
-def _check_room(base: Path, lay: KVLayout, chunks: int, window: int, naive: bool) -> None:
+def _disk_needed(lay: KVLayout, chunks: int) -> tuple[int, str]:
+    """Bytes of the records (and of fio's reference file where fio cannot read them)."""
     state = chunks * lay.chunk_bytes
     ref = 0 if _records_readable_by_fio(lay) else state
     disk = chunks * (lay.chunk_bytes + HEADER_BYTES) + ref + (256 << 20)
-    free = shutil.disk_usage(base).free
-    if free < disk:
-        raise ValueError(
-            f"not enough free space in {base} for {chunks * lay.chunk_tokens} tokens of "
-            f"{lay.name}: the records take {fmt_size(disk - ref)}"
-            + (f" and fio's reference file {fmt_size(ref)}" if ref else "")
-            + f", {fmt_size(disk)} in all, and {fmt_size(free)} is free; use --dir on a "
-            "larger disk or fewer --tokens"
-        )
+    what = f"{chunks * lay.chunk_tokens} tokens of {lay.name} as records" + (
+        f" plus fio's reference file ({fmt_size(ref)})" if ref else ""
+    )
+    return disk, what
+
+
+def _check_memory(lay: KVLayout, chunks: int, window: int, naive: bool) -> None:
     # The destination and BSR's slots, plus the naive path's L1 pool of the whole state.
-    mem = (2 if naive else 1) * state + window * lay.chunk_bytes
-    avail = _mem_available()
-    if avail is not None and avail < mem:
-        what = (
-            f"the naive path stages the whole state ({fmt_size(state)}) in L1 next to the "
-            f"destination, {fmt_size(mem)} in all"
+    state = chunks * lay.chunk_bytes
+    check_memory(
+        (2 if naive else 1) * state + window * lay.chunk_bytes,
+        f"{chunks * lay.chunk_tokens} tokens of {lay.name} ("
+        + (
+            f"the naive path stages the whole state, {fmt_size(state)}, in L1 next to the "
+            "destination)"
             if naive
-            else f"the destination KV cache alone is {fmt_size(state)}"
-        )
-        hint = (
-            "fewer --tokens, or --skip-naive to measure only BSR and fio"
-            if naive
-            else ("fewer --tokens")
-        )
-        raise ValueError(
-            f"not enough memory for {chunks * lay.chunk_tokens} tokens of {lay.name}: {what}, "
-            f"and {fmt_size(avail)} is available; use {hint}"
-        )
+            else f"the destination KV cache alone is {fmt_size(state)})"
+        ),
+        "fewer --tokens, or --skip-naive to measure only BSR and fio"
+        if naive
+        else "fewer --tokens",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -287,16 +281,17 @@ def run(args: argparse.Namespace) -> int:
     if not have_fio:
         raise ValueError("fio is not installed (Debian/Ubuntu: apt-get install fio); it is the "
                          "reference this benchmark reports against")  # fmt: skip
-    base = pick_base_dir(args.dir)
     chunks = args.tokens // lay.chunk_tokens
-    _check_room(base, lay, chunks, args.window, naive=not args.skip_naive)
-    root = Path(tempfile.mkdtemp(prefix="bsr-io-ttft-", dir=base))
-    try:
-        with huge_page_buffers(FIO_DEPTH << 20) as huge:
-            doc = measure(args, root, lay, huge)
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+    disk, what = _disk_needed(lay, chunks)
+    hint = "use --dir on a larger disk or fewer --tokens"
+    check_room(scratch_base(args.dir), disk, what, hint)  # disk first, then memory
+    _check_memory(lay, chunks, args.window, naive=not args.skip_naive)
+    with (
+        scratch_dir(args.dir, "bsr-io-ttft-", need_bytes=disk, what=what,
+                    hint="use --dir on a larger disk or fewer --tokens", keep=args.keep) as root,
+        huge_page_buffers(FIO_DEPTH << 20) as huge,
+    ):  # fmt: skip
+        doc = measure(args, root, lay, huge)
     print_table(doc)
     write_json(args.json, doc)
     if args.plot:

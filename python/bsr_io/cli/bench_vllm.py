@@ -17,12 +17,12 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from bsr_io.cli.report import write_json
 from bsr_io.sizes import KiB, MiB
+from bsr_io.testing.scratch import make_scratch, scratch_base
 
 HARNESS = "bsr_io.integrations.vllm.harness"
 
@@ -37,7 +37,9 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, default=8, help="W: staging slots per worker")
     p.add_argument("--layers", type=int, default=4, help="layers of the tiny Llama")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dir", default=None, help="work directory (store, model)")
+    p.add_argument(
+        "--dir", default=None, help="work directory (store, model; default: a new temp dir on disk)"
+    )
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--plot", default=None, help="write a PNG figure here")
     p.set_defaults(func=run)
@@ -49,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("bsr-io bench vllm needs vLLM in this interpreter (use .venv-vllm)", file=sys.stderr)
         return 2
-    base = Path(args.dir or tempfile.mkdtemp(prefix="bsr-vllm-bench-"))
+    # An explicit --dir is reused across runs (the model is built there once).
+    base = scratch_base(Path(args.dir)) if args.dir else make_scratch(None, "bsr-vllm-bench-")
     work = base / f"bench-tp{args.tp}"
     out = base / f"bench-tp{args.tp}.json"
     env = dict(os.environ)

@@ -22,13 +22,13 @@ import socket
 import stat
 import struct
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bsr_io.testing.scratch import make_scratch
 from bsr_io.tiers.mooncake_config import MooncakeConfig
 
 HOST = "127.0.0.1"
@@ -160,7 +160,7 @@ class LoopbackPool:
         self.node_threads = node_threads
         self.start_timeout_s = start_timeout_s
         self._own_dir = workdir is None
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="bsr-mooncake-"))
+        self.workdir = Path(workdir) if workdir else make_scratch(None, "bsr-mooncake-")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.rpc_port = self.http_port = self.metrics_port = self.node_port = 0
         self.master: subprocess.Popen[bytes] | None = None
