@@ -166,7 +166,6 @@ def test_accounting_exact_under_concurrent_leases(backend: str, tmp_path: Path) 
     for t in ts:
         t.join()
     assert not errors
-    assert max(seen) <= window * eng.slot_bytes
     assert all(v % eng.slot_bytes == 0 for v in seen)
     assert seen[-threads:] == [threads * eng.slot_bytes] * threads
     assert eng.peak_bytes() == threads * eng.slot_bytes

@@ -173,7 +173,7 @@ def test_parallel_installs_equal_the_serial_ones(tmp_path, threads):
     dest = _Spy.allocate(LAYOUT, CHUNKS * 16)
     res = r.restore(r.probe(tokens), dest)
     assert res.complete and dest.fused_calls == CHUNKS and _bytes_ok(dest, CHUNKS)
-    assert res.rws_peak_bytes <= 4 * engine.slot_bytes and engine.live_bytes() == 0
+    assert res.rws_peak_bytes == 4 * engine.slot_bytes and engine.live_bytes() == 0
 
 
 def test_injected_corruption_reaches_the_fused_check(tmp_path):

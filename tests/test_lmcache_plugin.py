@@ -102,16 +102,16 @@ def test_state_8x_l1_restores_with_bsr_where_stock_hangs(engines, tmp_path):
     h.drop_l1(eng)
     eng.gpu_connector.reset_stats()
     dst = h.empty_like(src)
-    with h.PeakSampler(eng) as l1_peak:
-        mask = eng.retrieve(src.tokens, **dst.kwargs())
+    mask = eng.retrieve(src.tokens, **dst.kwargs())
     assert bool(mask.all())
     assert h.restored_equal(src, dst, len(src.tokens))
     rep = plugin.retriever.last
     assert rep.outcome == "complete" and rep.windows == n // w
-    assert rep.staging_peak_bytes <= w * CB
-    assert eng.gpu_connector.max_batch_bytes <= w * CB
-    assert l1_peak.peak <= l1 * CB
-    assert plugin.read_engine.peak_bytes() <= w * plugin.read_engine.slot_bytes
+    # The window fills and no batch is larger (L1's own peak is capped by its pool in
+    # either path, so it measures nothing here).
+    assert rep.staging_peak_bytes == w * CB
+    assert eng.gpu_connector.max_batch_bytes == w * CB
+    assert plugin.read_engine.peak_bytes() == w * plugin.read_engine.slot_bytes
 
 
 def test_get_returns_filled_prefix_then_none_and_restore_gives_zero(engines, tmp_path):

@@ -31,21 +31,21 @@ def test_state_8x_l1_restores_completely_where_stock_hangs(engines, tmp_path):
     n, l1, w = 32, 4, 2  # state = 8x L1
     stock = h.run_stock_case(SHAPE, n, l1 * CB, str(tmp_path / "stock"), timeout_s=6.0)
     assert stock["result"] == "hang"
-    assert stock["l1_peak_bytes"] <= l1 * CB
+    assert stock["l1_peak_bytes"] == l1 * CB  # it filled its whole pool, then spun
 
     eng, src = stored_engine(engines, tmp_path / "bsr", n, l1)
     retriever = r.install(eng, window=w)
     eng.gpu_connector.reset_stats()
     dst = h.empty_like(src)
-    with h.PeakSampler(eng) as l1_peak:
-        mask = eng.retrieve(src.tokens, **dst.kwargs())
+    mask = eng.retrieve(src.tokens, **dst.kwargs())
     assert bool(mask.all())
     assert h.restored_equal(src, dst, len(src.tokens))
     rep = retriever.last
     assert (rep.outcome, rep.chunks, rep.windows) == ("complete", n, n // w)
+    # The window fills and no batch is larger: staging W chunks, not the state. (L1's
+    # own peak is no measure here: it is capped by its pool in either path.)
     assert rep.staging_peak_bytes == w * CB
-    assert eng.gpu_connector.max_batch_bytes <= w * CB
-    assert l1_peak.peak <= l1 * CB
+    assert eng.gpu_connector.max_batch_bytes == w * CB
 
 
 def test_partial_hit_requested_gives_zero_not_a_shorter_prefix(engines, tmp_path):
@@ -89,7 +89,8 @@ def test_window_failure_gives_zero_and_releases_staging(engines, tmp_path, bad_c
     assert not bool(mask.any())
     assert retriever.last.outcome == "zero"
     assert len(calls) == bad_call + 1  # stopped at the failing window
-    assert retriever.last.staging_peak_bytes <= 3 * CB
+    # Earlier windows filled all 3 slots; a failing first window stages nothing.
+    assert retriever.last.staging_peak_bytes == (3 * CB if bad_call else 0)
     h.drop_l1(eng)
     assert h.l1_allocated_bytes(eng) == 0  # every staged chunk was released
 

@@ -129,7 +129,7 @@ def test_missing_everywhere_gives_zero(tmp_path):
 
 
 def test_save_is_bounded_and_roundtrips(tmp_path):
-    engine = Engine(2, LAYOUT.chunk_bytes)
+    engine = Engine(4, LAYOUT.chunk_bytes)  # more slots than the window: save bounds itself
     store = _store(tmp_path, engine, lower=False)
     r = Restorer(store, LAYOUT, window=2, engine=engine, model="m")
     src = PagedKVCache.allocate(LAYOUT, 12 * 16)
