@@ -29,6 +29,5 @@ def test_bench_remote_json(tmp_path):
     assert doc["outcome"] == "complete"
     assert doc["rws_peak_bytes"] == 3 * doc["slot_bytes"]  # W x chunk, not the state
     assert doc["state_bytes"] == doc["chunks"] * doc["chunk_bytes"] > doc["rws_peak_bytes"]
-    assert abs(doc["ratio"] - doc["restore_gib_s"] / doc["client_bulk_gib_s"]) < 1e-9
     after = {p.pid for p in psutil.process_iter(["name"]) if "mooncake" in (p.info["name"] or "")}
     assert after <= before  # the pool it started is gone

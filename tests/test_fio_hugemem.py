@@ -69,7 +69,6 @@ def test_bench_ssd_reports_both_fio_configurations(tmp_path):
         pytest.skip(rep["fio_hugemem_note"])
     huge = rep["results"]["fio_hugemem"]["gib_s"]
     assert huge > 0 and rep["results"]["fio"]["gib_s"] > 0
-    assert rep["ratio_vs_fio_hugemem"] == pytest.approx(rep["results"]["bsr_io"]["gib_s"] / huge)
     assert "/tmp" not in json.dumps(rep)  # no absolute temporary paths in results
 
 

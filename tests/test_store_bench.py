@@ -17,7 +17,6 @@ def test_bench_store_small(tmp_path, capsys):
     assert rep["verified_reads"] == 3  # every L2 read was checked
     for name in ("store", "raw"):
         assert rep["read_gib_s"][name] > 0 and rep["write_gib_s"][name] > 0
-    assert rep["read_ratio_store_vs_raw"] == rep["read_gib_s"]["store"] / rep["read_gib_s"]["raw"]
     assert 0 < rep["open_close_us_per_chunk"] < rep["chunk_read_us"]
     assert "ratio vs raw" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == [out]  # the store and raw file were removed
