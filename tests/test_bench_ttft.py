@@ -25,11 +25,9 @@ def test_ttft_tiny_json_and_plot(tmp_path, capsys):
         assert k in doc, k
         assert doc[k] > 0
     assert doc["chunks"] == 8 and doc["data_ok"] and doc["fast_vs_fio_paired"] > 0
-    assert doc["speedup"] == pytest.approx(doc["naive_s"] / doc["fast_s"])
-    assert doc["fast_vs_fio"] == pytest.approx(doc["fast_s"] / doc["fio_s"])
-    # The naive path stages the whole state; the fast path at most W slots.
+    # The naive path stages the whole state; the fast path fills its W slots, no more.
     assert doc["rws_naive_bytes"] == doc["state_bytes"]
-    assert doc["rws_fast_bytes"] <= 3 * 4096
+    assert doc["rws_fast_bytes"] == 3 * 4096
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "speedup naive/fast" in capsys.readouterr().out
     assert not list(tmp_path.glob("bsr-io-ttft-*"))  # cleaned up
