@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from bsr_io._core import Engine
-from bsr_io.cli.bench_ttft import write_state
+from bsr_io.cli.bench_state import write_state
 from bsr_io.cli.host import mem_available
 from bsr_io.cli.report import write_json
 from bsr_io.keys import chunk_keys

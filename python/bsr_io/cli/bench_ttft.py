@@ -26,41 +26,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bsr_io._core import Engine
+from bsr_io.cli.bench_state import write_fio_file, write_state
 from bsr_io.cli.fio import (
     HugeMem,
     drop_caches,
     fio_available,
-    fio_read,
-    fio_read_payloads,
     huge_page_buffers,
 )
 from bsr_io.cli.host import check_memory
 from bsr_io.cli.progress import bar
 from bsr_io.cli.report import write_json
-from bsr_io.engine import as_numpy
-from bsr_io.keys import chunk_keys
+from bsr_io.cli.ttft_paths import FIO_DEPTH, TtftPaths, records_readable_by_fio
 from bsr_io.kvcache import PagedKVCache
 from bsr_io.layout import PRESETS, KVLayout, preset
-from bsr_io.metrics import RestoreMetrics
 from bsr_io.record import HEADER_BYTES
-from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB, fmt_size
-from bsr_io.store import Store
 from bsr_io.testing.scratch import check_room, scratch_base, scratch_dir
-from bsr_io.testing.synthetic import fill_chunk, fill_random, synthetic_chunk, synthetic_tokens
-from bsr_io.tiers import SSDTier
-from bsr_io.whole_plan import WholePlanRestorer
 
 # fast sits between the two fio runs in every round, whichever way the order turns.
 METHODS = ("naive", "naive_engine", "fio", "fast", "fio_hugemem")
-FIO_DEPTH = 32
-MODEL = "bsr-io-bench-ttft"
 DONE_RATIO = 1.15  # the issue's target: fast_s within this factor of fio_s
 
 
@@ -97,149 +84,10 @@ def register(bench_subparsers: Any) -> None:
 
 
 # -- the state -------------------------------------------------------------------------
-def write_state(l2: SSDTier, engine: Engine, lay: KVLayout, keys, seed: int, quiet: bool) -> float:
-    """Every chunk through the L2 tier (O_DIRECT, durable); a few writers at a time."""
-    n = lay.chunk_bytes
-
-    def one(i: int) -> None:
-        slot = engine.lease()
-        fill_chunk(as_numpy(slot, count=n), seed, i)
-        slot.set_length(n)
-        l2.write(keys[i], slot, lay)
-
-    t0 = time.perf_counter()
-    workers = min(4, engine.window)
-    with bar(len(keys) * n, "write state to L2", quiet=quiet) as b:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bsr-fill") as pool:
-            for _ in pool.map(one, range(len(keys))):
-                b.update(n)
-    return time.perf_counter() - t0
-
-
-def write_fio_file(path: Path, size: int, engine: Engine, quiet: bool) -> None:
-    """`size` random bytes with O_DIRECT through the engine, for fio to read back."""
-    f = engine.open(path, create=True)
-    pending = []
-    step = engine.slot_bytes
-    with bar(size, "write fio reference file", quiet=quiet) as b:
-        for i, off in enumerate(range(0, size, step)):
-            if len(pending) >= engine.window // 2:
-                pending.pop(0).wait()
-            n = min(step, size - off)
-            slot = engine.lease()
-            fill_random(as_numpy(slot, count=n), 0xF10, i)
-            slot.set_length(n)
-            pending.append(engine.submit_write(slot, f, off, n))
-            del slot
-            b.update(n)
-        for p in pending:
-            p.wait()
-    f.sync()
-    f.close()
-
-
-# -- one run ---------------------------------------------------------------------------
-class _Bench:
-    def __init__(self, args: argparse.Namespace, root: Path, lay: KVLayout) -> None:
-        self.args, self.root, self.lay = args, root, lay
-        self.chunks = args.tokens // lay.chunk_tokens
-        self.tokens = self.chunks * lay.chunk_tokens
-        self.state = self.chunks * lay.chunk_bytes
-        self.seed = 5
-        self.token_ids = synthetic_tokens(self.seed, self.tokens)
-        self.keys = chunk_keys(self.token_ids, lay, MODEL, 0, 1)
-        self.engine = Engine(args.window, lay.chunk_bytes, backend=args.backend)
-        self.l2 = SSDTier(root / "l2", None, self.engine, layout=lay)
-        self.store = Store([self.l2])
-        self.metrics = RestoreMetrics()
-        self.fast = Restorer(self.store, lay, window=args.window, engine=self.engine, model=MODEL)
-        self.dest: PagedKVCache | None = None
-        self.whole_plan: dict[str, WholePlanRestorer] = {}
-        self.huge = HugeMem(None, "not requested")
-        self.fio_file: Path | None = None  # a reference file, where records cannot be read
-
-    def prepare_whole_plan(self) -> None:
-        """Both whole-plan paths share one L1 pool of the state, resident before timing."""
-        lmc = WholePlanRestorer(self.store, self.lay, l1_bytes=self.state,
-                                threads=self.args.naive_threads)  # fmt: skip
-        lmc.prepare(self.state)
-        ctl = WholePlanRestorer(self.store, self.lay, l1_bytes=self.state, engine=self.engine,
-                                reads="engine", pool=lmc.pool)  # fmt: skip
-        self.whole_plan = {"naive": lmc, "naive_engine": ctl}
-
-    def naive(self, method: str) -> dict[str, Any]:
-        wp = self.whole_plan[method]
-        t0 = time.perf_counter()
-        plan = self.fast.probe(self.token_ids)
-        if plan.hit_chunks != self.chunks:
-            raise RuntimeError(f"probe found {plan.hit_chunks} of {self.chunks} chunks")
-        res = wp.restore(plan, self.dest)
-        seconds = time.perf_counter() - t0
-        if not res.complete:
-            raise RuntimeError(f"{method} failed: {res.reason}")
-        parts = {k: res.timings[k] for k in ("stage_s", "install_s")}
-        return {"seconds": seconds, "rws_bytes": res.rws_peak_bytes, **parts}
-
-    def fio(self, method: str) -> dict[str, Any]:
-        """fio reading the records' payload ranges (or the reference file)."""
-        huge = self.huge if method == "fio_hugemem" else None
-        if self.fio_file is not None:
-            iomem = huge.iomem("ttft") if huge else None
-            res = fio_read(self.fio_file, size=self.state, block_bytes=_fio_block(self.state),
-                           iomem=iomem)  # fmt: skip
-        else:
-            res = fio_read_payloads(
-                self.l2.path_of(self.keys[0]).parent, payload_offset=HEADER_BYTES,
-                payload_bytes=self.lay.chunk_bytes, files=self.chunks, iodepth=FIO_DEPTH,
-                hugemem=huge,
-            )  # fmt: skip
-        seconds = res.seconds or res.wall_s  # under a millisecond fio reports 0
-        return {"seconds": seconds, "gib_s": res.bytes_read / seconds / GiB,
-                "bytes_read": res.bytes_read, "fio_runtime_s": res.seconds,
-                "fio_wall_s": res.wall_s}  # fmt: skip
-
-    def fast_path(self) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        plan = self.fast.probe(self.token_ids)
-        res = self.fast.restore(plan, self.dest)
-        seconds = time.perf_counter() - t0
-        self.metrics.observe(res)
-        if not res.complete:
-            raise RuntimeError(f"fast restore failed: {res.reason}")
-        return {
-            "seconds": seconds,
-            "rws_bytes": res.rws_peak_bytes,
-            "read_wait_s": res.timings["read_wait_s"],
-            "install_copy_s": res.timings["install_copy_s"],
-            "commit_s": res.timings["commit_s"],
-        }
-
-    def check(self) -> bool:
-        """The first and last chunk in the destination are the bytes that were written."""
-        return all(
-            self.dest.chunk_bytes(i) == synthetic_chunk(self.lay, self.seed, i).tobytes()
-            for i in {0, self.chunks - 1}
-        )
-
-
-def _fio_block(size: int) -> int:
-    """fio's request size: 1 MiB like the engine's, smaller only for a tiny state."""
-    block = 1 << 20
-    while block > 4096 and block > size:
-        block //= 2
-    return block
-
-
-def _records_readable_by_fio(lay: KVLayout) -> bool:
-    # O_DIRECT reads whole 4 KiB blocks: fio can read exactly the payload only when its
-    # length is a multiple of that (true of the real layouts; not of "tiny").
-    return lay.chunk_bytes % 4096 == 0
-
-
 def _disk_needed(lay: KVLayout, chunks: int) -> tuple[int, str]:
     """Bytes of the records (and of fio's reference file where fio cannot read them)."""
     state = chunks * lay.chunk_bytes
-    ref = 0 if _records_readable_by_fio(lay) else state
+    ref = 0 if records_readable_by_fio(lay) else state
     disk = chunks * (lay.chunk_bytes + HEADER_BYTES) + ref + (256 << 20)
     what = f"{chunks * lay.chunk_tokens} tokens of {lay.name} as records" + (
         f" plus fio's reference file ({fmt_size(ref)})" if ref else ""
@@ -302,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _one(b: _Bench, method: str) -> dict[str, Any]:
+def _one(b: TtftPaths, method: str) -> dict[str, Any]:
     if method.startswith("naive"):
         return b.naive(method)
     if method == "fast":
@@ -313,11 +161,11 @@ def _one(b: _Bench, method: str) -> dict[str, Any]:
 def measure(
     args: argparse.Namespace, root: Path, lay: KVLayout, huge: HugeMem | None = None
 ) -> dict[str, Any]:
-    b = _Bench(args, root, lay)
+    b = TtftPaths(args, root, lay)
     b.huge = huge or HugeMem(None, "not requested")
     q = args.quiet
     write_s = write_state(b.l2, b.engine, lay, b.keys, b.seed, q)
-    if not _records_readable_by_fio(lay):
+    if not records_readable_by_fio(lay):
         b.fio_file = root / "fio-reference.bin"
         write_fio_file(b.fio_file, b.state, b.engine, q)
     b.dest = PagedKVCache.allocate(lay, b.tokens)
