@@ -10,7 +10,7 @@ import pytest
 from bsr_io.cli import main
 
 KEYS = ("source", "engine_raw_gib_s", "restore_gib_s", "ratio", "restore_cpu_s_per_gib",
-        "rws_peak_bytes", "outcome")  # fmt: skip
+        "rws_peak_bytes", "outcome", "engine_cores_busy", "restore_cores_busy")  # fmt: skip
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm tmpfs")

@@ -237,6 +237,10 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
             for r, e in zip(rounds["restore"], rounds["engine"], strict=True)
         ),
         "restore_cpu_s_per_gib": cpu["restore"],
+        # GiB/s x CPU s/GiB: cores kept busy. Where the restore keeps every core busy the
+        # ratio is CPU-bound: it is then the engine's CPU cost over the restore's.
+        "engine_cores_busy": med["engine"] * cpu["engine"],
+        "restore_cores_busy": med["restore"] * cpu["restore"],
         "engine_cpu_s_per_gib": cpu["engine"],
         "restore_unfused_gib_s": med["restore_unfused"],
         "ratio_unfused": med["restore_unfused"] / med["engine"],
@@ -261,12 +265,18 @@ def print_table(doc: dict[str, Any]) -> None:
         f"{fmt_size(doc['state_bytes'])}, W={doc['window']}, queue depth {doc['queue_depth']}, "
         f"engine {doc['backend']}, source {doc['source']}, median of {doc['rounds']}"
     )
-    print(f"{'path':<16} {'GiB/s':>7} {'CPU s/GiB':>10}")
+    print(f"{'path':<16} {'GiB/s':>7} {'CPU s/GiB':>10} {'cores busy':>11}")
     for name, key in (("engine alone", "engine_raw"), ("restore (fused)", "restore"),
                       ("restore, 2 pass", "restore_unfused")):  # fmt: skip
         cpu = "engine_cpu_s_per_gib" if key == "engine_raw" else key + "_cpu_s_per_gib"
-        print(f"{name:<16} {doc[key + '_gib_s']:>7.2f} {doc[cpu]:>10.3f}")
+        rate = doc[key + "_gib_s"]
+        print(f"{name:<16} {rate:>7.2f} {doc[cpu]:>10.3f} {rate * doc[cpu]:>11.2f}")
     met = "met" if doc["goal_met"] else "NOT met"
+    if doc["restore_cores_busy"] > 0.85 * (doc["cpus"] or 1):
+        print(
+            f"note: the restore kept {doc['restore_cores_busy']:.2f} of {doc['cpus']} cores busy: "
+            "CPU-bound, so the ratio is the engine's CPU cost over the restore's"
+        )
     if max(doc["loadavg_1m"]) > 0.5 * (doc["cpus"] or 1):
         print(f"note: the machine was busy (1-minute load {doc['loadavg_1m']}): figures are noisy")
     print(
