@@ -91,6 +91,9 @@ def test_a_failing_ring_fails_the_read_and_every_later_submit(backend: str, tmp_
     assert "io_uring_enter failed" in str(err)
     assert isinstance(err, BsrIoError)
     assert not isinstance(err, (EngineClosedError, NoFreeSlot, ChunkError))
+    # The kernel never took that read (the enter failed): its slot is back at once.
+    del pending
+    assert engine.free_slots() == 4
     # Every later submit, lease or open is refused with the same cause, at once.
     for call in (lambda: engine.submit_read(f, 0, SLOT), engine.lease):
         with pytest.raises(EngineBrokenError) as later:

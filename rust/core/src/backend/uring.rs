@@ -6,11 +6,13 @@
 //! An error the thread cannot retry (io_uring_enter failing with anything but
 //! EINTR/EAGAIN/EBUSY, a completion no request owns) or a panic breaks the engine: every
 //! queued and in-flight operation fails with that error, later submits are refused, and
-//! the thread stops. Slots of requests the kernel still holds stay leased until their
-//! completion is reaped, or for good when it never is (better a leaked slot than memory
-//! the kernel may still write handed to someone else).
+//! the thread stops. Requests still in the submission queue, which the kernel never
+//! took, give their slots back at once; slots of requests the kernel holds stay leased
+//! until their completion is reaped, or for good when it never is (better a leaked slot
+//! than memory the kernel may still write handed to someone else).
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
+use std::os::fd::AsRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::Arc;
@@ -45,6 +47,8 @@ pub struct UringInfo {
     pub fixed_buffers: bool,
     pub registered_files: bool,
     pub notes: Vec<String>,
+    /// The ring's descriptor, for tests to watch the kernel's side (its fdinfo).
+    pub ring_fd: i32,
 }
 
 enum Command {
@@ -203,7 +207,11 @@ struct RingLoop {
     slab: Vec<InFlight>,
     free_ids: Vec<usize>,
     queue: VecDeque<Request>,
+    /// In flight: pushed to the submission queue (and parked in the slab).
     in_flight: usize,
+    /// Ids pushed to the submission queue that the kernel has not taken yet, oldest
+    /// first (it takes them in order).
+    unsubmitted: VecDeque<usize>,
     queue_depth: usize,
     fixed_buffers: bool,
     file_table: Vec<bool>,
@@ -242,6 +250,7 @@ impl RingLoop {
                 IoUring::new(entries).map_err(|e| (errno_of(&e), format!("io_uring_setup: {e}")))?
             }
         };
+        info.ring_fd = ring.as_raw_fd();
         if cfg.register {
             info.fixed_buffers = register_slots(&ring, &arena, &mut info.notes);
             match ring.submitter().register_files_sparse(FILE_TABLE) {
@@ -258,6 +267,7 @@ impl RingLoop {
             free_ids: Vec::new(),
             queue: VecDeque::new(),
             in_flight: 0,
+            unsubmitted: VecDeque::new(),
             queue_depth: cfg.queue_depth as usize,
             fixed_buffers: info.fixed_buffers,
             file_table: vec![
@@ -373,6 +383,7 @@ impl RingLoop {
                 break;
             }
             self.slab[id] = InFlight::Request(req);
+            self.unsubmitted.push_back(id);
             self.in_flight += 1;
         }
     }
@@ -420,7 +431,13 @@ impl RingLoop {
             }
             other => self.fault = other,
         }
-        self.ring.submit_and_wait(want)
+        let res = self.ring.submit_and_wait(want);
+        // Whatever the outcome, what is left in the submission queue was not taken.
+        let left = self.ring.submission().len();
+        while self.unsubmitted.len() > left {
+            self.unsubmitted.pop_front();
+        }
+        res
     }
 
     fn submit_and_reap(&mut self) -> Result<()> {
@@ -485,16 +502,24 @@ impl RingLoop {
 
     /// The ring cannot go on: fail every queued and in-flight request with `err`, and
     /// every op still in the channel; keep the slots the kernel may still use until
-    /// their completion comes (for a short while), then stop.
+    /// their completion comes (for a short while), then stop. Nothing is submitted
+    /// from here on.
     fn break_down(&mut self, err: Error, rx: &Receiver<Command>) {
         for req in self.queue.drain(..) {
             req.abandon(err.clone());
         }
-        for entry in &mut self.slab {
+        // Pushed but never taken by the kernel: no memory of theirs is in its hands.
+        let untaken: HashSet<usize> = self.unsubmitted.drain(..).collect();
+        for (id, entry) in self.slab.iter_mut().enumerate() {
             if let InFlight::Request(req) = std::mem::take(entry) {
-                let slot = req.op.slot_share();
-                req.abandon(err.clone());
-                *entry = InFlight::Orphan(slot);
+                if untaken.contains(&id) {
+                    req.abandon(err.clone());
+                    self.in_flight -= 1;
+                } else {
+                    let slot = req.op.slot_share();
+                    req.abandon(err.clone());
+                    *entry = InFlight::Orphan(slot);
+                }
             }
         }
         while let Ok(cmd) = rx.try_recv() {
@@ -506,9 +531,10 @@ impl RingLoop {
         // their requests fail as they drop; submits after `health` was marked are refused.
         let deadline = Instant::now() + ORPHAN_GRACE;
         while self.in_flight > 0 && Instant::now() < deadline {
-            // A plain enter (no wait) lets the kernel post completions; it may fail
-            // again, since the ring is what broke.
-            let _ = self.ring.submit();
+            // An enter that submits nothing and waits for nothing lets the kernel post
+            // completions; it may fail again, since the ring is what broke.
+            // SAFETY: no submission entry is handed to the kernel, no argument passed.
+            let _ = unsafe { self.ring.submitter().enter::<libc::sigset_t>(0, 0, 0, None) };
             let _ = self.reap();
             if self.in_flight > 0 {
                 std::thread::sleep(Duration::from_millis(1));
@@ -567,7 +593,6 @@ mod tests {
 
     use std::ffi::CString;
     use std::io::Write;
-    use std::time::Duration;
 
     use super::super::tests::{data_file, pattern};
     use super::super::{OpKind, OpState, Pending};
@@ -615,6 +640,16 @@ mod tests {
         matches!(r, Err(Error::Broken { errno: e, .. }) if e == errno)
     }
 
+    /// How many submission entries the kernel has taken from the ring (its fdinfo).
+    fn taken_by_kernel(d: &UringDriver) -> u32 {
+        let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", d.info.ring_fd));
+        info.unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix("SqHead:"))
+            .map(|v| v.trim().parse().unwrap())
+            .unwrap()
+    }
+
     #[test]
     fn an_enter_error_fails_queued_and_in_flight_ops_and_keeps_the_kernels_slot() {
         let dir = tempfile::tempdir().unwrap();
@@ -625,28 +660,36 @@ mod tests {
                 return; // io_uring refused here
             };
             let (pipe, mut writer) = fifo(&dir, &format!("fifo{i}"));
+            // Two requests on the FIFO: both go to the kernel, which holds them.
             let stuck = read_op(&pipe, &arena, 0, 8192);
             d.submit(Arc::clone(&stuck.op)).unwrap();
-            std::thread::sleep(Duration::from_millis(20)); // the kernel holds it now
+            let t0 = Instant::now();
+            while taken_by_kernel(&d) < 2 {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "the kernel never took them"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
             let f = data_file(&dir, true);
-            let big = read_op(&f, &arena, 0, 40 << 10); // 10 requests at depth 2
+            let big = read_op(&f, &arena, 0, 40 << 10); // 10 requests, all still queued
             d.submit(Arc::clone(&big.op)).unwrap();
             // Fault double: the next io_uring_enter fails with EBADF.
             d.inject(Fault::EnterErrno {
                 errno: libc::EBADF,
                 after: 0,
             });
-            // Wake the thread: a short FIFO read is resubmitted, then the enter fails
-            // with the rest of the FIFO read and `big`'s first request in the ring.
+            // Wake the thread: one FIFO request ends short and is pushed again, then
+            // the enter fails; the other FIFO request stays with the kernel.
             writer.write_all(&[7; 100]).unwrap();
-            let t = Duration::from_secs(10);
-            assert!(broken_with(stuck.wait(Some(t)), libc::EBADF), "{register}");
-            assert!(broken_with(big.wait(Some(t)), libc::EBADF), "{register}");
+            let t = Some(Duration::from_secs(10));
+            assert!(broken_with(stuck.wait(t), libc::EBADF), "{register}");
+            assert!(broken_with(big.wait(t), libc::EBADF), "{register}");
             assert!(broken_with(health.check().map(|()| 0), libc::EBADF));
             d.shutdown(); // the thread stopped already: no hang
-                          // The FIFO read may still be with the kernel: its slot never comes back.
-                          // `big`'s slot came back once its request was reaped.
             drop((stuck, big));
+            // The kernel may still write the FIFO read's slot: it never comes back.
+            // `big` never reached the kernel: its slot came back at once.
             assert_eq!(arena.free_slots(), 2, "{register}");
         }
     }
