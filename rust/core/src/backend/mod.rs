@@ -409,6 +409,21 @@ pub(crate) mod tests {
         OpState::new(kind, Arc::clone(file), 0, want, want, lease)
     }
 
+    /// A write of a whole 4096-byte slot the caller leased (and still holds).
+    fn callers_write(f: &Arc<EngineFile>, arena: &Arc<Arena>) -> (Arc<SlotLease>, Arc<OpState>) {
+        let lease = Arc::new(arena.try_lease().unwrap());
+        lease.write_started();
+        let o = OpState::new(
+            OpKind::Write,
+            Arc::clone(f),
+            0,
+            4096,
+            4096,
+            Arc::clone(&lease),
+        );
+        (lease, o)
+    }
+
     #[test]
     fn requests_are_counted_and_the_op_ends_with_the_last() {
         let dir = tempfile::tempdir().unwrap();
@@ -521,16 +536,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = data_file(&dir, false);
         let arena = Arena::new(1, 4096).unwrap();
-        let lease = Arc::new(arena.try_lease().unwrap());
-        lease.write_started();
-        let o = OpState::new(
-            OpKind::Write,
-            Arc::clone(&f),
-            0,
-            4096,
-            4096,
-            Arc::clone(&lease),
-        );
+        let (lease, o) = callers_write(&f, &arena);
         assert!(o.requests(4096).pop().unwrap().account(Ok(0)).is_none());
         assert_eq!(o.wait(None).unwrap_err().errno(), Some(libc::EIO));
         assert!(!lease.write_in_flight());
@@ -605,16 +611,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = data_file(&dir, false);
         let arena = Arena::new(1, 4096).unwrap();
-        let lease = Arc::new(arena.try_lease().unwrap());
-        lease.write_started();
-        let o = OpState::new(
-            OpKind::Write,
-            Arc::clone(&f),
-            0,
-            4096,
-            4096,
-            Arc::clone(&lease),
-        );
+        let (lease, o) = callers_write(&f, &arena);
         let r = o.requests(4096).pop().unwrap();
         o.fail_now(Error::Closed("engine"));
         assert!(!lease.write_in_flight());
