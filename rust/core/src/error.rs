@@ -146,15 +146,22 @@ impl fmt::Display for Error {
                 headroom,
                 available,
                 source,
-            } => write!(
-                f,
-                "the staging arena needs {asked} bytes ({}) plus {} of headroom, but only \
-                 {available} bytes ({}) are available ({source}): use a smaller window or \
-                 slot size",
-                human(*asked),
-                human(*headroom),
-                human(*available)
-            ),
+            } => {
+                write!(
+                    f,
+                    "the staging arena needs {asked} bytes ({})",
+                    human(*asked)
+                )?;
+                if *headroom > 0 {
+                    write!(f, " plus {} of headroom", human(*headroom))?;
+                }
+                write!(
+                    f,
+                    ", but only {available} bytes ({}) are available ({source}): use a \
+                     smaller window or slot size",
+                    human(*available)
+                )
+            }
             Error::InvalidArgument(msg) => write!(f, "{msg}"),
             Error::Timeout => write!(f, "timed out waiting for the operation"),
         }
