@@ -73,8 +73,11 @@ def test_scratch_dir_is_removed_unless_kept(tmp_path):
 def test_benches_refuse_a_dir_in_memory_and_the_cwd_is_untouched(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     if SHM.is_dir() and fs_type(SHM) == "tmpfs":
-        for argv in (["bench", "ssd", "--size", "1MiB"], ["bench", "store", "--size", "16MiB", "--layout", "tiny"],
-                     ["bench", "sweep", "--layout", "tiny", "--tokens", "64"]):  # fmt: skip
+        for argv in (
+            ["bench", "ssd", "--size", "1MiB"],
+            ["bench", "store", "--size", "16MiB", "--layout", "tiny"],
+            ["bench", "sweep", "--layout", "tiny", "--tokens", "64"],
+        ):
             assert main([*argv, "--dir", str(SHM)]) == 2, argv
             assert "in memory" in capsys.readouterr().err
     assert main(["bench", "paper", "--tokens", str(1 << 34), "--quiet"]) == 2

@@ -12,7 +12,7 @@ from bsr_io.restore import Restorer
 from bsr_io.store import open_store
 from bsr_io.testing.faults import Fault, FaultPlan
 from bsr_io.testing.synthetic import fill_state, synthetic_chunk
-from bsr_io.whole_plan import WholePlanRestorer
+from bsr_io.testing.whole_plan import WholePlanRestorer
 
 LAYOUT = preset("tiny")
 CHUNKS = 9

@@ -3,7 +3,7 @@
 One run writes a long prefix of a KV layout through the L2 tier once, then, with
 the page cache dropped before each measurement:
 
-- naive: the whole-plan baseline (whole_plan.py) as LMCache 0.5.6's local disk
+- naive: the whole-plan baseline (testing/whole_plan.py) as LMCache 0.5.6's local disk
   backend runs it: an L1 buffer for every hit chunk from a resident pool, one buffered
   Python `readinto` per chunk file on 4 reader threads (its `disk_io_threads`), then
   the install of every staged chunk;

@@ -19,8 +19,8 @@ from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB
 from bsr_io.store import Store
 from bsr_io.testing.synthetic import synthetic_chunk, synthetic_tokens
+from bsr_io.testing.whole_plan import WholePlanRestorer
 from bsr_io.tiers import SSDTier
-from bsr_io.whole_plan import WholePlanRestorer
 
 FIO_DEPTH = 32
 MODEL = "bsr-io-bench-ttft"

@@ -25,7 +25,7 @@ from bsr_io.restore import Restorer
 from bsr_io.store import Store, open_store
 from bsr_io.testing.faults import Fault, FaultPlan
 from bsr_io.testing.synthetic import fill_state, synthetic_chunk, synthetic_tokens
-from bsr_io.whole_plan import WholePlanRestorer
+from bsr_io.testing.whole_plan import WholePlanRestorer
 
 
 class _KillAt:

@@ -23,8 +23,8 @@ from bsr_io.store import Store
 from bsr_io.testing.faults import Fault, FaultPlan
 from bsr_io.testing.scenarios import vmhwm_bytes
 from bsr_io.testing.synthetic import fill_destination, synthetic_tokens
+from bsr_io.testing.whole_plan import WholePlanRestorer
 from bsr_io.tiers import LowerTier, SSDTier
-from bsr_io.whole_plan import WholePlanRestorer
 
 
 class _Counting:
