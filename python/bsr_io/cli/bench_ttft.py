@@ -17,6 +17,10 @@ the page cache dropped before each measurement:
   ranges, on its default 4 KiB-page buffers and on huge-page buffers (the drive's
   real limit, see fio.py); times as fio measures them.
 
+Staging memory is reported twice: as counted (the engine's RWS, the pool's bytes) and as
+measured, the process's peak-RSS growth while each path's staging is set up (the
+engine's arena; the whole-plan pool) plus its largest growth during one restore.
+
 The speedup is naive over fast; fast over fio_hugemem says how close the fast path is
 to the drive.
 """
@@ -246,6 +250,14 @@ def measure(
         # Unmeasured, the naive path's staging is still the whole state: it needs that L1.
         "rws_naive_bytes": max(x["rws_bytes"] for x in rounds["naive"]) if naive else b.state,
         "rws_fast_bytes": max(x["rws_bytes"] for x in rounds["fast"]),
+        # Measured: peak-RSS growth as the staging came to be (arena; pool) plus the
+        # largest growth during one of the path's restores.
+        "staging_vmhwm_naive_bytes": b.pool_vmhwm_bytes
+        + max(x["vmhwm_growth_bytes"] for x in rounds["naive"])
+        if naive
+        else None,
+        "staging_vmhwm_fast_bytes": b.arena_vmhwm_bytes
+        + max(x["vmhwm_growth_bytes"] for x in rounds["fast"]),
         "data_ok": ok,
         "write_s": write_s,
         "naive_threads": args.naive_threads,
@@ -278,6 +290,12 @@ def print_table(doc: dict[str, Any]) -> None:
         print(f"{m:<13} {doc[m + '_s']:>8.2f} {doc['gib_s'][m]:>7.2f} {peak:>13}")
     if doc["fio_hugemem_s"] is None:
         print(f"fio on huge pages not run: {doc['fio_hugemem_note']}")
+    naive_hwm = doc["staging_vmhwm_naive_bytes"]
+    print(
+        "staging measured (peak-RSS growth): fast "
+        + fmt_size(doc["staging_vmhwm_fast_bytes"])
+        + ("" if naive_hwm is None else f", naive {fmt_size(naive_hwm)}")
+    )
     p = doc["fast_profile_s"]
     met = "met" if doc["fast_within_target"] else "NOT met"
     speedup = "not measured" if doc["speedup"] is None else f"{doc['speedup']:.2f}x"

@@ -18,6 +18,7 @@ from bsr_io.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB
 from bsr_io.store import Store
+from bsr_io.testing.scenarios import vmhwm_bytes, vmhwm_reset
 from bsr_io.testing.synthetic import synthetic_chunk, synthetic_tokens
 from bsr_io.testing.whole_plan import WholePlanRestorer
 from bsr_io.tiers import SSDTier
@@ -38,7 +39,13 @@ class TtftPaths:
         self.seed = 5
         self.token_ids = synthetic_tokens(self.seed, self.tokens)
         self.keys = chunk_keys(self.token_ids, lay, MODEL, 0, 1)
+        # Staging memory is measured, not counted: peak-RSS growth while each path's
+        # staging comes to be (the engine's arena here, the whole-plan pool in
+        # prepare_whole_plan), plus its growth during each restore.
+        h0 = vmhwm_reset()
         self.engine = Engine(args.window, lay.chunk_bytes, backend=args.backend)
+        self.arena_vmhwm_bytes = vmhwm_bytes() - h0
+        self.pool_vmhwm_bytes = 0
         self.l2 = SSDTier(root / "l2", None, self.engine, layout=lay)
         self.store = Store([self.l2])
         self.metrics = RestoreMetrics()
@@ -50,25 +57,30 @@ class TtftPaths:
 
     def prepare_whole_plan(self) -> None:
         """Both whole-plan paths share one L1 pool of the state, resident before timing."""
+        h0 = vmhwm_reset()
         lmc = WholePlanRestorer(self.store, self.lay, l1_bytes=self.state,
                                 threads=self.args.naive_threads)  # fmt: skip
         lmc.prepare(self.state)
+        self.pool_vmhwm_bytes = vmhwm_bytes() - h0
         ctl = WholePlanRestorer(self.store, self.lay, l1_bytes=self.state, engine=self.engine,
                                 reads="engine", pool=lmc.pool)  # fmt: skip
         self.whole_plan = {"naive": lmc, "naive_engine": ctl}
 
     def naive(self, method: str) -> dict[str, Any]:
         wp = self.whole_plan[method]
+        h0 = vmhwm_reset()
         t0 = time.perf_counter()
         plan = self.fast.probe(self.token_ids)
         if plan.hit_chunks != self.chunks:
             raise RuntimeError(f"probe found {plan.hit_chunks} of {self.chunks} chunks")
         res = wp.restore(plan, self.dest)
         seconds = time.perf_counter() - t0
+        growth = vmhwm_bytes() - h0
         if not res.complete:
             raise RuntimeError(f"{method} failed: {res.reason}")
         parts = {k: res.timings[k] for k in ("stage_s", "install_s")}
-        return {"seconds": seconds, "rws_bytes": res.rws_peak_bytes, **parts}
+        return {"seconds": seconds, "rws_bytes": res.rws_peak_bytes,
+                "vmhwm_growth_bytes": growth, **parts}  # fmt: skip
 
     def fio(self, method: str) -> dict[str, Any]:
         """fio reading the records' payload ranges (or the reference file)."""
@@ -89,16 +101,19 @@ class TtftPaths:
                 "fio_wall_s": res.wall_s}  # fmt: skip
 
     def fast_path(self) -> dict[str, Any]:
+        h0 = vmhwm_reset()
         t0 = time.perf_counter()
         plan = self.fast.probe(self.token_ids)
         res = self.fast.restore(plan, self.dest)
         seconds = time.perf_counter() - t0
+        growth = vmhwm_bytes() - h0
         self.metrics.observe(res)
         if not res.complete:
             raise RuntimeError(f"fast restore failed: {res.reason}")
         return {
             "seconds": seconds,
             "rws_bytes": res.rws_peak_bytes,
+            "vmhwm_growth_bytes": growth,
             "read_wait_s": res.timings["read_wait_s"],
             "install_copy_s": res.timings["install_copy_s"],
             "commit_s": res.timings["commit_s"],

@@ -56,6 +56,14 @@ def vmhwm_bytes() -> int:
     raise OSError("VmHWM not found in /proc/self/status")
 
 
+def vmhwm_reset() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS and return it, so the
+    next `vmhwm_bytes()` minus this is one phase's growth (Linux 4.0+)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return vmhwm_bytes()
+
+
 def _destination(lay, tokens: int, cap_tokens: int | None) -> PagedKVCache:
     """A paged cache for `tokens`; with `cap_tokens`, block ids cycle within that many
     tokens' worth of blocks, so every byte is still installed but host memory stays

@@ -21,7 +21,7 @@ from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB
 from bsr_io.store import Store
 from bsr_io.testing.faults import Fault, FaultPlan
-from bsr_io.testing.scenarios import vmhwm_bytes
+from bsr_io.testing.scenarios import vmhwm_bytes, vmhwm_reset
 from bsr_io.testing.synthetic import fill_destination, synthetic_tokens
 from bsr_io.testing.whole_plan import WholePlanRestorer
 from bsr_io.tiers import LowerTier, SSDTier
@@ -44,14 +44,6 @@ class _Counting:
 
     def synchronize(self) -> None:
         self.inner.synchronize()
-
-
-def vmhwm_reset() -> int:
-    """Reset this process's peak RSS (VmHWM) to its current RSS and return it, so the
-    next `vmhwm_bytes()` minus this is one phase's growth (Linux 4.0+)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return vmhwm_bytes()
 
 
 def _chunk_sums(cache: PagedKVCache, chunks: int) -> list[tuple[int, ...]]:
