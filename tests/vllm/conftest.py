@@ -37,6 +37,21 @@ def _run(what: str, tp: int, work: Path, timeout: float) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="session", autouse=True)
+def vllm_ipc_dir():
+    """vLLM's ZMQ sockets (every engine these tests start, in any subprocess) go to a
+    directory removed at the end, not into /tmp for good."""
+    ipc = tempfile.mkdtemp(prefix="bsr-vllm-ipc-")
+    before = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = ipc
+    yield ipc
+    if before is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = before
+    shutil.rmtree(ipc, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def vllm_root(request) -> Path:
     """A directory of our own, not under pytest's basetemp: other pytest sessions on the

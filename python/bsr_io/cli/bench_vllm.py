@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", HARNESS, "bench", "--tp", str(args.tp), "--work", str(work),
            "--out", str(out), "--lengths", args.lengths, "--rounds", str(args.rounds),
            "--window", str(args.window), "--layers", str(args.layers)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env)
+    # vLLM's ZMQ sockets in a directory of their own, removed after (not left in /tmp).
+    with tempfile.TemporaryDirectory(prefix="bsr-vllm-ipc-") as ipc:
+        env["VLLM_RPC_BASE_PATH"] = ipc
+        proc = subprocess.run(cmd, env=env)
     if proc.returncode != 0:
         print(f"bench vllm: the engine run failed ({proc.returncode})", file=sys.stderr)
         return 1
