@@ -149,11 +149,16 @@ def test_dropping_an_engine_with_a_read_in_flight_releases_the_gil(backend: str,
     os.mkfifo(fifo)
     engine, _ = _ring_engine(backend, 1, 4096)  # a FIFO read stays in flight on io_uring
     f = engine.open(fifo, special=True)
-    ready = tmp_path / "writer-ready"
-    # The writer is another process: it needs no GIL of ours to end the wait.
-    writer = subprocess.Popen(
-        ["sh", "-c", f'exec 3>"{fifo}"; touch "{ready}"; sleep 1.5; head -c 4096 /dev/zero >&3']
+    ready, started = tmp_path / "writer-ready", tmp_path / "drop-started"
+    # The writer is another process: it needs no GIL of ours to end the wait. It writes
+    # 1.5 s after the drop starts (not after it is ready), so a slow machine cannot
+    # shorten the drop.
+    script = (
+        f'exec 3>"{fifo}"; touch "{ready}"; i=0; '
+        f'while [ ! -e "{started}" ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; '
+        "sleep 1.5; head -c 4096 /dev/zero >&3"
     )
+    writer = subprocess.Popen(["sh", "-c", script])
     try:
         deadline = time.monotonic() + 10
         while not ready.exists():  # a writer holds the FIFO open: the read will wait
@@ -176,6 +181,7 @@ def test_dropping_an_engine_with_a_read_in_flight_releases_the_gil(backend: str,
         def drop() -> None:
             dropping.set()
             t0 = time.monotonic()
+            started.touch()
             owner.clear()  # the last reference: the engine is collected here
             window.extend([t0, time.monotonic()])
             dropped.set()
