@@ -92,24 +92,24 @@ class MemoryTier(Tier):
         return True
 
     def remove(self, key: ChunkKey) -> bool:
-        with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is None:
-                return False
-            self._used -= len(entry.data)
-            return True
+        return self._drop(key)
 
     def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
         """Drop `record` (the failing read's entry, `ChunkError.record`) if it is still
         the one held at `key`; a copy written there since the read is good and stays.
         Without a record, whatever `key` holds goes."""
+        if self._drop(key, only=record):
+            self._count(quarantined=1)
+
+    def _drop(self, key: ChunkKey, only: object | None = None) -> bool:
+        """Remove what `key` holds (only if it is `only`, when given)."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or (record is not None and entry is not record):
-                return
+            if entry is None or (only is not None and entry is not only):
+                return False
             del self._entries[key]
             self._used -= len(entry.data)
-            self._counts["quarantined"] += 1
+            return True
 
     def keys(self) -> list[ChunkKey]:
         with self._lock:

@@ -7,7 +7,7 @@
 pub mod pread;
 pub mod uring;
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::align::{self, Transfer};
@@ -344,27 +344,24 @@ impl Request {
 }
 
 /// Whether the backend still works. Set once, by the I/O thread that found it cannot
-/// go on; every submit checks it.
+/// go on; every submit checks it (a lock-free read).
 #[derive(Debug, Default)]
 pub struct Health {
-    broken: Mutex<Option<Error>>,
+    broken: OnceLock<Error>,
 }
 
 impl Health {
     pub fn check(&self) -> Result<()> {
-        match &*locked(&self.broken) {
-            Some(e) => Err(e.clone()),
-            None => Ok(()),
-        }
+        self.broken.get().map_or(Ok(()), |e| Err(e.clone()))
     }
 
     pub fn is_broken(&self) -> bool {
-        locked(&self.broken).is_some()
+        self.broken.get().is_some()
     }
 
     /// Record why the backend stopped; the first cause stays. Returns the recorded one.
     pub fn mark(&self, err: Error) -> Error {
-        locked(&self.broken).get_or_insert(err).clone()
+        self.broken.get_or_init(|| err).clone()
     }
 }
 
