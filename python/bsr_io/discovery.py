@@ -52,6 +52,20 @@ def holds(tier: Tier, key: ChunkKey, group: str | None = None) -> bool:
         return False  # a tier that is down holds nothing for discovery
 
 
+def sources_of(tiers: Sequence[Tier], keys: Sequence[ChunkKey]) -> list[int]:
+    """Source tier per leading key: the first tier whose index holds the whole record.
+    Stops at the first key no tier holds. Metadata only."""
+    for t in tiers:
+        t.prepare_probe(keys)
+    sources: list[int] = []
+    for key in keys:
+        src = next((i for i, t in enumerate(tiers) if holds(t, key)), None)
+        if src is None:
+            break
+        sources.append(src)
+    return sources
+
+
 def discover(
     tiers: Sequence[Tier], keys: Sequence[ChunkKey], layout: KVLayout
 ) -> tuple[list[int], dict[str, int]]:

@@ -17,7 +17,9 @@ window re-reads it from a lower tier into the same blocks, or the restore ends z
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -29,6 +31,24 @@ if TYPE_CHECKING:
     import numpy as np
 
 HostRuns = tuple[list["np.ndarray[Any, Any] | None"], list[tuple[int, int, int, int]]]
+T = TypeVar("T")
+
+
+def install_scope(dest: Destination) -> AbstractContextManager[Any]:
+    """What the destination holds around each install (vLLM's guard: once the request's
+    blocks are given back, nothing writes them), or nothing."""
+    scope = getattr(dest, "install_scope", None)
+    return nullcontext() if scope is None else scope()
+
+
+def scoped(dest: Destination, fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn` run inside the destination's install scope (for an install thread)."""
+
+    def run(*args: Any) -> T:
+        with install_scope(dest):
+            return fn(*args)
+
+    return run
 
 
 def fused_runs(dest: Destination, index: int) -> HostRuns | None:
@@ -58,9 +78,13 @@ def install_chunk(
     fence: Fence | None = None
     if where is not None:
         bufs, runs = where
-        got = slot.install_xxh3(bufs, runs)
+        with install_scope(dest):
+            got = slot.install_xxh3(bufs, runs)
     else:
-        fence = dest.install(index, torch.frombuffer(slot, dtype=torch.uint8, count=chunk_bytes))
+        payload = torch.frombuffer(slot, dtype=torch.uint8, count=chunk_bytes)
+        with install_scope(dest):
+            fence = dest.install(index, payload)
+        del payload
         # With an asynchronous copy in flight the hash overlaps it: both only read the slot.
         got = slot.checksum(0, chunk_bytes) if expected is not None else None
     if pending is not None and expected is not None and got != expected:

@@ -200,3 +200,41 @@ class PagedKVCache:
         out = torch.empty(self.layout.chunk_bytes, dtype=torch.uint8)
         self.extract(chunk_index, out)
         return out.numpy().tobytes()
+
+
+class HostBuffers:
+    """A destination of one flat host buffer per record (record i lands in `bufs[i]`):
+    staging objects another cache hands out (LMCache's memory objects), or plain arrays.
+    Installs are fused (copy and hash in one pass) through `host_runs`."""
+
+    def __init__(self, bufs: Sequence[np.ndarray[Any, Any]]) -> None:
+        for i, b in enumerate(bufs):
+            if b.dtype != np.uint8 or b.ndim != 1 or not b.flags.c_contiguous:
+                raise ValueError(f"buffer {i}: need a flat contiguous uint8 array")
+            if not b.flags.writeable:
+                raise ValueError(f"buffer {i} is read-only")
+        self.bufs = list(bufs)
+        self.device = torch.device("cpu")
+        self.capacity_chunks = len(self.bufs)
+
+    def _check(self, index: int, nbytes: int) -> np.ndarray[Any, Any]:
+        buf = self.bufs[index]
+        if nbytes != buf.nbytes:
+            raise ValueError(f"record {index} is {nbytes} bytes, its buffer {buf.nbytes}")
+        return buf
+
+    def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
+        np.copyto(self._check(chunk_index, payload.numel()), payload.numpy())
+        return None
+
+    def host_runs(
+        self, chunk_index: int
+    ) -> tuple[list[np.ndarray[Any, Any] | None], list[tuple[int, int, int, int]]]:
+        buf = self.bufs[chunk_index]
+        return [buf], [(0, 0, 0, buf.nbytes)]
+
+    def extract(self, chunk_index: int, out: torch.Tensor) -> None:
+        np.copyto(out.numpy(), self._check(chunk_index, out.numel()))
+
+    def synchronize(self) -> None:
+        return None

@@ -5,6 +5,11 @@ metadata and agrees on it with the other ranks (minimum over groups and ranks);
 `restore` streams it through W staging slots into the destination and then
 votes; the prefix is committed on every rank or on none. `save` stores a
 prefix through the same bounded staging.
+
+`load_records` and `save_records` are the one load and save path under all of it:
+the Restorer, and every integration whose host makes the commit decision itself
+(vLLM's output aggregator), call them; none keeps a read, install or write loop
+of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from bsr_io._core import Engine, Slot
 from bsr_io.commit import Agreement
-from bsr_io.discovery import Plan, discover
+from bsr_io.discovery import Plan, discover, sources_of
 from bsr_io.engine import as_tensor, lease, register_cuda
 from bsr_io.errors import EngineBusy, LayoutError
 from bsr_io.keys import chunk_keys
@@ -54,6 +59,8 @@ class RestoreResult:
     bytes_read: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     l1_required_bytes: int | None = None  # whole-plan only: L1 it needs to stage the hit
+    failed_chunks: list[int] = field(default_factory=list)  # no tier had a good copy
+    timed_out: bool = False  # a read was still in flight at the deadline
 
     @property
     def complete(self) -> bool:
@@ -91,6 +98,183 @@ def _extract(dest: Destination, index: int, slot: Slot, nbytes: int) -> None:
     except BaseException as exc:
         exc.add_note("extract failed at:\n" + "".join(traceback.format_tb(exc.__traceback__)))
         raise exc.with_traceback(None) from None
+
+
+def _windowed(
+    engine: Engine,
+    tiers: Sequence[Tier],
+    keys: Sequence[ChunkKey],
+    sources: Sequence[int],
+    dest: Destination,
+    *,
+    chunk_bytes: int,
+    sizes: Sequence[int] | None,
+    width: int,
+    deadline: float,
+    should_stop: Callable[[], bool],
+    install_threads: int,
+    keep_going: bool = False,
+) -> tuple[InstallReport | None, str]:
+    """The windowed, verified install of `keys` from `sources`: (report, error)."""
+    device = getattr(dest, "device", None)
+    if device is not None and device.type == "cuda":
+        # Page-locked slots make each install an asynchronous DMA copy.
+        register_cuda(engine)
+    engine.reset_peak()
+    window = Window(engine, tiers, chunk_bytes, width, install_threads=install_threads)
+    try:
+        report = window.run(
+            keys, sources, dest, should_stop=should_stop, slot_deadline=deadline,
+            sizes=sizes, read_deadline=deadline, keep_going=keep_going,
+        )  # fmt: skip
+    except EngineBusy as exc:
+        # Back-pressure, not a bad chunk: nothing was invalidated.
+        return None, str(exc)
+    return report, report.error
+
+
+def _result(
+    ok: bool,
+    report: InstallReport | None,
+    reason: str,
+    *,
+    hit_chunks: int,
+    committed_tokens: int,
+    engine: Engine,
+    timings: dict[str, float],
+) -> RestoreResult:
+    return RestoreResult(
+        outcome=COMPLETE if ok else ZERO,
+        committed_tokens=committed_tokens if ok else 0,
+        committed_chunks=hit_chunks if ok else 0,
+        hit_chunks=hit_chunks,
+        source_tiers=report.sources if report else [],
+        fallbacks=report.fallbacks if report else [],
+        reason="" if ok else reason,
+        rws_peak_bytes=engine.peak_bytes(),
+        bytes_read=report.bytes_read if report else {},
+        timings={
+            **timings,
+            "read_wait_s": report.read_wait_s if report else 0.0,
+            "install_copy_s": report.install_s if report else 0.0,
+        },
+        failed_chunks=report.failed_chunks if report else [],
+        timed_out=report.timed_out if report else False,
+    )
+
+
+def load_records(
+    engine: Engine,
+    tiers: Sequence[Tier],
+    keys: Sequence[ChunkKey],
+    dest: Destination,
+    *,
+    deadline: float,
+    sizes: Sequence[int] | None = None,
+    chunk_bytes: int | None = None,
+    width: int | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+    committed_tokens: int = 0,
+    install_threads: int = 1,
+    keep_going: bool = False,
+) -> RestoreResult:
+    """Load records `keys` into `dest` (record i into `dest`'s index i) through at most
+    `width` of `engine`'s slots: metadata-only discovery of each record's tier, then the
+    windowed install, verified (fused copy-and-hash where `dest` has `host_runs`).
+
+    For a host that makes the commit decision itself (vLLM fails a request on every
+    rank when one rank reports it failed): the result is this rank's `complete` or
+    `zero`, with why. Chunk failures, timeouts (`deadline`, time.monotonic, bounds
+    slot waits and reads) and a destination too small end `zero`; nothing raises for
+    them. A closed or broken engine raises."""
+    t0 = time.perf_counter()
+    n = len(keys)
+    if sizes is not None and len(sizes) != n:
+        raise ValueError(f"{len(sizes)} record sizes for {n} keys")
+    if chunk_bytes is None:
+        chunk_bytes = max(sizes, default=0) if sizes is not None else engine.slot_bytes
+    width = engine.window if width is None else width
+    timings: dict[str, float] = {}
+    sources = sources_of(tiers, keys)
+    timings["discover_s"] = time.perf_counter() - t0
+    report: InstallReport | None = None
+    if len(sources) < n:
+        reason = f"record {len(sources)} of {n} ({keys[len(sources)].short()}) is in no tier"
+    elif should_stop():
+        reason = "stopped before the load started"
+    else:
+        report, reason = _windowed(
+            engine, tiers, keys, sources, dest, chunk_bytes=chunk_bytes, sizes=sizes,
+            width=width, deadline=deadline, should_stop=should_stop,
+            install_threads=install_threads, keep_going=keep_going,
+        )  # fmt: skip
+        if not reason and report is not None and report.installed < n:
+            reason = "stopped before every record was installed"
+    timings["total_s"] = time.perf_counter() - t0
+    return _result(
+        not reason, report, reason, hit_chunks=n, committed_tokens=committed_tokens,
+        engine=engine, timings=timings,
+    )  # fmt: skip
+
+
+def save_records(
+    engine: Engine,
+    tier: Tier | Store,
+    keys: Sequence[ChunkKey],
+    layouts: Sequence[KVLayout],
+    dest: Destination,
+    *,
+    deadline: float,
+    skip_existing: bool = True,
+    width: int | None = None,
+    progress: Callable[[int], object] | None = None,
+    on_done: Callable[[int, BaseException | None], object] | None = None,
+) -> int:
+    """Store record i of `dest` (`dest.extract(i, ...)`, `layouts[i].chunk_bytes` bytes)
+    as `keys[i]` in `tier`; returns records written. `width` writers each lease one slot,
+    gather a record into it and write it (checksummed, crash-safe), so at most `width`
+    records are staged and in flight at once; a slot returns to the ring as soon as its
+    write is done, failed or not. Slot waits end at `deadline` with EngineBusy.
+
+    `on_done(i, error)`: called once per record (error None when it is stored or was
+    already held); with it, one record's failure is reported there and the others go
+    on; without it, the first failure raises."""
+    if len(layouts) != len(keys):
+        raise ValueError(f"{len(layouts)} layouts for {len(keys)} keys")
+    width = engine.window if width is None else width
+
+    def write(i: int) -> int:
+        if skip_existing and tier.probe([keys[i]]) == 1:
+            return 0
+        nbytes = layouts[i].chunk_bytes
+        with lease(engine, deadline) as slot:
+            _extract(dest, i, slot, nbytes)
+            slot.set_length(nbytes)
+            tier.write(keys[i], slot, layouts[i])
+        return 1
+
+    def one(i: int) -> int:
+        if on_done is None:
+            return write(i)
+        try:
+            n = write(i)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller's callback
+            on_done(i, exc)
+            return 0
+        on_done(i, None)
+        return n
+
+    written = 0
+    if not keys:
+        return 0
+    with ThreadPoolExecutor(max_workers=min(width, len(keys)),
+                            thread_name_prefix="bsr-save") as pool:  # fmt: skip
+        for w in pool.map(one, range(len(keys))):
+            written += w
+            if progress is not None:
+                progress(1)
+    dest.synchronize()
+    return written
 
 
 class Restorer:
@@ -221,25 +405,15 @@ class Restorer:
             vote.abort_early(error)
         decision = vote.cast(not error, error)
         t_done = time.perf_counter()
-        ok = decision.commit
-        return RestoreResult(
-            outcome=COMPLETE if ok else ZERO,
-            committed_tokens=plan.hit_tokens if ok else 0,
-            committed_chunks=n if ok else 0,
-            hit_chunks=n,
-            source_tiers=report.sources if report else [],
-            fallbacks=report.fallbacks if report else [],
-            reason="" if ok else decision.reason,
-            rws_peak_bytes=self.engine.peak_bytes(),
-            bytes_read=report.bytes_read if report else {},
-            timings={
-                "install_s": t_installed - t_start,
-                "commit_s": t_done - t_installed,
-                "total_s": t_done - t_start,
-                "read_wait_s": report.read_wait_s if report else 0.0,
-                "install_copy_s": report.install_s if report else 0.0,
-            },
-        )
+        timings = {
+            "install_s": t_installed - t_start,
+            "commit_s": t_done - t_installed,
+            "total_s": t_done - t_start,
+        }
+        return _result(
+            decision.commit, report, decision.reason, hit_chunks=n,
+            committed_tokens=plan.hit_tokens, engine=self.engine, timings=timings,
+        )  # fmt: skip
 
     def _install(
         self, plan: Plan, dest: Destination, vote: Vote, mismatch: str
@@ -255,26 +429,12 @@ class Restorer:
         if vote.aborted():
             # A late rank: the others decided already; do not read a byte.
             return None, "a peer rank aborted the restore"
-        device = getattr(dest, "device", None)
-        if device is not None and device.type == "cuda":
-            # Page-locked slots make each install an asynchronous DMA copy.
-            register_cuda(self.engine)
-        self.engine.reset_peak()
-        tiers = self.tiers[: len(plan.tier_names)]
-        window = Window(
-            self.engine, tiers, self.layout.chunk_bytes, self.window,
+        return _windowed(
+            self.engine, self.tiers[: len(plan.tier_names)], plan.keys[:n], plan.sources[:n],
+            dest, chunk_bytes=self.layout.chunk_bytes, sizes=None, width=self.window,
+            deadline=time.monotonic() + self.timeout_s, should_stop=vote.aborted,
             install_threads=self.install_threads,
         )  # fmt: skip
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            report = window.run(
-                plan.keys[:n], plan.sources[:n], dest, should_stop=vote.aborted,
-                slot_deadline=deadline,
-            )  # fmt: skip
-        except EngineBusy as exc:
-            # Back-pressure, not a bad chunk: nothing was invalidated.
-            return None, str(exc)
-        return report, report.error
 
     def save(
         self,
@@ -293,23 +453,8 @@ class Restorer:
         """
         keys = self.keys(token_ids)
         n = min(len(keys), getattr(dest, "capacity_chunks", len(keys)))
-        chunk_bytes = self.layout.chunk_bytes
-        top = self.tiers[0]
-
-        def one(i: int) -> int:
-            if skip_existing and top.probe([keys[i]]) == 1:
-                return 0
-            with lease(self.engine, time.monotonic() + self.timeout_s) as slot:
-                _extract(dest, i, slot, chunk_bytes)
-                slot.set_length(chunk_bytes)
-                self.store.write(keys[i], slot, self.layout)
-            return 1
-
-        written = 0
-        with ThreadPoolExecutor(max_workers=self.window, thread_name_prefix="bsr-save") as pool:
-            for w in pool.map(one, range(n)):
-                written += w
-                if progress is not None:
-                    progress(1)
-        dest.synchronize()
-        return written
+        return save_records(
+            self.engine, self.store, keys[:n], [self.layout] * n, dest,
+            deadline=time.monotonic() + self.timeout_s, skip_existing=skip_existing,
+            width=self.window, progress=progress,
+        )  # fmt: skip

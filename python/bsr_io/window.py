@@ -8,6 +8,13 @@ exceed W. A chunk that fails in its source tier is invalidated there and read
 again from the next tier that holds it, inside the same window position. Tiers
 that can (`defers_verify`) leave the payload check to the install, which hashes
 while it copies (install.py); a mismatch there is a chunk failure like the others.
+
+Records may differ in size (a hybrid model's groups each have records of their own):
+`sizes[i]` is record i's payload. Every wait has a deadline: a read still in flight
+at `read_deadline` ends the run (its slot stays with the engine until the kernel
+gives it back; nothing is invalidated for slowness). Before any slot goes back to
+the ring, the copies out of it (a CUDA install's fence) are waited for, on every
+path out of `run`.
 """
 
 from __future__ import annotations
@@ -24,10 +31,10 @@ from bsr_io._core import Engine, NoFreeSlot, Slot
 from bsr_io.discovery import holds
 from bsr_io.engine import give_back, wait_for_slot
 from bsr_io.errors import ChunkError
-from bsr_io.install import fused_runs, install_chunk
+from bsr_io.install import fused_runs, install_chunk, scoped
 from bsr_io.keys import ChunkKey
 from bsr_io.kvcache import Destination, Fence
-from bsr_io.tiers.base import ENGINE_ERRORS, PendingChunk, Tier, read_waiting
+from bsr_io.tiers.base import ENGINE_ERRORS, PendingChunk, Tier
 
 
 class _NotStarted(str):
@@ -54,6 +61,17 @@ class _ParallelInstall:
             raise self.pending.reject("payload checksum mismatch after the install copy")
 
 
+class ReadTimedOut(Exception):
+    """A read was still in flight at the run's deadline (a hung device, a stalled mount).
+
+    Not a chunk failure: the record may be fine, so nothing is invalidated."""
+
+    def __init__(self, index: int, key: ChunkKey) -> None:
+        self.index = index
+        self.key = key
+        super().__init__(f"read of chunk {index} ({key.short()}) still in flight at the deadline")
+
+
 class ChunkUnavailable(Exception):
     """No tier could deliver a verified copy of a chunk."""
 
@@ -73,6 +91,8 @@ class InstallReport:
     error: str = ""
     read_wait_s: float = 0.0
     install_s: float = 0.0
+    failed_chunks: list[int] = field(default_factory=list)  # no tier had a good copy
+    timed_out: bool = False  # a read was still in flight at the deadline
 
 
 class Window:
@@ -101,6 +121,32 @@ class Window:
         self.install_threads = install_threads
         self._pool: ThreadPoolExecutor | None = None
         self._install_s = 0.0
+        self._sizes: Sequence[int] | None = None
+        self._deadline = self._read_deadline = time.monotonic() + 30.0
+
+    def _size(self, index: int) -> int:
+        return self.chunk_bytes if self._sizes is None else self._sizes[index]
+
+    def _remaining(self) -> float:
+        return max(0.0, self._read_deadline - time.monotonic())
+
+    def _wait(self, pending: PendingChunk, index: int) -> Slot:
+        """The read's slot, or ReadTimedOut at the deadline (the read stays in flight)."""
+        try:
+            return pending.wait(self._remaining())
+        except TimeoutError:
+            raise ReadTimedOut(index, pending.key) from None
+
+    def _read_bounded(self, tier: Tier, key: ChunkKey, index: int) -> Slot:
+        """A fallback read from `tier`, checked by the tier, waiting for a free slot and
+        for the read itself no later than the deadline."""
+        while True:
+            try:
+                pending = tier.submit_read(key, self.engine)
+                break
+            except NoFreeSlot:
+                wait_for_slot(self.engine, self._deadline)
+        return self._wait(pending, index)
 
     def _submit(self, key: ChunkKey, source: int) -> PendingChunk | _NotStarted:
         """Start the read in the source tier; a failure to start is kept for `_finish`."""
@@ -123,9 +169,9 @@ class Window:
             if self._pool is not None and pending is not None and pending.expected_xxh3 is not None:
                 where = fused_runs(dest, index) if self.fused else None
                 if where is not None:
-                    job = self._pool.submit(slot.install_xxh3, *where)
+                    job = self._pool.submit(scoped(dest, slot.install_xxh3), *where)
                     return _ParallelInstall(job, pending)
-            return install_chunk(dest, index, slot, self.chunk_bytes, pending, self.fused)
+            return install_chunk(dest, index, slot, self._size(index), pending, self.fused)
         finally:
             self._install_s += time.perf_counter() - t0
 
@@ -174,7 +220,8 @@ class Window:
             causes.append(pending)
             record = getattr(pending, "record", None)
         else:
-            done, record = self._attempt(source, dest, index, causes, pending.wait, pending)
+            read = partial(self._wait, pending, index)
+            done, record = self._attempt(source, dest, index, causes, read, pending)
             if done is not None:
                 return *done, source, causes
             del pending  # the failed read's slot must be free for the fallback read
@@ -197,7 +244,7 @@ class Window:
             if not holds(tier, key):
                 continue
             # Checked by the tier itself (no deferred verification on a fallback).
-            read = partial(read_waiting, tier, key, self.engine, self._deadline)
+            read = partial(self._read_bounded, tier, key, index)
             done, record = self._attempt(ti, dest, index, causes, read)
             if done is not None:
                 return *done, ti, causes
@@ -242,7 +289,7 @@ class Window:
         name = self.tiers[ti].name
         report.fallbacks.append({"chunk": index, "tier": name, "causes": causes})
         report.sources[index] = name
-        report.bytes_read[name] = report.bytes_read.get(name, 0) + self.chunk_bytes
+        report.bytes_read[name] = report.bytes_read.get(name, 0) + self._size(index)
 
     def run(
         self,
@@ -252,13 +299,34 @@ class Window:
         should_stop: Callable[[], bool] = lambda: False,
         stop_every: int | None = None,
         slot_deadline: float | None = None,
+        *,
+        sizes: Sequence[int] | None = None,
+        read_deadline: float | None = None,
+        keep_going: bool = False,
     ) -> InstallReport:
         """Install `keys` from their `sources`. When the engine has no free slot (shared,
         or a slot held elsewhere) the window narrows, and with nothing of its own in
         flight it waits for one until `slot_deadline` (time.monotonic; default 30 s),
-        then raises EngineBusy: nothing is invalidated for the engine's own state."""
+        then raises EngineBusy: nothing is invalidated for the engine's own state.
+
+        `sizes[i]`: record i's payload bytes (default `chunk_bytes` for all). A read not
+        done by `read_deadline` (default `slot_deadline`) ends the run with `timed_out`.
+        `keep_going`: after a chunk no tier can deliver, go on through the rest, so one
+        failed load finds (and its tiers withdraw) every bad record, not the first only;
+        the run still reports the failure."""
         n = len(keys)
         self._deadline = time.monotonic() + 30.0 if slot_deadline is None else slot_deadline
+        self._read_deadline = self._deadline if read_deadline is None else read_deadline
+        if sizes is not None:
+            if len(sizes) != n:
+                raise ValueError(f"{len(sizes)} record sizes for {n} keys")
+            big = max(sizes, default=0)
+            if big > self.engine.slot_bytes:
+                raise ValueError(
+                    f"a record of {big} bytes does not fit the engine's "
+                    f"{self.engine.slot_bytes}-byte slots"
+                )
+        self._sizes = sizes
         report = InstallReport()
         stop_every = stop_every or self.width
         reads: deque[PendingChunk | _NotStarted] = deque()  # started reads, in chunk order
@@ -286,15 +354,22 @@ class Window:
                     next_read += 1
                 t0 = time.perf_counter()
                 self._install_s = 0.0
-                slot, fence, tier_index, causes = self._finish(
-                    i, keys[i], sources[i], reads.popleft(), dest
-                )
+                try:
+                    slot, fence, tier_index, causes = self._finish(
+                        i, keys[i], sources[i], reads.popleft(), dest
+                    )
+                except ChunkUnavailable as exc:
+                    if not keep_going:
+                        raise
+                    report.failed_chunks.append(i)
+                    report.error = report.error or str(exc)
+                    continue
                 t1 = time.perf_counter()
                 report.read_wait_s += t1 - t0 - self._install_s
                 name = self.tiers[tier_index].name
                 if causes:
                     report.fallbacks.append({"chunk": i, "tier": name, "causes": causes})
-                report.bytes_read[name] = report.bytes_read.get(name, 0) + self.chunk_bytes
+                report.bytes_read[name] = report.bytes_read.get(name, 0) + self._size(i)
                 if fence is not None:
                     held.append((slot, fence, i, keys[i], tier_index))
                     parallel = isinstance(fence, _ParallelInstall)
@@ -313,20 +388,38 @@ class Window:
                 self._settle(held.popleft(), dest, report)
             dest.synchronize()
         except ChunkUnavailable as exc:
+            report.failed_chunks.append(exc.index)
+            report.error = str(exc)
+        except ReadTimedOut as exc:
+            report.timed_out = True
             report.error = str(exc)
         finally:
             if self._pool is not None:
                 # Installs still running write into the destination: let them finish.
                 self._pool.shutdown(wait=True)
                 self._pool = None
-            held.clear()
-            # Reads already started own their slots until they complete: wait, then drop.
+            # An asynchronous copy (CUDA) may still read a held slot: wait for it before
+            # the slot goes back to the ring, whatever ended the run.
+            while held:
+                slot, fence = held[0][0], held[0][1]
+                held.popleft()
+                try:
+                    fence.synchronize()
+                except (ChunkError, OSError):
+                    pass  # the outcome is already a failure; only the wait mattered
+                give_back(slot)
+                del slot, fence
+            # Reads already started own their slots until they complete: wait for them
+            # until the deadline, then drop them (the engine keeps a slot the kernel may
+            # still write until its completion arrives).
             while reads:
                 p = reads.popleft()
                 if not isinstance(p, str):
                     try:
-                        p.wait()
+                        give_back(p.wait(self._remaining()))
                     except (ChunkError, OSError):
                         pass
                 del p
+        if report.failed_chunks and not report.error:
+            report.error = f"chunks {report.failed_chunks[:8]} unavailable in every tier"
         return report

@@ -46,7 +46,7 @@ from bsr_io.tiers.base import Payload, PendingChunk, Tier
 from bsr_io.tiers.files import FileTier
 from bsr_io.tiers.memory import MemoryTier
 
-KINDS = ("error", "corrupt", "missing", "slow", "down", "group_missing")
+KINDS = ("error", "corrupt", "missing", "slow", "down", "group_missing", "hang")
 ENV = "BSR_IO_FAULTS"
 
 
@@ -169,6 +169,27 @@ def _flip_payload_byte(tier: Tier, key: ChunkKey) -> None:
         raise TypeError(f"cannot corrupt records of {type(tier).__name__}")
 
 
+def _hung(inner: PendingChunk, hang_s: float) -> PendingChunk:
+    """`inner` (its slot already taken, as a stuck read's is) not done for `hang_s`
+    seconds: a stalled device or mount. `wait(timeout)` shorter than the hang raises
+    TimeoutError and the read stays pending, as the engine's own waits do."""
+    until = time.monotonic() + hang_s
+
+    def finish(timeout: float | None) -> Slot:
+        left = until - time.monotonic()
+        if timeout is not None and timeout < left:
+            time.sleep(max(0.0, timeout))
+            raise TimeoutError(f"injected fault: read hung ({hang_s} s)")
+        time.sleep(max(0.0, left))
+        return inner.wait(None if timeout is None else max(0.0, timeout - max(0.0, left)))
+
+    deferred = inner.expected_xxh3 is not None
+    return PendingChunk(
+        inner.key, finish, lambda: time.monotonic() >= until and inner.done(),
+        expected_xxh3=inner.expected_xxh3, reject=inner.reject if deferred else None,
+    )  # fmt: skip
+
+
 class FaultyTier(Tier):
     """Wraps a tier and injects the given faults (a test double; see module doc)."""
 
@@ -234,6 +255,10 @@ class FaultyTier(Tier):
             raise TierDown("injected fault: tier went down mid-restore", key=key, tier=self.name)
         if f := self._firing("slow", key):
             time.sleep(f.delay_s)
+        if f := self._firing("hang", key):
+            return _hung(self.inner.submit_read(key, engine, **({} if verify else
+                                                                  {"verify": False})),
+                         f.delay_s)  # fmt: skip
         if self._firing("error", key):
             raise ChunkReadError("injected fault: I/O error", key=key, tier=self.name)
         if self._firing("missing", key):
