@@ -2,9 +2,11 @@
 
 Loaded by LMCache's `storage_plugin_launcher` from config (see `config.py`). Chunks
 are bsr-io records (header, checksum, atomic publish) in an `SSDTier`, read and
-written by the Rust engine with O_DIRECT and io_uring. Reads go through a separate
-engine of W slots, pipelined W deep, and are copied into LMCache L1 memory objects
-allocated with `busy_loop=False`, so a get can fail but never spins.
+written by the Rust engine with O_DIRECT and io_uring, through bsr-io's one load and
+save path (`restore.load_records` / `save_records`): reads go through an engine of W
+slots, W deep, installed (copied and verified in one pass) into LMCache L1 memory
+objects allocated with `busy_loop=False`, so a get can fail but never spins; puts are
+written W at a time through a second engine of W slots.
 
 Rules kept toward LMCache's retrieve:
 - `batched_get_blocking` returns a contiguous prefix of filled objects and None from
@@ -28,6 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import numpy as np
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
@@ -37,7 +40,10 @@ from bsr_io.errors import ChunkError, LayoutError
 from bsr_io.integrations.lmcache import retrieve
 from bsr_io.integrations.lmcache.config import Settings
 from bsr_io.keys import ChunkKey
+from bsr_io.kvcache import HostBuffers
 from bsr_io.layout import AllocatorGroup, KVLayout
+from bsr_io.restore import load_records, save_records
+from bsr_io.store import Store
 from bsr_io.tiers.ssd import SSDTier
 
 logger = logging.getLogger(__name__)
@@ -85,11 +91,10 @@ class BsrStoragePlugin(StoragePluginInterface):
         backend = None if s.io_backend == "auto" else s.io_backend
         cb = self.layout.chunk_bytes
         self.read_engine = Engine(s.window, cb, queue_depth=s.queue_depth, backend=backend)
-        self.write_engine = Engine(1, cb, queue_depth=s.queue_depth, backend=backend)
+        self.write_engine = Engine(s.window, cb, queue_depth=s.queue_depth, backend=backend)
         self.tier = SSDTier(s.path, s.capacity, self.write_engine, layout=self.layout)
         if s.mooncake is not None:
             # A shared pool below the SSD tier: written through, read where L2 misses.
-            from bsr_io.store import Store
             from bsr_io.tiers.mooncake import MooncakeTier
 
             self.tier = Store([self.tier, MooncakeTier(s.mooncake, layout=self.layout)])
@@ -156,50 +161,52 @@ class BsrStoragePlugin(StoragePluginInterface):
             return self._get_prefix(keys)
 
     def _get_prefix(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        out: list[MemoryObj | None] = []
-        inflight: list = []  # PendingChunk per key, submitted in order, at most W ahead
+        """The leading stored chunks of `keys`, each in a fresh L1 object, up to the first
+        that no tier can deliver verified (every bad record the load met is withdrawn)."""
+        tiers = self.tier.tiers if isinstance(self.tier, Store) else [self.tier]
+        ckeys = [self.chunk_key(k) for k in keys]
+        objs: list[MemoryObj] = []
         try:
-            nxt, limit = 0, len(keys)
-            for i in range(len(keys)):
-                while nxt < limit and len(inflight) < self.settings.window:
-                    try:
-                        inflight.append(self.tier.submit_read(self.chunk_key(keys[nxt]),
-                                                              self.read_engine))  # fmt: skip
-                        nxt += 1
-                    except ChunkError as exc:  # chunks before this one may still load
-                        logger.warning("bsr-io plugin: %s", exc)
-                        limit = nxt
-                if i >= limit:
-                    break
-                slot = inflight.pop(0).wait()
+            for t in tiers:
+                t.prepare_probe(ckeys)
+            # The leading chunks some tier holds (metadata only), each with L1 room.
+            while len(objs) < len(keys) and any(_holds(t, ckeys[len(objs)]) for t in tiers):
                 obj = self.local_cpu_backend.allocate(
                     self._shapes, self._dtypes, self._fmt, eviction=True, busy_loop=False
                 )
                 if obj is None:
                     logger.warning("bsr-io plugin: L1 has no room to stage chunk %d of %d",
-                                   i, len(keys))  # fmt: skip
+                                   len(objs), len(keys))  # fmt: skip
                     break
-                try:
-                    dst = memoryview(obj.byte_array).cast("B")
-                    if dst.nbytes != len(slot):
-                        raise ValueError(f"record is {len(slot)} bytes, L1 object {dst.nbytes}")
-                    dst[:] = memoryview(slot)[: dst.nbytes]
-                except Exception:
-                    obj.ref_count_down()
-                    raise
-                del slot  # the slot returns to the engine's ring
-                out.append(obj)
-        except ChunkError as exc:
-            logger.warning("bsr-io plugin: %s", exc)
-        except Exception:
-            logger.exception("bsr-io plugin: read failed")
-        finally:
-            for p in inflight:  # let abandoned reads finish so their slots come back
-                try:
-                    p.wait()
-                except Exception:
-                    pass
-        return out + [None] * (len(keys) - len(out))
+                objs.append(obj)
+            if objs:
+                bufs = [np.frombuffer(o.byte_array, dtype=np.uint8) for o in objs]
+                res = load_records(
+                    self.read_engine, tiers, ckeys[: len(objs)], HostBuffers(bufs),
+                    deadline=time.monotonic() + self.settings.timeout_s,
+                    chunk_bytes=self.layout.chunk_bytes, width=self.settings.window,
+                    keep_going=True,
+                )  # fmt: skip
+                del bufs
+                if not res.complete:
+                    # Chunks before the first failed one were installed and verified:
+                    # LMCache takes that prefix (its retrieve then decides). Any other
+                    # failure (a timeout) leaves nothing trustworthy.
+                    good = min(res.failed_chunks) if res.failed_chunks else 0
+                    logger.warning("bsr-io plugin: get of %d chunks kept %d: %s",
+                                   len(objs), good, res.reason)  # fmt: skip
+                    for obj in objs[good:]:
+                        obj.ref_count_down()
+                    objs = objs[:good]
+        except Exception as exc:
+            if isinstance(exc, ChunkError):
+                logger.warning("bsr-io plugin: %s", exc)
+            else:
+                logger.exception("bsr-io plugin: read failed")
+            for obj in objs:
+                obj.ref_count_down()
+            objs = []
+        return [*objs, *([None] * (len(keys) - len(objs)))]
 
     # -- writes -------------------------------------------------------------------------
     def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj],
@@ -215,18 +222,42 @@ class BsrStoragePlugin(StoragePluginInterface):
             self._queue.put((key, obj, on_complete_callback))
 
     def _write_loop(self) -> None:
+        """Writes what `batched_submit_put_task` queued, up to W records at once through
+        the write engine's W slots (the one save path)."""
         while True:
-            item = self._queue.get()
-            if item is None:
+            items = [self._queue.get()]
+            while len(items) < self.settings.window and not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            stop = any(item is None for item in items)
+            batch = [item for item in items if item is not None]
+            if batch:
+                self._write_batch(batch)
+            if stop:
                 return
-            key, obj, callback = item
+
+    def _write_batch(self, batch: list) -> None:
+        def done(i: int, error: BaseException | None) -> None:
+            key, obj, callback = batch[i]
             try:
-                self.tier.write(self.chunk_key(key), obj.byte_array, self.layout)
-                if callback is not None:
+                if error is not None:
+                    logger.error("bsr-io plugin: could not store %s: %s", key.to_string(), error)
+                elif callback is not None:
                     callback(key)
             except Exception:
-                logger.exception("bsr-io plugin: could not store %s", key.to_string())
-            finally:
+                logger.exception("bsr-io plugin: put callback failed")
+
+        try:
+            bufs = [np.frombuffer(obj.byte_array, dtype=np.uint8) for _, obj, _ in batch]
+            save_records(
+                self.write_engine, self.tier, [self.chunk_key(k) for k, _, _ in batch],
+                [self.layout] * len(batch), HostBuffers(bufs), skip_existing=False,
+                deadline=time.monotonic() + self.settings.timeout_s, on_done=done,
+            )  # fmt: skip
+            del bufs
+        except Exception:
+            logger.exception("bsr-io plugin: could not store %d chunks", len(batch))
+        finally:
+            for key, obj, _ in batch:
                 obj.ref_count_down()
                 with self._pending_lock:
                     self._pending.discard(key)
@@ -278,3 +309,10 @@ class BsrStoragePlugin(StoragePluginInterface):
         except ValueError as exc:
             logger.warning("bsr-io plugin: %s", exc)
             return None
+
+
+def _holds(tier, key: ChunkKey) -> bool:
+    try:
+        return tier.contains(key)
+    except Exception:
+        return False  # a tier that cannot answer holds nothing for this get
