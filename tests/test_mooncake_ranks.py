@@ -79,7 +79,8 @@ def test_chunk_removed_from_the_pool_after_discovery_is_zero_on_both_ranks(pool,
 @pytest.mark.parametrize("case", ["node_kill", "node_stop"])
 def test_storage_node_lost_mid_restore(fresh_pool, tmp_path, case):
     """SIGKILL: reads fail fast. SIGSTOP: reads get no answer and fail at the tier's
-    deadline. Either way both ranks end `zero` within the restore's timeout."""
+    deadline. Either way both ranks end `zero` within the restore's timeout. The stopped
+    node is resumed: its objects all stay and the next restore is complete."""
     tier_timeout_s, timeout_s = 2.0, 10.0
     try:
         results = run(fresh_pool, tmp_path, case, tier_timeout_s=tier_timeout_s,
@@ -93,5 +94,13 @@ def test_storage_node_lost_mid_restore(fresh_pool, tmp_path, case):
     assert outcome in ("zero", "complete")
     for r in results:
         assert r["restore_s"] < timeout_s, r
-    if case == "node_stop" and outcome == "zero":  # zero because a read hit its deadline
-        assert any(r["l3_stats"]["timeouts"] >= 1 for r in results), results
+    if case == "node_stop":
+        if outcome == "zero":  # zero because a read hit its deadline
+            assert any(r["l3_stats"]["timeouts"] >= 1 for r in results), results
+        # A stall proves nothing against the objects: none was removed, every one is
+        # still in the pool, and the next restore is complete from it.
+        for r in results:
+            assert r["l3_stats"]["quarantined"] == 0 and r["withdrawn_after"] == 0, r
+            assert r["objects_after"] == CHUNKS, r
+            assert r["next_outcome"] == "complete", r
+            assert r["next_sources"] == ["L3"] * CHUNKS and r["next_wrong_chunks"] == [], r

@@ -312,6 +312,41 @@ def test_stalled_node_costs_the_deadline_not_a_hang(fresh_pool):
     tier.close()
 
 
+def test_a_stall_removes_nothing_and_marks_the_tier_down_for_a_while(fresh_pool):
+    """A read past the deadline proves nothing about the object: the window's
+    invalidate after it (with the error's record, as window.py passes it) removes
+    nothing; the tier answers as down for `down_s`, then serves every object again."""
+    tier = MooncakeTier(fresh_pool.config(timeout_s=1.5, down_s=2.0), layout=LAYOUT)
+    seed, keys = fill(tier, 3)
+    with Engine(2, N) as eng:
+        fresh_pool.signal_node(signal.SIGSTOP)
+        try:
+            with pytest.raises(ChunkReadError, match="no answer") as info:
+                tier.read_into(keys[0], eng)
+            tier.invalidate(keys[0], str(info.value), record=info.value.record)
+            assert tier.down and tier.stats()["marked_down"] >= 1
+            t0 = time.monotonic()
+            with pytest.raises(TierDown, match="marked down"):
+                tier.contains(keys[1])  # answered at once, the pool is not asked
+            assert Store([tier]).probe(keys) == 0
+            assert time.monotonic() - t0 < 0.5
+        finally:
+            fresh_pool.signal_node(signal.SIGCONT)
+        del info
+        deadline = time.monotonic() + 60
+        while (tier.down or eng.free_slots() < 2) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tier.stats()["withdrawn"] == 0 and tier.stats()["quarantined"] == 0
+        other = MooncakeTier(fresh_pool.config(), layout=LAYOUT)
+        assert other.probe(keys) == 3  # every object is still in the pool
+        other.close()
+        for i, k in enumerate(keys):
+            slot = tier.read_into(k, eng)
+            assert bytes(memoryview(slot)) == synthetic_chunk(LAYOUT, seed, i).tobytes()
+            del slot
+    tier.close()
+
+
 def test_killed_node_fails_reads_fast(fresh_pool):
     tier = MooncakeTier(fresh_pool.config(timeout_s=5.0), layout=LAYOUT)
     seed, keys = fill(tier, 2)

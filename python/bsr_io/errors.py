@@ -12,7 +12,8 @@ without parsing messages.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
 
 from bsr_io._core import BsrError
 
@@ -20,8 +21,30 @@ if TYPE_CHECKING:
     from bsr_io.keys import ChunkKey
 
 
+@dataclass(frozen=True, slots=True)
+class Unproven:
+    """The `record` of a failure that proves nothing about the stored bytes (a timeout,
+    an errno such as EIO or ENOMEM, an RPC failure, an unreachable node). Handed to
+    `Tier.invalidate`, it withdraws nothing: the record is good until shown bad."""
+
+    record: object | None
+    why: str
+
+
+def proves_bad(record: object | None) -> bool:
+    """Whether `invalidate(..., record=record)` may withdraw: anything but `Unproven`."""
+    return not isinstance(record, Unproven)
+
+
 class ChunkError(BsrError):
-    """A chunk could not be read from or written to a tier."""
+    """A chunk could not be read from or written to a tier.
+
+    `proven_bad` says whether the error shows the stored record itself is bad (only
+    ChunkCorrupt does). For every other class `record` is wrapped in `Unproven`, so the
+    window's `tier.invalidate(key, reason, record=exc.record)` after any chunk failure
+    withdraws a record only on proof, whatever tier raised it."""
+
+    proven_bad: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -37,7 +60,8 @@ class ChunkError(BsrError):
         self.cause = cause
         # The exact record that failed (a tier's own identity of it), so invalidation
         # can withdraw that record and never a newer one published at the same place.
-        self.record = record
+        proven = self.proven_bad or isinstance(record, Unproven)
+        self.record = record if proven else Unproven(record, type(self).__name__)
         where = []
         if tier is not None:
             where.append(f"tier {tier}")
@@ -54,11 +78,15 @@ class ChunkMissing(ChunkError):
 
 
 class ChunkCorrupt(ChunkError):
-    """The stored record failed verification (checksum, key, layout or length)."""
+    """The stored record failed verification (checksum, key, layout, length, a torn
+    write): the one failure that withdraws it."""
+
+    proven_bad = True
 
 
 class ChunkReadError(ChunkError):
-    """An I/O error while reading a record that the tier does hold."""
+    """An I/O error, a timeout or a failed call while reading a record that the tier does
+    hold: says nothing about the record's bytes, so nothing is withdrawn for it."""
 
 
 class ChunkWriteError(ChunkError):
@@ -69,7 +97,8 @@ class ChunkWriteError(ChunkError):
 
 
 class TierDown(ChunkError):
-    """The whole tier is unavailable (directory gone, unmounted, unreadable)."""
+    """The whole tier is unavailable (directory gone, unmounted, unreadable, a pool that
+    does not answer): a fallback for this restore, never a withdrawn record."""
 
 
 class CapacityError(BsrError, ValueError):
@@ -82,6 +111,11 @@ class LayoutError(BsrError, ValueError):
 
 class RecordFormatError(BsrError, ValueError):
     """Bytes that are not a valid record header; the message says which check failed."""
+
+
+class OldRecordFormat(RecordFormatError):
+    """A record of another format version (an older bsr-io's): a miss, never an error,
+    and left where it is."""
 
 
 class EngineBusy(BsrError):

@@ -24,6 +24,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from bsr_io.errors import OldRecordFormat as OldRecordFormat  # re-exported
 from bsr_io.errors import RecordFormatError as RecordFormatError  # re-exported
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
@@ -111,10 +112,11 @@ def decode_header(data: bytes | bytearray | memoryview) -> RecordHeader:
     magic, version, ngroups, hdr_bytes, payload_len, xxh, key_len = _FIXED.unpack_from(data, 0)
     if magic != MAGIC:
         raise RecordFormatError(f"bad magic {bytes(magic)!r}: not a bsr-io chunk record")
-    if version != VERSION:
-        raise RecordFormatError(f"record format version {version}, this bsr-io reads {VERSION}")
     if _header_sum(data) != bytes(data[_SUM_AT:]):
         raise RecordFormatError("header checksum mismatch")
+    if version != VERSION:
+        # Checked after the checksum: only an intact header of another version is a miss.
+        raise OldRecordFormat(f"record format version {version}, this bsr-io reads {VERSION}")
     if hdr_bytes != HEADER_BYTES:
         raise RecordFormatError(f"header size {hdr_bytes}, expected {HEADER_BYTES}")
     pos = _FIXED.size

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bsr_io._core import Engine, Slot
-from bsr_io.errors import ChunkError, ChunkMissing, TierDown
+from bsr_io.errors import ChunkError, ChunkMissing, TierDown, Unproven
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.tiers.base import Payload, PendingChunk, Tier
@@ -83,10 +83,12 @@ class Store(Tier):
         self._count(misses=1)
         if errors:
             last = errors[-1]
+            # Each tier withdrew what it proved bad itself: nothing left to invalidate.
             raise type(last)(
                 "no tier could deliver a verified copy: " + "; ".join(map(str, errors)),
                 key=key,
                 tier=self.name,
+                record=Unproven(None, "handled by each tier"),
             )
         raise ChunkMissing("in no tier", key=key, tier=self.name)
 

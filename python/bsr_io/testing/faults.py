@@ -7,7 +7,8 @@ the record just before the read), so the tier's own verification and quarantine 
 "error", "slow", "down" and "group_missing" are simulated at the interface.
 
 Kinds:
-  error          the read raises ChunkReadError (an I/O error)
+  error          the read raises ChunkReadError (EIO, naming the record as a real one
+                 would): proves nothing, so the record stays
   corrupt        a payload byte of the stored record is flipped, then the read runs
   missing        the record is removed just before the read (probe said present)
   slow           the read sleeps `delay_s` first
@@ -29,6 +30,7 @@ Plans travel to other processes as JSON, e.g. in the environment:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -43,7 +45,7 @@ from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.record import HEADER_BYTES
 from bsr_io.tiers.base import Payload, PendingChunk, Tier
-from bsr_io.tiers.files import FileTier
+from bsr_io.tiers.files import FileTier, RecordId
 from bsr_io.tiers.memory import MemoryTier
 
 KINDS = ("error", "corrupt", "missing", "slow", "down", "group_missing", "hang")
@@ -147,6 +149,16 @@ def bind(tiers: Iterable[Tier], keys: Sequence[ChunkKey]) -> None:
     for t in tiers:
         if isinstance(t, FaultyTier):
             t.bind(keys)
+
+
+def _record_of(tier: Tier, key: ChunkKey) -> object | None:
+    """The identity a file tier's own read error would carry for `key`'s record."""
+    if not isinstance(tier, FileTier):
+        return None
+    try:
+        return RecordId.of(os.stat(tier.path_of(key)))
+    except OSError:
+        return None
 
 
 def _flip_payload_byte(tier: Tier, key: ChunkKey) -> None:
@@ -260,7 +272,10 @@ class FaultyTier(Tier):
                                                                   {"verify": False})),
                          f.delay_s)  # fmt: skip
         if self._firing("error", key):
-            raise ChunkReadError("injected fault: I/O error", key=key, tier=self.name)
+            # As a real EIO mid-read would: naming the record file it failed on.
+            raise ChunkReadError("injected fault: I/O error", key=key, tier=self.name,
+                                 cause=OSError(errno.EIO, os.strerror(errno.EIO)),
+                                 record=_record_of(self.inner, key))  # fmt: skip
         if self._firing("missing", key):
             self.inner.remove(key)
             raise ChunkMissing("injected fault: record vanished", key=key, tier=self.name)

@@ -8,7 +8,10 @@ every committed byte equals what was saved.
 Cases: "through" (half the L2 records gone: the prefix comes from L2 and L3), "l2_bad"
 (one L2 record lost, one corrupted: both served from L3), "removed" (rank 0 removes a
 pool object after discovery), "node_kill" / "node_stop" (rank 0 sends SIGKILL / SIGSTOP
-to the storage node when it installs chunk 1, every chunk coming from the pool).
+to the storage node when it installs chunk 1, every chunk coming from the pool). After a
+"node_stop" restore rank 0 resumes the node (SIGCONT); once the tier is up again both
+ranks count the pool's objects and restore again: a stall proves nothing against the
+objects, so all of them must still be there.
 """
 
 from __future__ import annotations
@@ -56,6 +59,38 @@ class SignalAt:
 
     def synchronize(self) -> None:
         self.inner.synchronize()
+
+
+def _after_the_stall(
+    r: Restorer,
+    l3: MooncakeTier,
+    engine: Engine,
+    token_ids: Any,
+    keys: list[Any],
+    src: PagedKVCache,
+    window: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Once the node answers again: how many objects the pool still holds (a fresh
+    existence check) and the next restore's outcome."""
+    deadline = time.monotonic() + 4 * timeout_s
+    # The tier stops asking the pool for `down_s`; reads abandoned at the deadline hold
+    # their slots until the transfer gives up or completes.
+    while (l3.down or engine.free_slots() < window) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    objects = l3.probe(keys)
+    plan = r.probe(token_ids)
+    dest = PagedKVCache.allocate(r.layout, len(token_ids))
+    res = r.restore(plan, dest)
+    wrong = [i for i in range(res.committed_chunks) if dest.chunk_bytes(i) != src.chunk_bytes(i)]
+    return {
+        "objects_after": objects,
+        "withdrawn_after": l3.stats()["withdrawn"],
+        "next_outcome": res.outcome,
+        "next_sources": res.source_tiers,
+        "next_reason": res.reason,
+        "next_wrong_chunks": wrong,
+    }
 
 
 def _source_cache(lay, tokens: int, seed: int, rank: int) -> PagedKVCache:
@@ -125,6 +160,11 @@ def remote_on_rank(
     res = r.restore(plan, target)
     restore_s = time.perf_counter() - t0
     wrong = [i for i in range(res.committed_chunks) if dest.chunk_bytes(i) != src.chunk_bytes(i)]
+    after: dict[str, Any] = {}
+    if case == "node_stop":
+        if rank == 0:
+            os.kill(int(node_pid or 0), signal.SIGCONT)
+        after = _after_the_stall(r, l3, engine, token_ids, keys, src, window, timeout_s)
     out = {
         "rank": rank,
         "case": case,
@@ -143,6 +183,7 @@ def remote_on_rank(
         "slot_bytes": engine.slot_bytes,
         "restore_s": restore_s,
         "l3_stats": l3.stats(),
+        **after,
     }
     l3.close()
     return out

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bsr_io._core import Engine, xxh3_64
-from bsr_io.errors import ChunkCorrupt, ChunkMissing
+from bsr_io.errors import ChunkCorrupt, ChunkMissing, proves_bad
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.tiers.base import (
@@ -97,8 +97,8 @@ class MemoryTier(Tier):
     def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
         """Drop `record` (the failing read's entry, `ChunkError.record`) if it is still
         the one held at `key`; a copy written there since the read is good and stays.
-        Without a record, whatever `key` holds goes."""
-        if self._drop(key, only=record):
+        Without a record, whatever `key` holds goes; an `Unproven` failure drops nothing."""
+        if proves_bad(record) and self._drop(key, only=record):
             self._count(quarantined=1)
 
     def _drop(self, key: ChunkKey, only: object | None = None) -> bool:

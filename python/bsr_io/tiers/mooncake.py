@@ -15,6 +15,9 @@ the same bytes as a record file: the 4096-byte header, then the payload.
   storage node costs a chunk failure after the deadline, never a hang. A read past
   its deadline keeps its slot until the transfer engine gives up on it, so the slot
   is never reused while Mooncake may still write into it.
+- Objects are removed only on proof that they are bad (key, header, size, checksum).
+  A timeout, a failed RPC or an unreachable node proves nothing: the chunk falls back
+  for this restore, the tier reports itself down for `down_s`, and the objects stay.
 """
 
 from __future__ import annotations
@@ -40,10 +43,17 @@ from bsr_io.errors import (
     ChunkWriteError,
     LayoutError,
     TierDown,
+    proves_bad,
 )
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
-from bsr_io.record import HEADER_BYTES, RecordFormatError, decode_header, make_header
+from bsr_io.record import (
+    HEADER_BYTES,
+    OldRecordFormat,
+    RecordFormatError,
+    decode_header,
+    make_header,
+)
 from bsr_io.tiers.base import (
     Payload,
     PendingChunk,
@@ -247,7 +257,7 @@ class MooncakeTier(Tier):
     ) -> None:
         super().__init__(name)
         self.config = config
-        self._counts.update(exist_calls=0, timeouts=0)
+        self._counts.update(exist_calls=0, timeouts=0, marked_down=0)
         self._meta = _Workers(2, f"bsr-mc-meta-{name}")
         self._data = _Workers(config.io_threads, f"bsr-mc-data-{name}")
         try:
@@ -266,6 +276,8 @@ class MooncakeTier(Tier):
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # seen here: payload bytes
         self._withdrawn: set[str] = set()  # invalidated here, in case the remove failed
         self._snapshot: dict[str, tuple[float, int]] = {}
+        self._down_until = 0.0  # time.monotonic() before which the pool is not asked
+        self._down_why = ""
         self._closed = False
 
     def _open(self, config: MooncakeConfig) -> Any:
@@ -293,18 +305,45 @@ class MooncakeTier(Tier):
             self._layouts[fp] = layout
             self._payload_len[fp] = layout.chunk_bytes
 
+    # -- down for a while ---------------------------------------------------------------
+    def _mark_down(self, why: str) -> None:
+        """The pool did not answer (or an RPC failed): stop asking it for `down_s`.
+        Nothing is withdrawn for it; discovery finds nothing here meanwhile."""
+        if self.config.down_s <= 0:
+            return
+        with self._lock:
+            self._down_until = time.monotonic() + self.config.down_s
+            self._down_why = why
+            self._snapshot.clear()
+        self._count(marked_down=1)
+
+    def _check_up(self, key: ChunkKey | None = None) -> None:
+        if self._closed:
+            raise TierDown("the Mooncake tier is closed", key=key, tier=self.name)
+        with self._lock:
+            left, why = self._down_until - time.monotonic(), self._down_why
+        if left > 0:
+            raise TierDown(f"marked down for {left:.1f} s more after: {why}", key=key,
+                           tier=self.name)  # fmt: skip
+
+    @property
+    def down(self) -> bool:
+        """Whether the tier is marked down now (it asks the pool again afterwards)."""
+        with self._lock:
+            return time.monotonic() < self._down_until
+
     def _meta_call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """A metadata call with the tier's deadline; TierDown when the pool does not answer."""
-        if self._closed:
-            raise TierDown("the Mooncake tier is closed", tier=self.name)
+        self._check_up()
         call = self._meta.submit(fn, *args)
         try:
             return call.wait(self.config.timeout_s)
         except CallTimeout:
             call.abandon()
             self._count(timeouts=1)
-            raise TierDown(f"{what}: no answer from the pool within {self.config.timeout_s} s",
-                           tier=self.name) from None  # fmt: skip
+            why = f"{what}: no answer from the pool within {self.config.timeout_s} s"
+            self._mark_down(why)
+            raise TierDown(why, tier=self.name) from None
 
     def _exists(self, names: list[str]) -> list[int]:
         self._count(exist_calls=1)
@@ -387,6 +426,7 @@ class MooncakeTier(Tier):
         with self._lock:
             if name in self._withdrawn:
                 raise ChunkMissing("invalidated here", key=key, tier=self.name)
+        self._check_up(key)
         self._register_arena(engine)
         n = self._expected_len(key, name)
         check_slot_fits(self.name, engine, key, n)
@@ -417,6 +457,7 @@ class MooncakeTier(Tier):
                     raise TimeoutError(f"chunk {key.short()} still in flight") from None
                 call.abandon()  # its slot stays leased until the call returns
                 self._count(timeouts=1)
+                self._mark_down(f"a read got no answer within {self.config.timeout_s} s")
                 raise ChunkReadError(
                     f"no answer from the pool within {self.config.timeout_s} s (storage node "
                     "stalled?); the slot is held until the transfer gives up",
@@ -439,6 +480,10 @@ class MooncakeTier(Tier):
                 raise self._read_failure(key, name, rc, expected=HEADER_BYTES + n)
             try:
                 header = decode_header(hdr.tobytes())
+            except OldRecordFormat as exc:
+                self._forget(key)
+                raise ChunkMissing("object of an older record format", key=key, tier=self.name,
+                                   cause=exc) from None  # fmt: skip
             except RecordFormatError as exc:
                 raise self._corrupt(key, name, f"bad header: {exc}") from None
             with self._lock:
@@ -481,14 +526,18 @@ class MooncakeTier(Tier):
             if size >= 0 and size != expected:
                 return self._corrupt(key, name, f"object is {size} bytes, a record of this "
                                      f"chunk is {expected}")  # fmt: skip
+        if rc in (RPC_FAIL, RPC_TIMEOUT, TRANSFER_FAIL):
+            # Says nothing about the object: this read falls back, the object stays.
+            self._mark_down(f"pool read failed: {code_name(rc)}")
         if rc in (RPC_FAIL, RPC_TIMEOUT):
             return TierDown("pool RPC failed", key=key, tier=self.name, cause=code_name(rc))
         return ChunkReadError("pool read failed", key=key, tier=self.name, cause=code_name(rc))
 
     def _corrupt(self, key: ChunkKey, name: str, reason: str) -> ChunkCorrupt:
+        """The object was shown bad (key, header, size, checksum): remove it."""
         self._withdraw(key, name, reason)
         return ChunkCorrupt(f"{reason}; object removed from the pool", key=key, tier=self.name,
-                            cause=name)  # fmt: skip
+                            cause=name, record=name)  # fmt: skip
 
     # -- writes -------------------------------------------------------------------------
     def write(self, key: ChunkKey, payload: Payload, layout: KVLayout) -> bool:
@@ -503,7 +552,11 @@ class MooncakeTier(Tier):
             withdrawn = name in self._withdrawn
         if withdrawn:
             # A bad copy must be gone before a put, which would keep it silently.
-            rc = self._remove_name(name)
+            try:
+                rc = self._remove_name(name)
+            except TierDown as exc:
+                raise ChunkWriteError("pool unreachable; nothing stored", key=key,
+                                      tier=self.name, cause=exc) from None  # fmt: skip
             if rc not in (0, NOT_FOUND):
                 raise ChunkWriteError("cannot replace an invalidated object", key=key,
                                       tier=self.name, cause=code_name(rc))  # fmt: skip
@@ -534,8 +587,9 @@ class MooncakeTier(Tier):
         except CallTimeout:
             call.abandon()
             self._count(timeouts=1)
-            raise ChunkWriteError(f"no answer from the pool within {self.config.timeout_s} s",
-                                  key=key, tier=self.name) from None  # fmt: skip
+            why = f"a put got no answer within {self.config.timeout_s} s"
+            self._mark_down(why)
+            raise ChunkWriteError(why, key=key, tier=self.name) from None
         except Exception as exc:  # noqa: BLE001 - the binding raised
             raise ChunkWriteError("pool put raised", key=key, tier=self.name,
                                   cause=exc) from exc  # fmt: skip
@@ -612,8 +666,12 @@ class MooncakeTier(Tier):
             pass  # the local withdrawal still keeps this process from advertising it
 
     def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
-        # Pool objects are write-once under their name: the object that failed is the one
-        # there, so `record` (a file tier's identity of it) has nothing to add.
+        """Remove `key`'s object from the pool, unless the failure proves nothing about it
+        (`Unproven`: a timeout, a failed RPC, a silent node), which removes nothing: one
+        slow node must not wipe a fleet's shared cache. Pool objects are write-once under
+        their name, so a proof's `record` (the name) adds nothing to the key."""
+        if not proves_bad(record):
+            return
         self._withdraw(key, self.object_name(key), reason)
 
     def keys(self) -> list[ChunkKey]:

@@ -28,6 +28,9 @@ the same keys carry the prefix `bsr.mooncake.`, `MooncakeConfig.from_extra_confi
                       concurrent transfers were slower; raise it for multi-node or RDMA pools)
     snapshot_s        how long one batched existence check answers a probe's per-chunk
                       questions (1.0)
+    down_s            after a call past its deadline or a failed RPC, how long the tier
+                      reports itself down (discovery finds nothing, reads fall back at
+                      once) before it asks the pool again (5.0; 0: never marked down)
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class MooncakeConfig:
     key_prefix: str = "bsr-io"
     io_threads: int = 1
     snapshot_s: float = 1.0
+    down_s: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.master, str) or not _HOSTPORT.match(self.master):
@@ -82,6 +86,8 @@ class MooncakeConfig:
             )
         if self.snapshot_s < 0:
             raise ValueError(f"mooncake snapshot_s must be >= 0, got {self.snapshot_s}")
+        if self.down_s < 0:
+            raise ValueError(f"mooncake down_s must be >= 0, got {self.down_s}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MooncakeConfig:
@@ -98,7 +104,7 @@ class MooncakeConfig:
             for k, v in d.items():
                 if v is None:
                     continue
-                if k in ("timeout_s", "snapshot_s"):
+                if k in ("timeout_s", "snapshot_s", "down_s"):
                     kw[k] = float(v)
                 elif k in ("transfer_timeout_s", "replica_num", "io_threads"):
                     kw[k] = int(v)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bsr_io.errors import TierDown
 from bsr_io.keys import ChunkKey
-from bsr_io.record import RecordFormatError
+from bsr_io.record import OldRecordFormat, RecordFormatError
 from bsr_io.tiers.files.records import (
     _HOST,
     NS_RE,
@@ -121,11 +121,13 @@ def scan_records(chunks_dir: Path, tier: str, on_bad: OnBad) -> list[tuple[Chunk
                 continue  # removed meanwhile, or not ours to look at
             try:
                 header = read_header(path)
-            except FileNotFoundError:
-                continue  # removed meanwhile by another process
-            except (OSError, RecordFormatError) as exc:
+            except (FileNotFoundError, OldRecordFormat):
+                continue  # removed meanwhile, or an older bsr-io's record: not indexed
+            except RecordFormatError as exc:
                 on_bad(path, RecordId.of(st), f"unreadable header: {exc}")
                 continue
+            except OSError:
+                continue  # an errno proves nothing: not indexed now, checked again later
             problem = None
             if header.key.namespace() != ns.name or header.key.file_stem() != stem:
                 problem = f"file holds the record of another key ({header.key.short()})"

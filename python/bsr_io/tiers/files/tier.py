@@ -22,10 +22,17 @@ from bsr_io.errors import (
     ChunkReadError,
     LayoutError,
     TierDown,
+    proves_bad,
 )
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
-from bsr_io.record import HEADER_BYTES, RecordFormatError, RecordHeader, decode_header
+from bsr_io.record import (
+    HEADER_BYTES,
+    OldRecordFormat,
+    RecordFormatError,
+    RecordHeader,
+    decode_header,
+)
 from bsr_io.tiers.base import Payload, Tier, check_capacity, check_payload
 from bsr_io.tiers.files.capacity import Room
 from bsr_io.tiers.files.index import RecordIndex, scan_records
@@ -107,9 +114,13 @@ class FileTier(Tier):
             header = read_header(path)
         except FileNotFoundError:
             return False
-        except (OSError, RecordFormatError) as exc:
+        except OldRecordFormat:
+            return False  # written by an older bsr-io: a miss, left alone
+        except RecordFormatError as exc:
             self._withdraw(path, RecordId.of(st), key, f"unreadable header: {exc}")
             return False
+        except OSError:
+            return False  # an errno proves nothing about the record: not held for now
         problem = header.check(key)
         if problem is None and st.st_size != header.record_bytes:
             problem = f"file is {st.st_size} bytes, record is {header.record_bytes}"
@@ -147,9 +158,12 @@ class FileTier(Tier):
                             cause=str(path), record=record)  # fmt: skip
 
     def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
-        """Withdraw `record`, the exact file that failed (`ChunkError.record`). Without
-        one (the failure came before any file was opened) only the index entry goes:
+        """Withdraw `record`, the exact file that failed (`ChunkError.record`). A failure
+        that proves nothing (`Unproven`: an errno, a timeout) withdraws nothing. Without
+        a record (the failure came before any file was opened) only the index entry goes:
         the file at the path, if any, is not known to be bad and is checked again."""
+        if not proves_bad(record):
+            return
         if not isinstance(record, RecordId):
             self._index.forget(key)
             return
@@ -263,6 +277,10 @@ class FileTier(Tier):
                      st: os.stat_result) -> RecordHeader:  # fmt: skip
         try:
             header = decode_header(raw_header)
+        except OldRecordFormat as exc:
+            self._index.forget(key)
+            raise ChunkMissing("record of an older format", key=key, tier=self.name,
+                               cause=exc) from None  # fmt: skip
         except RecordFormatError as exc:
             raise self._corrupt(key, path, RecordId.of(st), f"bad header: {exc}") from None
         problem = header.check(key)
