@@ -30,7 +30,7 @@ from typing import Any
 from bsr_io._core import Engine, NoFreeSlot, Slot
 from bsr_io.discovery import holds
 from bsr_io.engine import give_back, wait_for_slot
-from bsr_io.errors import ChunkError
+from bsr_io.errors import ChunkError, Unproven
 from bsr_io.install import fused_runs, install_chunk, scoped
 from bsr_io.keys import ChunkKey
 from bsr_io.kvcache import Destination, Fence
@@ -45,8 +45,17 @@ class _NotStarted(str):
 
 def _not_started(text: str, exc: BaseException) -> _NotStarted:
     out = _NotStarted(text)
-    out.record = getattr(exc, "record", None)
+    out.record = _record_of(exc)
     return out
+
+
+def _record_of(exc: BaseException) -> object | None:
+    """The failed record to withdraw: a ChunkError names it (its tier decides whether the
+    error proves it bad); any other error (a copy into the destination failed, an
+    errno from elsewhere) proves nothing about the stored bytes."""
+    if isinstance(exc, ChunkError):
+        return getattr(exc, "record", None)
+    return Unproven(None, type(exc).__name__)
 
 
 class _ParallelInstall:
@@ -196,7 +205,7 @@ class Window:
             raise
         except (ChunkError, OSError) as exc:
             causes.append(f"{self.tiers[source].name}: {exc}")
-            record = getattr(exc, "record", None)
+            record = _record_of(exc)
         except BaseException:
             if slot is not None:
                 give_back(slot)
@@ -276,7 +285,7 @@ class Window:
             return
         except ChunkError as exc:
             causes = [f"{self.tiers[source].name}: {exc}"]
-            record = getattr(exc, "record", None)
+            record = _record_of(exc)
         finally:
             give_back(slot)
             del slot, entry
