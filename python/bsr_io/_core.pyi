@@ -246,6 +246,14 @@ class Engine:
     def peak_bytes(self) -> int:
         """Highest live_bytes since construction or reset_peak()."""
     def reset_peak(self) -> None: ...
+    def trace_start(self, max_events: int = 1 << 20) -> None:
+        """Record each request's timings on the I/O thread from now on (io_uring only;
+        ValueError on the pread pool), at most `max_events`; a running trace restarts."""
+    def trace_take(self) -> list[tuple[int, int, int, int, int, int, int]]:
+        """Stop recording; one (offset, bytes, queued_ns, submit_ns, complete_ns, depth,
+        waiting) per request, in completion order: times in ns since trace_start, `depth`
+        the requests in flight once it went to the kernel (itself included), `waiting`
+        those queued behind it then. Empty when no trace ran."""
     def close(self) -> None:
         """Stop accepting I/O (waits for in-flight operations, GIL released; so does
         the engine's collection). The mapping lives on until the last Slot is

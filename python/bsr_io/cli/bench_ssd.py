@@ -1,14 +1,23 @@
 """`bsr-io bench ssd`: the engine reading a file through W slots against fio on the same
 file and a plain buffered Python read, interleaved, cold cache, median of rounds.
+The paths run in a fresh random order each round (`--seed`), so none always follows
+another, and the machine's load is recorded before and after every round.
 
 fio runs twice per round: on its default 4 KiB-page buffers (`fio`), and on huge-page
 buffers (`fio_hugemem`, hugetlbfs), whose 1 MiB requests the disk queue does not
-split: that one is the drive's limit, and `ratio_vs_fio_hugemem` the honest ratio."""
+split: that one is the drive's limit, and `ratio_vs_fio_hugemem` the honest ratio.
+
+`--trace` also records every request of the engine's runs (its I/O thread stamps them)
+and every I/O of fio's, and reports for each the mean depth in flight, the latency
+percentiles, and, for the engine, the share of the run its queue was short with nothing
+queued (the consumer late) or with requests queued (the I/O thread late)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
+import re
 import shutil
 import statistics
 import sys
@@ -19,7 +28,9 @@ from typing import Any
 
 from bsr_io._core import Engine, File
 from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read, huge_page_buffers
+from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
+from bsr_io.cli.trace import engine_summary
 from bsr_io.engine import as_numpy
 from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.testing.scratch import make_scratch
@@ -47,6 +58,10 @@ def register(bench_subparsers: Any) -> None:
     )
     p.add_argument("--backend", default=None, help="engine backend (default: auto)")
     p.add_argument("--keep", action="store_true", help="keep the test file afterwards")
+    p.add_argument("--seed", type=int, default=None, help="seed of the per-round order")
+    p.add_argument(
+        "--trace", action="store_true", help="trace request depth and latency (engine, fio)"
+    )
     p.set_defaults(func=run)
 
 
@@ -83,8 +98,10 @@ def engine_read(eng: Engine, f: File, size: int) -> tuple[float, int]:
             off += n
         s = inflight.popleft().wait()
         # Consume: the slot's bytes are there to be installed; a read of one byte keeps
-        # the loop honest without adding a copy.
-        _ = memoryview(s)[len(s) - 1]
+        # the loop honest without adding a copy. Then straight back to the ring.
+        with memoryview(s) as view:
+            _ = view[len(s) - 1]
+        s.release()
         del s
     elapsed = time.perf_counter() - t0
     return elapsed, eng.peak_bytes()
@@ -97,6 +114,23 @@ def buffered_read(path: Path, slot: int) -> float:
         while fh.readinto(buf):
             pass
     return time.perf_counter() - t0
+
+
+def arena_huge_bytes(eng: Engine) -> int | None:
+    """Bytes of the engine's arena backed by transparent huge pages (smaps), or None when
+    unreadable: on 4 KiB pages a 1 MiB request needs 256 segments, and is split."""
+    lo, hi = eng.arena_address, eng.arena_address + eng.arena_bytes
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    total = 0
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+)", block)
+        h = re.search(r"AnonHugePages:\s+(\d+) kB", block)
+        if m and h and int(m.group(1), 16) < hi and int(m.group(2), 16) > lo:
+            total += int(h.group(1)) * 1024
+    return min(total, eng.arena_bytes)
 
 
 def queue_max_segments(path: Path) -> int | None:
@@ -148,6 +182,12 @@ def measure(
         if have_fio:
             print(f"note: fio on huge pages not run: {huge.note}", file=sys.stderr)
     rounds: dict[str, list[float]] = {m: [] for m in METHODS if m not in skip}
+    traces: dict[str, list[dict[str, Any]]] = {m: [] for m in ("bsr_io", "fio_hugemem")}
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
+    rng = random.Random(seed)
+    orders: list[list[str]] = []
+    loads = [snapshot()]
+    trace_dir = path.parent if args.trace else None
     cold = True
     peak = 0
     with Engine(
@@ -160,22 +200,36 @@ def measure(
         f = eng.open(path)
         if not f.direct:
             print(f"note: {path} is not on an O_DIRECT filesystem; engine reads are buffered")
-        for r in range(args.rounds):
-            # Interleave the methods, rotating the order so none always goes first.
-            order = list(rounds)[r % len(rounds) :] + list(rounds)[: r % len(rounds)]
+        huge_bytes = arena_huge_bytes(eng)
+        for _ in range(args.rounds):
+            # Interleave the methods in a fresh random order: none always goes first or
+            # always follows another (a drive that bursts, then throttles, would favour
+            # whichever path a fixed order puts after a quiet one).
+            order = list(rounds)
+            rng.shuffle(order)
+            orders.append(order)
             for method in order:
                 cold &= drop_caches()
                 if method == "fio":
                     gib_s = fio_read(path, size=args.size).gib_s
                 elif method == "fio_hugemem":
-                    gib_s = fio_read(path, size=args.size, iomem=huge.iomem("ssd")).gib_s
+                    res = fio_read(path, size=args.size, iomem=huge.iomem("ssd"),
+                                   trace_dir=trace_dir)  # fmt: skip
+                    gib_s = res.gib_s
+                    if res.trace is not None:
+                        traces[method].append(res.trace)
                 elif method == "bsr_io":
+                    if args.trace:
+                        eng.trace_start()
                     seconds, p = engine_read(eng, f, args.size)
+                    if args.trace:
+                        traces[method].append(engine_summary(eng.trace_take(), args.queue_depth))
                     peak = max(peak, p)
                     gib_s = args.size / seconds / GiB
                 else:
                     gib_s = args.size / buffered_read(path, args.slot) / GiB
                 rounds[method].append(gib_s)
+            loads.append(snapshot())
         features = dict(eng.features)
         backend = eng.backend
         slot_bytes = eng.slot_bytes
@@ -197,6 +251,13 @@ def measure(
     return {
         "backend": backend,
         "cold_cache": cold,
+        "seed": seed,
+        "orders": orders,
+        "load": summary(loads),
+        "load_snapshots": loads,
+        "trace": traces if args.trace else None,
+        "trace_medians": _trace_medians(traces) if args.trace else None,
+        "arena_huge_page_bytes": huge_bytes,
         "size_bytes": args.size,
         "window": args.window,
         "slot_bytes": slot_bytes,
@@ -216,6 +277,25 @@ def measure(
         "queue_max_segments": queue_max_segments(path),
         "file": path.name,
     }
+
+
+def _trace_medians(traces: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per path, the median over rounds of its mean depth and latency percentiles (and,
+    for the engine, of the share of time its queue was full)."""
+    out: dict[str, Any] = {}
+    for method, runs in traces.items():
+        runs = [t for t in runs if t.get("requests")]
+        if not runs:
+            continue
+        row = {
+            "mean_depth": statistics.median(t["mean_depth"] for t in runs),
+            "latency_p50_ms": statistics.median(t["latency_ms"]["p50"] for t in runs),
+            "latency_p99_ms": statistics.median(t["latency_ms"]["p99"] for t in runs),
+        }
+        if "time_full" in runs[0]:
+            row["time_full"] = statistics.median(t["time_full"] for t in runs)
+        out[method] = row
+    return out
 
 
 def print_table(rep: dict[str, Any]) -> None:
@@ -243,3 +323,25 @@ def print_table(rep: dict[str, Any]) -> None:
         f"RWS peak: {fmt_size(rep['rws_peak_bytes'])} "
         f"(bound W x slot = {fmt_size(rep['rws_bound_bytes'])})"
     )
+    load = rep["load"]
+    print(
+        f"load: 1-minute average {load['loadavg_1m_min']:.2f}-{load['loadavg_1m_max']:.2f}, "
+        f"other processes up to {load['others_cores_max']:.2f} cores"
+    )
+    for method, runs in (rep["trace"] or {}).items():
+        for t in runs:
+            if not t.get("requests"):
+                continue
+            lat = t["latency_ms"]
+            extra = ""
+            if "time_full" in t:
+                extra = (
+                    f", full {t['time_full']:.0%}, short+idle "
+                    f"{t['time_short_nothing_queued']:.0%}, short+queued "
+                    f"{t['time_short_requests_queued']:.0%}"
+                )
+            print(
+                f"trace {method:<12} depth {t['mean_depth']:5.1f}, latency p50 "
+                f"{lat['p50']:.1f} ms p99 {lat['p99']:.1f} ms, {t['gib_s_in_span']:.2f} GiB/s"
+                + extra
+            )

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bsr_io.sizes import GiB
 
@@ -46,6 +47,7 @@ class FioResult:
     seconds: float  # fio's own runtime of the job(s) (ms resolution)
     command: list[str]
     wall_s: float = 0.0  # the fio process, start to exit (open, buffer setup included)
+    trace: dict[str, Any] | None = None  # with `trace_dir`: depth and latency (cli/trace.py)
 
 
 @dataclass(frozen=True)
@@ -191,10 +193,12 @@ def fio_read(
     size: int | None = None,
     timeout_s: float = 600.0,
     iomem: str | None = None,
+    trace_dir: str | os.PathLike[str] | None = None,
 ) -> FioResult:
     """One sequential O_DIRECT read of `path` (whole file unless `size`) with fio's
     io_uring engine, fixed buffers and registered files. `iomem`: fio's buffer memory
-    (e.g. `HugeMem.iomem(...)`; None is fio's default, 4 KiB pages)."""
+    (e.g. `HugeMem.iomem(...)`; None is fio's default, 4 KiB pages). `trace_dir`: log
+    every I/O's latency there and summarise depth and latency (`FioResult.trace`)."""
     size = os.path.getsize(path) if size is None else size
     if size <= 0:
         raise ValueError(f"nothing to read: {path} is empty")
@@ -216,13 +220,28 @@ def fio_read(
     ]
     if iomem:
         cmd.append(f"--iomem={iomem}")
-    report, wall = _run(cmd, timeout_s)
+    prefix = None
+    if trace_dir is not None:
+        prefix = Path(trace_dir) / f"bsr-io-fio-{os.getpid()}-{time.monotonic_ns()}"
+        cmd += [f"--write_lat_log={prefix}", "--log_avg_msec=0"]
+    try:
+        report, wall = _run(cmd, timeout_s)
+        trace = None
+        if prefix is not None:
+            from bsr_io.cli.trace import fio_summary
+
+            trace = fio_summary(Path(f"{prefix}_lat.1.log"))
+            trace["iodepth_level_pct"] = report["jobs"][0].get("iodepth_level")
+    finally:
+        if prefix is not None:
+            for kind in ("lat", "clat", "slat"):
+                Path(f"{prefix}_{kind}.1.log").unlink(missing_ok=True)
     read = report["jobs"][0]["read"]
     bw = float(read["bw_bytes"])
     if bw <= 0:
         raise RuntimeError(f"fio reported no bandwidth: {read}")
     seconds = read["runtime"] / 1000.0
-    return FioResult(bw / GiB, int(read["io_bytes"]), seconds, cmd, wall)
+    return FioResult(bw / GiB, int(read["io_bytes"]), seconds, cmd, wall, trace)
 
 
 def fio_read_payloads(

@@ -14,6 +14,7 @@ pub mod file;
 pub mod install;
 
 pub use arena::{Arena, SlotLease};
+pub use backend::trace::TraceEvent;
 pub use backend::{OpState, Pending};
 pub use engine::{BackendChoice, Engine, EngineConfig, Features};
 pub use error::{Error, Result};

@@ -17,6 +17,9 @@ use crate::pending::{Handoff, PyPending};
 use crate::slot::PySlot;
 use crate::{non_negative, positive};
 
+/// One traced request as Python sees it (see `trace_take`).
+type TraceTuple = (u64, u64, u64, u64, u64, u32, u32);
+
 #[pyclass(name = "Engine", module = "bsr_io._core", frozen)]
 pub(crate) struct PyEngine {
     inner: Engine,
@@ -244,6 +247,33 @@ impl PyEngine {
 
     fn reset_peak(&self) {
         self.inner.arena().reset_peak()
+    }
+
+    /// Start recording request timings on the I/O thread (io_uring only).
+    #[pyo3(signature = (max_events = 1 << 20))]
+    fn trace_start(&self, py: Python<'_>, max_events: i64) -> PyResult<()> {
+        let cap = positive("max_events", max_events)? as usize;
+        py.detach(|| self.inner.trace_start(cap)).raise()
+    }
+
+    /// Stop recording; the events as (offset, bytes, queued_ns, submit_ns, complete_ns,
+    /// depth, waiting) tuples in completion order.
+    fn trace_take(&self, py: Python<'_>) -> PyResult<Vec<TraceTuple>> {
+        let events = py.detach(|| self.inner.trace_take()).raise()?;
+        Ok(events
+            .into_iter()
+            .map(|e| {
+                (
+                    e.offset,
+                    e.bytes,
+                    e.queued_ns,
+                    e.submit_ns,
+                    e.complete_ns,
+                    e.depth,
+                    e.waiting,
+                )
+            })
+            .collect())
     }
 
     fn close(&self, py: Python<'_>) {

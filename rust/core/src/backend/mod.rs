@@ -5,6 +5,7 @@
 //! no longer work tells the engine.
 
 pub mod pread;
+pub mod trace;
 pub mod uring;
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
@@ -88,6 +89,7 @@ impl OpState {
                 len,
                 moved: 0,
                 ended: false,
+                stamps: trace::Stamps::default(),
             })
             .collect();
         locked(&self.progress).outstanding = reqs.len();
@@ -272,6 +274,8 @@ pub struct Request {
     pub moved: u64,
     /// Accounted or abandoned: its op knows how it ended.
     ended: bool,
+    /// Timings while the I/O thread traces (trace.rs).
+    pub stamps: trace::Stamps,
 }
 
 impl Drop for Request {

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 
+use super::trace::{Trace, TraceEvent};
 use super::{panic_message, Health, Request};
 use crate::arena::{Arena, SlotLease};
 use crate::error::{describe_errno, Error, Result};
@@ -55,6 +56,10 @@ enum Command {
     /// An operation's requests, split by the submitter.
     Op(Vec<Request>),
     Unregister(u32),
+    /// Start recording request timings (at most this many events), dropping any earlier.
+    TraceStart(usize),
+    /// Stop recording and hand over what was recorded.
+    TraceTake(mpsc::SyncSender<Vec<TraceEvent>>),
     Shutdown,
     #[cfg(test)]
     Inject(Fault),
@@ -168,6 +173,26 @@ impl UringDriver {
         self.request_bytes
     }
 
+    /// Start tracing requests (see trace.rs); a trace already running starts over.
+    pub fn trace_start(&self, max_events: usize) -> Result<()> {
+        self.send(Command::TraceStart(max_events))
+    }
+
+    /// Stop tracing and return the events (empty when no trace ran).
+    pub fn trace_take(&self) -> Result<Vec<TraceEvent>> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(Command::TraceTake(tx))?;
+        rx.recv().map_err(|_| self.gone())
+    }
+
+    fn send(&self, cmd: Command) -> Result<()> {
+        self.tx.send(cmd).map_err(|_| self.gone())
+    }
+
+    fn gone(&self) -> Error {
+        self.health.check().err().unwrap_or(Error::Closed("engine"))
+    }
+
     /// Fault double for tests (see `Fault`).
     #[cfg(test)]
     pub(crate) fn inject(&self, fault: Fault) {
@@ -216,6 +241,7 @@ struct RingLoop {
     fixed_buffers: bool,
     file_table: Vec<bool>,
     reaped: Vec<(u64, i32)>,
+    trace: Option<Trace>,
     /// Handed to registered files so their drop frees the table entry (in order with
     /// the operations already queued).
     unregister_tx: Sender<Command>,
@@ -279,6 +305,7 @@ impl RingLoop {
                 }
             ],
             reaped: Vec::with_capacity(cfg.queue_depth as usize),
+            trace: None,
             unregister_tx,
             #[cfg(test)]
             fault: None,
@@ -313,14 +340,23 @@ impl RingLoop {
     /// Returns true on shutdown.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Op(reqs) => {
+            Command::Op(mut reqs) => {
                 if let Some(first) = reqs.first() {
                     let file = Arc::clone(&first.op.file);
                     if !self.file_table.is_empty() && file.claim_registration() {
                         self.register(&file);
                     }
                 }
+                if self.trace.is_some() {
+                    let now = Some(Instant::now());
+                    reqs.iter_mut().for_each(|r| r.stamps.queued = now);
+                }
                 self.queue.extend(reqs);
+            }
+            Command::TraceStart(cap) => self.trace = Some(Trace::new(cap)),
+            Command::TraceTake(reply) => {
+                let events = self.trace.take().map(|t| t.events).unwrap_or_default();
+                let _ = reply.send(events);
             }
             Command::Unregister(index) => {
                 if let Some(used) = self.file_table.get_mut(index as usize) {
@@ -364,7 +400,7 @@ impl RingLoop {
     /// Queue requests up to the queue depth.
     fn fill(&mut self) {
         while self.in_flight < self.queue_depth {
-            let Some(req) = self.queue.pop_front() else {
+            let Some(mut req) = self.queue.pop_front() else {
                 break;
             };
             let id = self.free_ids.pop().unwrap_or_else(|| {
@@ -382,9 +418,13 @@ impl RingLoop {
                 self.queue.push_front(req);
                 break;
             }
+            self.in_flight += 1;
+            if self.trace.is_some() {
+                let (depth, waiting) = (self.in_flight as u32, self.queue.len() as u32);
+                req.stamps.submitted = Some((Instant::now(), depth, waiting));
+            }
             self.slab[id] = InFlight::Request(req);
             self.unsubmitted.push_back(id);
-            self.in_flight += 1;
         }
     }
 
@@ -483,8 +523,14 @@ impl RingLoop {
                 InFlight::Orphan(_slot) => {} // the kernel is done with it: let it go
                 InFlight::Request(req) => {
                     let res = if res < 0 { Err(-res) } else { Ok(res as u64) };
-                    if let Some(again) = req.account(res) {
-                        self.queue.push_front(again);
+                    let traced = (req.op.offset + req.start, req.len, req.stamps);
+                    match req.account(res) {
+                        Some(again) => self.queue.push_front(again),
+                        None => {
+                            if let Some(t) = self.trace.as_mut() {
+                                t.complete(traced.0, traced.1, traced.2);
+                            }
+                        }
                     }
                 }
             }
