@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import resource
 import shutil
 import statistics
@@ -34,6 +35,7 @@ import torch
 from bsr_io._core import Engine
 from bsr_io.cli.bench_state import write_state
 from bsr_io.cli.host import mem_available
+from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import PagedKVCache
@@ -84,6 +86,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--backend", default=None, help="engine backend (default: auto)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--seed", type=int, default=None, help="seed of the per-round order")
     p.set_defaults(func=run)
 
 
@@ -186,11 +189,18 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     rounds: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     outcomes, rws = set(), 0
     load0 = os.getloadavg()[0]
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
+    rng = random.Random(seed)
+    orders: list[list[str]] = []
+    loads = [snapshot()]
     # Round -1 is a warm-up, not counted: the first pass of each path pays one-time costs
     # (the I/O workers starting, the destination's pages faulting in) that would
     # otherwise land on whichever path runs first.
     for r in range(-1, args.rounds):
-        order = METHODS[r % 3 :] + METHODS[: r % 3]  # none always goes first
+        order = list(METHODS)
+        rng.shuffle(order)  # a fresh order each round: none always follows another
+        if r >= 0:
+            orders.append(order)
         for method in order:
             c0 = _cpu_s()
             if method == "engine":
@@ -210,6 +220,8 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
             rounds[method].append(
                 {"gib_s": state / secs / GiB, "seconds": secs, "cpu_s_per_gib": cpu * GiB / state}
             )
+        if r >= 0:
+            loads.append(snapshot())
     backend = eng.backend
     eng.close()
     med = {m: statistics.median(x["gib_s"] for x in v) for m, v in rounds.items()}
@@ -255,6 +267,10 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
         # Other processes' load before and after: the restore needs two cores (the I/O
         # thread's kernel copies and the install), the engine alone one.
         "loadavg_1m": [load0, os.getloadavg()[0]],
+        "seed": seed,
+        "orders": orders,
+        "load": summary(loads),
+        "load_snapshots": loads,
         "per_round": rounds,
     }
 
