@@ -20,6 +20,7 @@ from bsr_io.tiers.base import Payload, PendingChunk, Tier
 from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.memory import MemoryTier
 from bsr_io.tiers.ssd import SSDTier
+from bsr_io.tiers.striped import StripedSSDTier
 
 
 class Store(Tier):
@@ -138,7 +139,7 @@ class Store(Tier):
 
 def open_store(
     engine: Engine,
-    ssd_dir: str | os.PathLike[str],
+    ssd_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     *,
     layout: KVLayout | None = None,
     l1_bytes: int | None = None,
@@ -147,14 +148,17 @@ def open_store(
     demote: bool = True,
 ) -> Store:
     """The usual composition: optional L1, L2 on `ssd_dir`, optional L3 on `lower_dir`
-    (records evicted from L2 are demoted there when `demote`)."""
+    (records evicted from L2 are demoted there when `demote`). A list of directories
+    (one per drive) stripes L2 over them (`StripedSSDTier`; `ssd_bytes` per directory)."""
     tiers: list[Tier] = []
     if l1_bytes:
         tiers.append(MemoryTier(l1_bytes, layout=layout))
     lower = LowerTier(lower_dir, layout=layout) if lower_dir is not None else None
-    tiers.append(
-        SSDTier(ssd_dir, ssd_bytes, engine, layout=layout, evict_to=lower if demote else None)
-    )
+    evict_to = lower if demote else None
+    if isinstance(ssd_dir, (str, os.PathLike)):
+        tiers.append(SSDTier(ssd_dir, ssd_bytes, engine, layout=layout, evict_to=evict_to))
+    else:
+        tiers.append(StripedSSDTier(ssd_dir, ssd_bytes, engine, layout=layout, evict_to=evict_to))
     if lower is not None:
         tiers.append(lower)
     return Store(tiers)

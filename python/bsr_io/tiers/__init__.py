@@ -1,4 +1,5 @@
-"""Tiers where chunk records live: L1 host memory, L2 local SSD, L3 lower tier or a
+"""Tiers where chunk records live: L1 host memory, L2 local SSD (one drive, or striped
+over several: `StripedSSDTier`), L3 lower tier or a
 Mooncake Store pool (`MooncakeTier`; Mooncake itself is imported only when one is built)."""
 
 from bsr_io.tiers.base import PendingChunk, Tier
@@ -8,6 +9,7 @@ from bsr_io.tiers.memory import MemoryTier
 from bsr_io.tiers.mooncake import MooncakeTier
 from bsr_io.tiers.mooncake_config import MooncakeConfig
 from bsr_io.tiers.ssd import SSDTier
+from bsr_io.tiers.striped import StripedSSDTier
 
 __all__ = [
     "FileTier",
@@ -17,5 +19,6 @@ __all__ = [
     "MooncakeTier",
     "PendingChunk",
     "SSDTier",
+    "StripedSSDTier",
     "Tier",
 ]
