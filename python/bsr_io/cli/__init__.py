@@ -24,6 +24,7 @@ BENCHES = (
     "bench_ceiling",
     "bench_paper",
     "bench_remote",
+    "bench_stripe",
     "bench_vllm",
 )
 

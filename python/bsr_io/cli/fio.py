@@ -249,7 +249,7 @@ def fio_read_payloads(
     *,
     payload_offset: int,
     payload_bytes: int,
-    files: int,
+    files: int | list[int],
     block_bytes: int = 1 << 20,
     iodepth: int = 32,
     timeout_s: float = 3600.0,
@@ -261,12 +261,16 @@ def fio_read_payloads(
     fio issues whole blocks only, so a payload that is not a multiple of `block_bytes` is
     read as two concurrent jobs, as the engine splits it: the whole blocks, and each
     file's tail in one request. The time is fio's measured runtime (the longest job).
-    Several directories (one per rank, `files` each) are read at the same time, one set
-    of jobs each, as ranks restore at the same time."""
+    Several directories (one per rank or per drive; `files` each, or a count per
+    directory) are read at the same time, one set of jobs each, as ranks restore at the
+    same time and a striped tier reads its drives."""
     dirs = directory if isinstance(directory, list) else [directory]
+    counts = files if isinstance(files, list) else [files] * len(dirs)
+    if len(counts) != len(dirs):
+        raise ValueError(f"{len(counts)} file counts for {len(dirs)} directories")
     body = payload_bytes // block_bytes * block_bytes
     tail = payload_bytes - body
-    if payload_bytes <= 0 or files <= 0:
+    if payload_bytes <= 0 or min(counts) <= 0:
         raise ValueError("nothing to read: no payload bytes or no files")
     if tail % 4096 or payload_offset % 4096:
         raise ValueError("payload offset and tail must be 4096-byte aligned for O_DIRECT")
@@ -277,7 +281,7 @@ def fio_read_payloads(
     if tail:
         jobs.append(("tail", payload_offset + body, tail, tail_depth or iodepth, tail))
     text = ""
-    for d, directory in enumerate(dirs):
+    for d, (directory, nfiles) in enumerate(zip(dirs, counts, strict=True)):
         common = (
             f"opendir={os.fspath(directory)}\nioengine=io_uring\ndirect=1\nfixedbufs=1\n"
             "rw=read\nfile_service_type=sequential\n"
@@ -286,13 +290,13 @@ def fio_read_payloads(
             mem = hugemem.iomem(f"{name}{d}") if hugemem else None
             text += (
                 f"[{name}{d}]\n{common}offset={off}\nbs={bs}\niodepth={depth}\n"
-                f"io_size={per_file * files}\n" + (f"iomem={mem}\n" if mem else "")
+                f"io_size={per_file * nfiles}\n" + (f"iomem={mem}\n" if mem else "")
             )
     cmd = [_exe(), "--readonly", "--output-format=json", "-"]
     report, wall = _run(cmd, timeout_s, stdin=text)
     nbytes = sum(int(j["read"]["io_bytes"]) for j in report["jobs"])
     seconds = max(j["read"]["runtime"] for j in report["jobs"]) / 1000.0
-    want = payload_bytes * files * len(dirs)
+    want = payload_bytes * sum(counts)
     if nbytes != want:
         raise RuntimeError(f"fio read {nbytes} bytes of the payloads' {want}: {text}")
     seconds = seconds or wall  # under a millisecond: fio reports 0, the process time stands

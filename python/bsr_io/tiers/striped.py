@@ -136,6 +136,10 @@ class StripedSSDTier(Tier):
     def drive_of(self, key: ChunkKey) -> int:
         return key.chunk_hash % len(self.drives)
 
+    def drives_dir(self, d: int, key: ChunkKey) -> Path:
+        """Drive `d`'s directory of records of `key`'s namespace (model, layout, ranks)."""
+        return self._files[d].path_of(key).parent
+
     def path_of(self, key: ChunkKey) -> Path:
         return self._files[self.drive_of(key)].path_of(key)
 
