@@ -15,8 +15,8 @@ from bsr_io.cli.fio import fio_available
 def test_bench_stripe_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     dirs = [tmp_path / "a", tmp_path / "b"]
     out = tmp_path / "stripe.json"
-    argv = ["bench", "stripe", "--dirs", *map(str, dirs), "--tokens", "2048", "--window", "2",
-            "--rounds", "2", "--seed", "1", "--dest-cap", "64MiB", "--quiet", "--json", str(out)]  # fmt: skip
+    argv = ["bench", "stripe", "--dirs", *map(str, dirs), "--tokens", "2048", "--window", "2"]
+    argv += ["--rounds", "2", "--seed", "1", "--dest-cap", "64MiB", "--quiet", "--json", str(out)]
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["outcome"] == "complete" and doc["chunks"] == 8
