@@ -118,6 +118,12 @@ class OldRecordFormat(RecordFormatError):
     and left where it is."""
 
 
+class DecisionUnknown(BsrError):
+    """This rank voted to commit, then lost the agreement's store before it could read
+    the decision: the peers may have committed. Fail the request on every rank (in a
+    serving engine, report the load failed); never treat it as a local `zero`."""
+
+
 class EngineBusy(BsrError):
     """No staging slot came free within the restore's timeout.
 
