@@ -10,7 +10,8 @@ cargo clippy --all-targets -- -D warnings
 cargo test --no-default-features
 ruff check python tests benches
 ruff format --check python tests benches
-# Types: strict on the core package, and the engine stub against the built module.
+# Types: strict on the core package and the LMCache and transformers integrations, and the
+# engine stub against the built module.
 mypy
 python -m mypy.stubtest bsr_io._core --allowlist scripts/stubtest-allowlist.txt
 python -m pytest -q "$@"

@@ -3,15 +3,24 @@
 Kept apart from the restore logic because this is the part that follows
 transformers releases: 5.x passes the cache as `cache=` and keeps tensors on
 `cache.layers[i].keys`; 4.x used `past_key_values=` and `cache.key_cache[i]`.
+
+Types: configs, models and caches carry transformers' classes. What differs between
+releases (the cache's tensors, the model's output, 4.x's `from_legacy_cache`) is read
+through `Any` here and nowhere else: transformers' annotations describe one release.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache as memoize
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import Cache, PretrainedConfig, PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,7 @@ class AttentionShape:
     latent: bool = False
 
 
-def attention_shape(config) -> AttentionShape:
+def attention_shape(config: PretrainedConfig) -> AttentionShape:
     """Read the KV geometry from a model config, refusing caches that are not dense.
 
     Sliding-window and linear-attention layers keep a rolling or recurrent state,
@@ -61,34 +70,42 @@ def attention_shape(config) -> AttentionShape:
     return AttentionShape(text.num_hidden_layers, kv_heads, head_dim, head_dim)
 
 
-def _uses_sliding_window(text) -> bool:
+def _uses_sliding_window(text: PretrainedConfig) -> bool:
     if getattr(text, "use_sliding_window", True) is False:
         return False
     return getattr(text, "sliding_window", None) is not None
 
 
 @memoize
-def _cache_kwarg(forward_cls: type) -> str:
-    params = inspect.signature(forward_cls.forward).parameters
+def _cache_kwarg(model_forward: Callable[..., object]) -> str:
+    """The cache's keyword in a model class's `forward`, read once per class's forward."""
+    params = inspect.signature(model_forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def forward(model, input_ids: torch.Tensor, cache):
+def forward(
+    model: PreTrainedModel, input_ids: torch.Tensor, cache: Cache
+) -> tuple[torch.Tensor, Cache]:
     """Run `model` on `input_ids` after `cache`; returns (logits, cache)."""
-    kwargs = {_cache_kwarg(type(model)): cache, "use_cache": True}
-    out = model(input_ids=input_ids, **kwargs)
+    kwargs = {_cache_kwarg(type(model).forward): cache, "use_cache": True}
+    out: Any = model(input_ids=input_ids, **kwargs)  # a ModelOutput; its fields vary
     new_cache = out.cache if hasattr(out, "cache") else out.past_key_values
     return out.logits, new_cache
 
 
-def kv_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def kv_tensors(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values), each [batch, kv_heads, seq, head_dim]."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return list(zip(cache.key_cache, cache.value_cache, strict=True))
+    # 5.x types a layer's keys as optional (linear attention has none; attention_shape
+    # refuses those models); 4.x's key_cache is not in 5.x's types at all.
+    any_cache: Any = cache
+    if hasattr(any_cache, "layers"):
+        return [(layer.keys, layer.values) for layer in any_cache.layers]
+    return list(zip(any_cache.key_cache, any_cache.value_cache, strict=True))
 
 
-def new_cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+def new_cache(
+    model: PreTrainedModel, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+) -> Cache:
     """A DynamicCache for `model`, holding `kv` (per layer keys, values) if given."""
     from transformers import DynamicCache
 
@@ -97,4 +114,5 @@ def new_cache(model, kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
             return DynamicCache(config=model.config)
         return DynamicCache(ddp_cache_data=kv, config=model.config)
     except TypeError:  # transformers 4.x: no config argument
-        return DynamicCache() if kv is None else DynamicCache.from_legacy_cache(tuple(kv))
+        legacy: Any = DynamicCache  # 4.x's from_legacy_cache is gone from 5.x's types
+        return DynamicCache() if kv is None else legacy.from_legacy_cache(tuple(kv))

@@ -24,7 +24,8 @@ computation as the original one, so its logits are bit-identical.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,7 +36,15 @@ from bsr_io.integrations.hf_compat import (
     kv_tensors,
     new_cache,
 )
+from bsr_io.kvcache import Fence
 from bsr_io.layout import AllocatorGroup, KVLayout
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from transformers import Cache, PretrainedConfig, PreTrainedModel
+
+    from bsr_io.discovery import Plan
+    from bsr_io.restore import Restorer, RestoreResult
 
 
 def head_shard(num_kv_heads: int, rank: int, world_size: int) -> slice:
@@ -60,11 +69,11 @@ def rank_heads(shape: AttentionShape, rank: int, world_size: int) -> slice:
 
 
 def kv_layout(
-    config,
+    config: PretrainedConfig,
     *,
     chunk_tokens: int,
     dtype: torch.dtype | None = None,
-    cache=None,
+    cache: Cache | None = None,
     rank: int = 0,
     world_size: int = 1,
 ) -> KVLayout:
@@ -110,7 +119,7 @@ class CacheDestination:
     values per layer, in the layout's group order.
     """
 
-    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], heads: slice):
+    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], heads: slice) -> None:
         if len(tensors) != len(layout.groups):
             raise ValueError(f"{len(tensors)} cache tensors for {len(layout.groups)} groups")
         self.layout = layout
@@ -126,11 +135,13 @@ class CacheDestination:
                 )
 
     @classmethod
-    def from_cache(cls, layout: KVLayout, cache, heads: slice) -> CacheDestination:
+    def from_cache(cls, layout: KVLayout, cache: Cache, heads: slice) -> CacheDestination:
         tensors = [t for kv in kv_tensors(cache) for t in kv]
         return cls(layout, tensors, heads)
 
-    def _chunk_views(self, chunk_index: int, payload: torch.Tensor):
+    def _chunk_views(
+        self, chunk_index: int, payload: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         ct = self.layout.chunk_tokens
         t0 = chunk_index * ct
         if chunk_index < 0 or t0 + ct > self.tokens:
@@ -140,7 +151,7 @@ class CacheDestination:
             src = payload[off : off + length].view(view.dtype).view(ct, heads, dim)
             yield view[:, t0 : t0 + ct].transpose(0, 1), src
 
-    def install(self, chunk_index: int, payload: torch.Tensor):
+    def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
         cuda = bool(self._views) and self._views[0].is_cuda
         for cache_part, chunk_part in self._chunk_views(chunk_index, payload):
             if cuda:
@@ -150,7 +161,7 @@ class CacheDestination:
             cache_part.copy_(chunk_part)
         if not cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record()
         return event  # the window keeps the slot until this fence passes
 
@@ -163,7 +174,13 @@ class CacheDestination:
             torch.cuda.synchronize(self._views[0].device)
 
 
-def prefill(model, token_ids: torch.Tensor, cache=None, *, chunk_tokens: int):
+def prefill(
+    model: PreTrainedModel,
+    token_ids: torch.Tensor,
+    cache: Cache | None = None,
+    *,
+    chunk_tokens: int,
+) -> tuple[Cache, torch.Tensor | None]:
     """Extend `cache` with `token_ids[cached:]`, one chunk-aligned piece per forward.
 
     Pieces end on multiples of `chunk_tokens` so that a recompute after a restore
@@ -183,7 +200,7 @@ def prefill(model, token_ids: torch.Tensor, cache=None, *, chunk_tokens: int):
     return cache, None if logits is None else logits[:, -1]
 
 
-def save_prefix(restorer, token_ids: torch.Tensor, cache) -> int:
+def save_prefix(restorer: Restorer, token_ids: torch.Tensor, cache: Cache) -> int:
     """Store this rank's head shard of every whole chunk `cache` holds of `token_ids`.
 
     Returns the number of chunks written (chunks already stored are skipped).
@@ -197,7 +214,13 @@ def save_prefix(restorer, token_ids: torch.Tensor, cache) -> int:
     return restorer.save(_ids(token_ids)[: dest.tokens], dest)
 
 
-def restore_prefix(restorer, model, token_ids: torch.Tensor, plan=None, group=None):
+def restore_prefix(
+    restorer: Restorer,
+    model: PreTrainedModel,
+    token_ids: torch.Tensor,
+    plan: Plan | None = None,
+    group: ProcessGroup | None = None,
+) -> tuple[Cache, RestoreResult]:
     """A cache for `model` holding `token_ids`: restored where the store has it, else recomputed.
 
     Returns (cache, RestoreResult). `plan` is the restorer's probe of `token_ids`
@@ -220,7 +243,7 @@ def restore_prefix(restorer, model, token_ids: torch.Tensor, plan=None, group=No
         for dim in (shape.key_dim, shape.value_dim)
     ]
     result = restorer.restore(plan, CacheDestination(layout, tensors, heads))
-    kv = None
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     if result.outcome == "complete" and result.committed_tokens > 0:
         if restorer.world_size > 1 and not shape.latent:
             tensors = [_gather_heads(t, heads, group) for t in tensors]
@@ -229,13 +252,15 @@ def restore_prefix(restorer, model, token_ids: torch.Tensor, plan=None, group=No
     return cache, result
 
 
-def continue_greedy(model, cache, input_ids: torch.Tensor, steps: int):
+def continue_greedy(
+    model: PreTrainedModel, cache: Cache, input_ids: torch.Tensor, steps: int
+) -> tuple[list[int], torch.Tensor]:
     """Feed `input_ids` after `cache`, then `steps - 1` greedy tokens one at a time.
 
     Returns (greedy tokens, logits of every forward concatenated over positions).
     """
     tokens: list[int] = []
-    logits_all = []
+    logits_all: list[torch.Tensor] = []
     ids = input_ids.reshape(1, -1)
     with torch.no_grad():
         for _ in range(steps):
@@ -246,7 +271,7 @@ def continue_greedy(model, cache, input_ids: torch.Tensor, steps: int):
     return tokens, torch.cat(logits_all)
 
 
-def _gather_heads(t: torch.Tensor, heads: slice, group) -> torch.Tensor:
+def _gather_heads(t: torch.Tensor, heads: slice, group: ProcessGroup | None) -> torch.Tensor:
     import torch.distributed as dist
 
     shard = t[:, heads].contiguous()
@@ -255,9 +280,9 @@ def _gather_heads(t: torch.Tensor, heads: slice, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _kv_heads(cache) -> int:
+def _kv_heads(cache: Cache) -> int:
     return kv_tensors(cache)[0][0].shape[1]
 
 
-def _ids(token_ids) -> list[int]:
+def _ids(token_ids: torch.Tensor | Sequence[int]) -> list[int]:
     return token_ids.reshape(-1).tolist() if torch.is_tensor(token_ids) else list(token_ids)

@@ -19,6 +19,7 @@ knobs live in the same `extra_config` under `bsr.`:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,7 @@ class Settings:
     mooncake: MooncakeConfig | None = None  # a pool as L3 below the SSD tier
 
     @classmethod
-    def from_extra_config(cls, extra: dict | None) -> Settings:
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> Settings:
         """Read `bsr.*` keys; ValueError naming the key when one is missing or bad."""
         extra = extra or {}
         if not extra.get("bsr.path"):
@@ -87,15 +88,15 @@ class Settings:
 
 
 def lmcache_settings(
-    path: str,
+    path: str | os.PathLike[str],
     *,
     window: int = 32,
     capacity: int | str | None = None,
     name: str = PLUGIN_NAME,
     **bsr: Any,
-) -> dict:
+) -> dict[str, Any]:
     """LMCache config keys (the top-level dict of a YAML config) that turn bsr-io on."""
-    extra = {
+    extra: dict[str, Any] = {
         f"storage_plugin.{name}.module_path": MODULE_PATH,
         f"storage_plugin.{name}.class_name": CLASS_NAME,
         "bsr.path": str(path),

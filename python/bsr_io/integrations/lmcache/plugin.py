@@ -23,12 +23,14 @@ was built with.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from lmcache.utils import CacheEngineKey
@@ -44,15 +46,27 @@ from bsr_io.kvcache import HostBuffers
 from bsr_io.layout import AllocatorGroup, KVLayout
 from bsr_io.restore import load_records, save_records
 from bsr_io.store import Store
+from bsr_io.tiers.base import Tier
 from bsr_io.tiers.ssd import SSDTier
+
+if TYPE_CHECKING:
+    # LMCache ships no types: its classes name the seam and read as Any (see pyproject).
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
 logger = logging.getLogger(__name__)
 
+# What LMCache calls back with once a put's record is stored.
+PutCallback = Callable[[CacheEngineKey], None]
+# A queued put: the key, its L1 object (one reference held by the plugin), the callback.
+Put = tuple[CacheEngineKey, MemoryObj, PutCallback | None]
 
-def layout_from_metadata(metadata) -> KVLayout:
+
+def layout_from_metadata(metadata: LMCacheMetadata) -> KVLayout:
     """bsr-io layout with one group per LMCache KV group, sized like LMCache's chunks."""
     ct = metadata.chunk_size
-    groups = []
+    groups: list[AllocatorGroup] = []
     for i, (shape, dtype) in enumerate(
         zip(metadata.get_shapes(ct), metadata.get_dtypes(), strict=True)
     ):
@@ -66,9 +80,16 @@ def layout_from_metadata(metadata) -> KVLayout:
     return KVLayout("lmcache-kv2ltd", tuple(groups), ct)
 
 
-class BsrStoragePlugin(StoragePluginInterface):
-    def __init__(self, dst_device="cpu", config=None, metadata=None, local_cpu_backend=None,
-                 loop=None):  # fmt: skip
+# LMCache's base class is untyped (Any to mypy): subclassing it is the seam.
+class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
+    def __init__(
+        self,
+        dst_device: str = "cpu",
+        config: LMCacheEngineConfig | None = None,
+        metadata: LMCacheMetadata | None = None,
+        local_cpu_backend: LocalCPUBackend | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         super().__init__(dst_device, config, metadata, local_cpu_backend, loop)
         if config is None or metadata is None:
             raise ValueError("BsrStoragePlugin needs LMCache's config and metadata")
@@ -92,7 +113,7 @@ class BsrStoragePlugin(StoragePluginInterface):
         cb = self.layout.chunk_bytes
         self.read_engine = Engine(s.window, cb, queue_depth=s.queue_depth, backend=backend)
         self.write_engine = Engine(s.window, cb, queue_depth=s.queue_depth, backend=backend)
-        self.tier = SSDTier(s.path, s.capacity, self.write_engine, layout=self.layout)
+        self.tier: Tier = SSDTier(s.path, s.capacity, self.write_engine, layout=self.layout)
         if s.mooncake is not None:
             # A shared pool below the SSD tier: written through, read where L2 misses.
             from bsr_io.tiers.mooncake import MooncakeTier
@@ -101,7 +122,7 @@ class BsrStoragePlugin(StoragePluginInterface):
         self._pending: set[CacheEngineKey] = set()
         self._pending_lock = threading.Lock()
         self._read_lock = threading.Lock()  # the read engine's W slots serve one get at a time
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[Put | None] = queue.Queue()  # None: stop the writer
         self._writer = threading.Thread(target=self._write_loop, name="bsr-io-put", daemon=True)
         self._writer.start()
         self.retriever = self._install_bounded_retrieve() if s.bounded_retrieve else None
@@ -209,8 +230,13 @@ class BsrStoragePlugin(StoragePluginInterface):
         return [*objs, *([None] * (len(keys) - len(objs)))]
 
     # -- writes -------------------------------------------------------------------------
-    def batched_submit_put_task(self, keys: Sequence[CacheEngineKey], objs: list[MemoryObj],
-                                transfer_spec=None, on_complete_callback=None) -> None:  # fmt: skip
+    def batched_submit_put_task(
+        self,
+        keys: Sequence[CacheEngineKey],
+        objs: list[MemoryObj],
+        transfer_spec: Any = None,
+        on_complete_callback: PutCallback | None = None,
+    ) -> None:
         for key, obj in zip(keys, objs, strict=False):
             if obj.get_size() != self.layout.chunk_bytes:
                 continue  # a partial last chunk: bsr-io keeps whole chunks only
@@ -235,7 +261,7 @@ class BsrStoragePlugin(StoragePluginInterface):
             if stop:
                 return
 
-    def _write_batch(self, batch: list) -> None:
+    def _write_batch(self, batch: list[Put]) -> None:
         def done(i: int, error: BaseException | None) -> None:
             key, obj, callback = batch[i]
             try:
@@ -281,7 +307,7 @@ class BsrStoragePlugin(StoragePluginInterface):
             logger.exception("bsr-io plugin: remove failed")
             return False
 
-    def get_allocator_backend(self):
+    def get_allocator_backend(self) -> LocalCPUBackend:
         return self.local_cpu_backend  # puts then hand us LMCache's L1 objects, no copy
 
     def close(self) -> None:
@@ -291,7 +317,7 @@ class BsrStoragePlugin(StoragePluginInterface):
         self.read_engine.close()
         self.write_engine.close()
 
-    def _install_bounded_retrieve(self):
+    def _install_bounded_retrieve(self) -> retrieve.BoundedRetriever | None:
         from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
         engines = [e for e in LMCacheEngineBuilder._instances.values() if e.config is self.config]
@@ -311,7 +337,7 @@ class BsrStoragePlugin(StoragePluginInterface):
             return None
 
 
-def _holds(tier, key: ChunkKey) -> bool:
+def _holds(tier: Tier, key: ChunkKey) -> bool:
     try:
         return tier.contains(key)
     except Exception:

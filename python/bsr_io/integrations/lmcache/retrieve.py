@@ -28,9 +28,19 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    # LMCache ships no types: these name the seam and read as Any (pyproject's override).
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.cache_engine import LMCacheEngine
+
+    from bsr_io.commit import Agreement, Vote
+
+    # (key, first token, end token) per chunk, as LMCache's token database yields them.
+    ChunkInfo = tuple[CacheEngineKey, int, int]
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +68,9 @@ class RetrieveReport:
     locations: dict[str, int] = field(default_factory=dict)  # chunks per tier
 
 
-def unsupported_reasons(engine) -> list[str]:
+def unsupported_reasons(engine: LMCacheEngine) -> list[str]:
     """Why `engine` cannot take the bounded retrieve (empty when it can)."""
-    reasons = []
+    reasons: list[str] = []
     if getattr(engine, "async_loading", False):
         reasons.append(_UNSUPPORTED["async_loading"])
     if getattr(engine, "use_layerwise", False):
@@ -80,7 +90,9 @@ class BoundedRetriever:
     `retrieve` for the same requests in the same order, as vLLM's workers do.
     """
 
-    def __init__(self, engine, window: int, agreement=None) -> None:
+    def __init__(
+        self, engine: LMCacheEngine, window: int, agreement: Agreement | None = None
+    ) -> None:
         if window < 1:
             raise ValueError(f"window must be at least 1 chunk, got {window}")
         self.engine = engine
@@ -90,7 +102,9 @@ class BoundedRetriever:
         self._lock = threading.Lock()  # one retrieve at a time, as the vLLM worker calls it
 
     @torch.inference_mode()
-    def retrieve(self, tokens, mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+    def retrieve(
+        self, tokens: torch.Tensor | list[int], mask: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
         with self._lock:
             ret_mask, report = self._retrieve(tokens, mask, kwargs)
         self.last = report
@@ -110,7 +124,9 @@ class BoundedRetriever:
         )
         return ret_mask
 
-    def _retrieve(self, tokens, mask, kwargs) -> tuple[torch.Tensor, RetrieveReport]:
+    def _retrieve(
+        self, tokens: torch.Tensor | list[int], mask: torch.Tensor | None, kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, RetrieveReport]:
         eng = self.engine
         t0 = time.perf_counter()
         ret_mask = torch.zeros(len(tokens), dtype=torch.bool)
@@ -118,7 +134,8 @@ class BoundedRetriever:
         report = RetrieveReport("zero", requested, 0, 0)
         stats = eng.stats_monitor.on_retrieve_request(requested)
         vote = self.agreement.open_vote(str(kwargs.get("req_id", ""))) if self.agreement else None
-        ok, reason, chunk_infos = True, "", []
+        ok, reason = True, ""
+        chunk_infos: list[ChunkInfo] = []
         try:
             if not eng.is_healthy():
                 raise _Fail("LMCache reports itself unhealthy")
@@ -130,7 +147,9 @@ class BoundedRetriever:
             ]
             report.chunks = len(chunk_infos)
             # Discovery from metadata only (backends' batched_contains), prefix by tier.
-            mapping = eng.storage_manager.get_block_mapping(chunk_infos) if chunk_infos else {}
+            mapping: dict[str, list[ChunkInfo]] = (
+                eng.storage_manager.get_block_mapping(chunk_infos) if chunk_infos else {}
+            )
             found = sum(len(blocks) for blocks in mapping.values())
             report.locations = {loc: len(blocks) for loc, blocks in mapping.items()}
             if found < len(chunk_infos):
@@ -158,7 +177,13 @@ class BoundedRetriever:
         eng.stats_monitor.on_retrieve_finished(stats, report.restored_tokens)
         return ret_mask, report
 
-    def _install(self, mapping, kwargs, report: RetrieveReport, vote) -> None:
+    def _install(
+        self,
+        mapping: dict[str, list[ChunkInfo]],
+        kwargs: dict[str, Any],
+        report: RetrieveReport,
+        vote: Vote | None,
+    ) -> None:
         eng = self.engine
         for location, blocks in mapping.items():
             for i in range(0, len(blocks), self.window):
@@ -196,7 +221,9 @@ class _Fail(Exception):
     """An expected reason for zero reuse (logged without a traceback)."""
 
 
-def install(engine, window: int, agreement=None) -> BoundedRetriever:
+def install(
+    engine: LMCacheEngine, window: int, agreement: Agreement | None = None
+) -> BoundedRetriever:
     """Route `engine.retrieve` through a `BoundedRetriever`; returns it.
 
     Raises ValueError when the engine runs a retrieve mode this does not replace.
@@ -204,7 +231,7 @@ def install(engine, window: int, agreement=None) -> BoundedRetriever:
     reasons = unsupported_reasons(engine)
     if reasons:
         raise ValueError("bounded retrieve not installed: " + "; ".join(reasons))
-    current = getattr(engine, "_bsr_retriever", None)
+    current = installed(engine)
     if current is not None:
         current.window, current.agreement = window, agreement
         return current
@@ -214,24 +241,25 @@ def install(engine, window: int, agreement=None) -> BoundedRetriever:
     return retriever
 
 
-def uninstall(engine) -> None:
+def uninstall(engine: LMCacheEngine) -> None:
     """Give the engine its stock retrieve back."""
     if getattr(engine, "_bsr_retriever", None) is not None:
         del engine.retrieve
         engine._bsr_retriever = None
 
 
-def installed(engine) -> BoundedRetriever | None:
-    return getattr(engine, "_bsr_retriever", None)
+def installed(engine: LMCacheEngine) -> BoundedRetriever | None:
+    retriever: BoundedRetriever | None = getattr(engine, "_bsr_retriever", None)
+    return retriever
 
 
 def bounded_retrieve(
-    engine,
-    tokens,
+    engine: LMCacheEngine,
+    tokens: torch.Tensor | list[int],
     mask: torch.Tensor | None = None,
     *,
     window: int,
-    agreement=None,
+    agreement: Agreement | None = None,
     **kwargs: Any,
 ) -> torch.Tensor:
     """One bounded retrieve without installing anything on the engine."""
