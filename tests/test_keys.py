@@ -118,3 +118,31 @@ def test_chunk_keys_per_rank_and_layout():
     assert [k.chunk_hash for k in k0] == [k.chunk_hash for k in k1]
     assert not set(k0) & set(k1)
     assert {k.layout_fingerprint for k in chunk_keys(ids, other, "m")} == {other.fingerprint()}
+
+
+def test_chunk_hashes_are_128_bits_and_chain_the_whole_state():
+    """Keys carry 128 bits: over a few thousand chunks some hash needs more than 64 bits
+    (a 64-bit hash never would), none more than 128; the wider key round-trips."""
+    hashes = prefix_hashes(np.arange(4096 * 8, dtype=np.int64) % 50_000, 8)
+    assert max(h.bit_length() for h in hashes) > 64
+    assert all(0 <= h < 1 << 128 for h in hashes)
+    assert len(set(hashes)) == len(hashes)
+    k = ChunkKey("m", 1, 0, FP, (1 << 128) - 1)
+    assert ChunkKey.from_bytes(k.to_bytes()) == k and len(k.file_stem()) == 32
+    with pytest.raises(ValueError, match="128-bit"):
+        ChunkKey("m", 1, 0, FP, 1 << 128)
+    with pytest.raises(ValueError):
+        ChunkKey.from_bytes(k.to_bytes()[:-1])
+
+
+def test_identity_digest_covers_every_field():
+    k = ChunkKey("model#ctx", 2, 1, FP, 12345)
+    variants = [
+        ChunkKey("model#ctx2", 2, 1, FP, 12345),
+        ChunkKey("model#ctx", 4, 1, FP, 12345),
+        ChunkKey("model#ctx", 2, 0, FP, 12345),
+        ChunkKey("model#ctx", 2, 1, "cd" * 16, 12345),
+        ChunkKey("model#ctx", 2, 1, FP, 12345 + (1 << 64)),  # differs above bit 64 only
+    ]
+    assert len(k.identity_digest()) == 32
+    assert len({v.identity_digest() for v in variants} | {k.identity_digest()}) == 6

@@ -231,6 +231,24 @@ def test_bad_objects_are_detected_and_withdrawn(tier, engine, pool, kind, tmp_pa
     other.close()
 
 
+def test_an_object_of_an_older_record_format_is_a_miss_and_stays(tier, engine, pool, tmp_path):
+    from bsr_io.record import _header_sum
+
+    seed, keys = state(1)
+    lower = LowerTier(tmp_path)
+    lower.write(keys[0], synthetic_chunk(LAYOUT, seed, 0), LAYOUT)
+    body = bytearray(lower.path_of(keys[0]).read_bytes())
+    body[8:10] = (1).to_bytes(2, "little")  # an intact header of format version 1
+    body[HEADER_BYTES - 8 : HEADER_BYTES] = _header_sum(body[:HEADER_BYTES])
+    put_raw(tier, keys[0], bytes(body))
+    with pytest.raises(ChunkMissing, match="older record format"):
+        tier.read_into(keys[0], engine)
+    assert tier.stats()["quarantined"] == 0
+    other = MooncakeTier(pool.config(), layout=LAYOUT)
+    assert other.contains(keys[0])  # left in the pool
+    other.close()
+
+
 def test_bad_objects_without_a_known_layout(pool, engine):
     """A tier that never saw the layout learns the size from the pool, and still refuses
     a foreign object."""

@@ -51,3 +51,37 @@ def test_key_for_another_layout_is_refused():
     key = chunk_keys(range(64), preset("tiny"), "m")[0]
     with pytest.raises(ValueError, match="another layout"):
         make_header(key, preset("llama-3.1-8b"), 0)
+
+
+def _resealed(raw: bytes, pos: int, new: bytes) -> bytes:
+    """`raw` with bytes at `pos` replaced and the header checksum recomputed (a header
+    that is intact but says something else)."""
+    from bsr_io.record import _header_sum
+
+    body = bytearray(raw)
+    body[pos : pos + len(new)] = new
+    body[HEADER_BYTES - 8 :] = _header_sum(body)
+    return bytes(body)
+
+
+def test_identity_digest_is_stored_and_checked(header):
+    lay, key, h = header
+    raw = h.encode()
+    at = 34 + len(key.to_bytes())
+    assert raw[at : at + 32] == key.identity_digest() == decode_header(raw).identity
+    forged = _resealed(raw, at, bytes(32))
+    with pytest.raises(RecordFormatError, match="identity"):
+        decode_header(forged)
+    other = chunk_keys(range(512), lay, "deepseek/V4-Flash#other-lora", rank=1, world_size=2)[1]
+    assert "key" in decode_header(raw).check(other)
+
+
+def test_another_format_version_is_its_own_error(header):
+    from bsr_io.record import OldRecordFormat
+
+    raw = header[2].encode()
+    old = _resealed(raw, 8, (1).to_bytes(2, "little"))
+    with pytest.raises(OldRecordFormat):
+        decode_header(old)
+    with pytest.raises(RecordFormatError, match="checksum"):  # a flipped version field
+        decode_header(raw[:8] + b"\x01" + raw[9:])

@@ -1,9 +1,12 @@
 """Prefix hashing and chunk keys.
 
-Tokens are cut into chunks of `chunk_tokens`; chunk i's hash chains chunk i-1's hash
+Tokens are cut into chunks of `chunk_tokens`; chunk i's hash chains chunk i-1's state
 with chunk i's token ids, so a chunk key names the whole prefix up to its end. The
-hash is blake2b over a canonical encoding (little-endian int64 token ids), the same
-in every process and on every host. A partial last chunk has no key.
+chain is blake2b-256 over a canonical encoding (little-endian int64 token ids), the
+same in every process and on every host; a key carries the first 128 bits of each
+link. 128 bits keep a collision out of reach (2^64 work for a birthday pair, a second
+preimage for a given prefix 2^128), where 64 bits let an adversary who controls
+prompts poison a shared cache (vLLM's CVE-2025-25183). A partial last chunk has no key.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import numpy.typing as npt
 if TYPE_CHECKING:
     from bsr_io.layout import KVLayout
 
-_HASH_DOMAIN = b"bsr-io/prefix/v1"
+_HASH_DOMAIN = b"bsr-io/prefix/v2"
+HASH_BITS = 128
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{32}$")
 MAX_MODEL_BYTES = 1024
 
@@ -37,25 +41,25 @@ def _token_array(token_ids: Any) -> npt.NDArray[np.int64]:
 
 
 def prefix_hashes(token_ids: Any, chunk_tokens: int) -> list[int]:
-    """Chained 64-bit hashes of each full chunk of `token_ids` (list, numpy or torch)."""
+    """Chained 128-bit hashes of each full chunk of `token_ids` (list, numpy or torch)."""
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     tokens = _token_array(token_ids)
     hashes: list[int] = []
-    prev = b"\0" * 8
+    prev = b"\0" * 32
     for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
-        h = hashlib.blake2b(digest_size=8, person=b"bsr-prefix")
+        h = hashlib.blake2b(digest_size=32, person=b"bsr-prefix")
         h.update(_HASH_DOMAIN)
-        h.update(prev)
+        h.update(prev)  # the whole 256-bit state chains on, the key keeps 128 bits of it
         h.update(tokens[start : start + chunk_tokens].tobytes())
         prev = h.digest()
-        hashes.append(int.from_bytes(prev, "little"))
+        hashes.append(int.from_bytes(prev[:16], "little"))
     return hashes
 
 
 def model_digest(model: str) -> str:
-    """16 hex chars naming a model in paths; the raw name never becomes a path component."""
-    return hashlib.blake2b(model.encode("utf-8"), digest_size=8, person=b"bsr-model").hexdigest()
+    """32 hex chars naming a model in paths; the raw name never becomes a path component."""
+    return hashlib.blake2b(model.encode("utf-8"), digest_size=16, person=b"bsr-model").hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +91,10 @@ class ChunkKey:
                 "layout_fingerprint must be 32 lowercase hex chars (KVLayout.fingerprint()), "
                 f"got {self.layout_fingerprint!r}"
             )
-        if not isinstance(self.chunk_hash, int) or not 0 <= self.chunk_hash < 1 << 64:
-            raise ValueError(f"chunk_hash must be an unsigned 64-bit int, got {self.chunk_hash!r}")
+        if not isinstance(self.chunk_hash, int) or not 0 <= self.chunk_hash < 1 << HASH_BITS:
+            raise ValueError(
+                f"chunk_hash must be an unsigned {HASH_BITS}-bit int, got {self.chunk_hash!r}"
+            )
 
     def to_bytes(self) -> bytes:
         """Canonical encoding (the form stored in record headers)."""
@@ -98,7 +104,7 @@ class ChunkKey:
             + model
             + struct.pack("<II", self.world_size, self.rank)
             + bytes.fromhex(self.layout_fingerprint)
-            + struct.pack("<Q", self.chunk_hash)
+            + self.chunk_hash.to_bytes(16, "little")
         )
 
     @classmethod
@@ -109,16 +115,25 @@ class ChunkKey:
             model = bytes(data[2 : 2 + n]).decode("utf-8")
             world_size, rank = struct.unpack_from("<II", data, 2 + n)
             fp = bytes(data[10 + n : 26 + n]).hex()
-            (chunk_hash,) = struct.unpack_from("<Q", data, 26 + n)
+            raw_hash = bytes(data[26 + n : 42 + n])
         except (struct.error, UnicodeDecodeError) as exc:
             raise ValueError(f"not an encoded chunk key: {exc}") from None
-        if len(data) != 34 + n:
-            raise ValueError(f"encoded chunk key has {len(data) - 34 - n} trailing bytes")
+        if len(fp) != 32 or len(raw_hash) != 16:
+            raise ValueError("not an encoded chunk key: truncated")
+        if len(data) != 42 + n:
+            raise ValueError(f"encoded chunk key has {len(data) - 42 - n} trailing bytes")
+        chunk_hash = int.from_bytes(raw_hash, "little")
         return cls(model, world_size, rank, fp, chunk_hash)
 
     def hex(self) -> str:
         """32 hex chars identifying the key (a digest of `to_bytes`)."""
         return hashlib.blake2b(self.to_bytes(), digest_size=16, person=b"bsr-key").hexdigest()
+
+    def identity_digest(self) -> bytes:
+        """32 bytes binding everything the key stands for (the caller's model identity
+        string, world size, rank, layout, the prefix hash): what a record header
+        carries and a reader recomputes from the key it asked for."""
+        return hashlib.blake2b(self.to_bytes(), digest_size=32, person=b"bsr-identity").digest()
 
     def namespace(self) -> str:
         """Directory name for this key's model, layout and rank: hex and digits only."""
@@ -128,10 +143,10 @@ class ChunkKey:
 
     def file_stem(self) -> str:
         """File name (without suffix) for this key's record inside its namespace."""
-        return f"{self.chunk_hash:016x}"
+        return f"{self.chunk_hash:032x}"
 
     def short(self) -> str:
-        return f"{self.model}/w{self.world_size}r{self.rank}/{self.chunk_hash:016x}"
+        return f"{self.model}/w{self.world_size}r{self.rank}/{self.chunk_hash:032x}"
 
 
 def chunk_keys(

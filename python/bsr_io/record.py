@@ -3,19 +3,22 @@
 Header (little-endian), all of it covered by a header checksum:
 
     0   8  magic b"BSRCHNK1"
-    8   2  format version (1)
+    8   2  format version (2; a record of another version is a miss: OldRecordFormat)
     10  2  group count G
     12  4  header bytes (4096): the payload starts here, aligned for O_DIRECT
     16  8  payload length
     24  8  payload xxh3-64 (computed by the engine)
     32  2  encoded key length K
-    34  K  the full key (ChunkKey.to_bytes: model, world size, rank, layout fingerprint,
-           chunk hash)
-    34+K   G x (offset u64, length u64): each allocator group's bytes in the payload
+    34  K  the full key (ChunkKey.to_bytes: model identity, world size, rank, layout
+           fingerprint, 128-bit prefix hash)
+    34+K  32  identity digest (ChunkKey.identity_digest: blake2b-256 of the key)
+    66+K   G x (offset u64, length u64): each allocator group's bytes in the payload
     4088 8  blake2b-64 of bytes [0, 4088)
 
-The layout fingerprint is part of the key. A record file is the header followed by
-exactly `payload length` bytes; anything shorter is torn or truncated.
+The layout fingerprint is part of the key. A read checks the stored key and identity
+digest against the key it asked for, so a record stands only for the exact prefix
+(128-bit chained hash) and identity it was written for. A record file is the header
+followed by exactly `payload length` bytes; anything shorter is torn or truncated.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 
 MAGIC = b"BSRCHNK1"
-VERSION = 1
+VERSION = 2
+_IDENTITY = 32
 HEADER_BYTES = 4096
 _FIXED = struct.Struct("<8sHHIQQH")  # magic, version, groups, header bytes, len, xxh3, key len
 _GROUP = struct.Struct("<QQ")
@@ -43,6 +47,11 @@ class RecordHeader:
     payload_len: int
     payload_xxh3: int
     groups: tuple[tuple[int, int], ...]
+    identity: bytes = b""  # the key's identity digest as stored (b"": the key's own)
+
+    def __post_init__(self) -> None:
+        if not self.identity:
+            object.__setattr__(self, "identity", self.key.identity_digest())
 
     @property
     def record_bytes(self) -> int:
@@ -65,6 +74,8 @@ class RecordHeader:
         pos = _FIXED.size
         body[pos : pos + len(key)] = key
         pos += len(key)
+        body[pos : pos + _IDENTITY] = self.identity
+        pos += _IDENTITY
         if pos + _GROUP.size * len(self.groups) > _SUM_AT:
             raise RecordFormatError(f"{len(self.groups)} groups and the key do not fit a header")
         for off, n in self.groups:
@@ -77,6 +88,8 @@ class RecordHeader:
         """Why this header does not belong to `key` (and `layout`), or None if it does."""
         if self.key != key:
             return f"record holds key {self.key.short()}, expected {key.short()}"
+        if self.identity != key.identity_digest():
+            return "record's identity digest differs from the key's"
         if layout is not None:
             if key.layout_fingerprint != layout.fingerprint():
                 return f"key's layout fingerprint is not layout {layout.name}'s"
@@ -120,7 +133,7 @@ def decode_header(data: bytes | bytearray | memoryview) -> RecordHeader:
     if hdr_bytes != HEADER_BYTES:
         raise RecordFormatError(f"header size {hdr_bytes}, expected {HEADER_BYTES}")
     pos = _FIXED.size
-    end = pos + key_len + ngroups * _GROUP.size
+    end = pos + key_len + _IDENTITY + ngroups * _GROUP.size
     if end > _SUM_AT:
         raise RecordFormatError("key and group table overrun the header")
     try:
@@ -128,6 +141,10 @@ def decode_header(data: bytes | bytearray | memoryview) -> RecordHeader:
     except ValueError as exc:
         raise RecordFormatError(f"bad key in header: {exc}") from None
     pos += key_len
+    identity = bytes(data[pos : pos + _IDENTITY])
+    if identity != key.identity_digest():
+        raise RecordFormatError("identity digest does not match the header's key")
+    pos += _IDENTITY
     groups = []
     expect = 0
     for _ in range(ngroups):
@@ -139,4 +156,4 @@ def decode_header(data: bytes | bytearray | memoryview) -> RecordHeader:
         pos += _GROUP.size
     if expect != payload_len:
         raise RecordFormatError(f"groups cover {expect} bytes, payload is {payload_len}")
-    return RecordHeader(key, payload_len, xxh, tuple(groups))
+    return RecordHeader(key, payload_len, xxh, tuple(groups), identity)

@@ -138,8 +138,8 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
     # -- keys ---------------------------------------------------------------------------
     def chunk_key(self, key: CacheEngineKey) -> ChunkKey:
         """bsr-io key for an LMCache key: its string form (model, ranks, hash, dtype,
-        tags) hashed to 64 bits, so every field LMCache distinguishes keeps records apart."""
-        digest = hashlib.blake2b(key.to_string().encode(), digest_size=8, person=b"bsr-lmc")
+        tags) hashed to 128 bits, so every field LMCache distinguishes keeps records apart."""
+        digest = hashlib.blake2b(key.to_string().encode(), digest_size=16, person=b"bsr-lmc")
         return ChunkKey(
             key.model_name, key.world_size, key.worker_id, self._fingerprint,
             int.from_bytes(digest.digest(), "little"),

@@ -22,9 +22,11 @@ from bsr_io.keys import ChunkKey
 from bsr_io.record import HEADER_BYTES, RecordHeader, decode_header
 
 SUFFIX = ".chunk"
-NS_RE = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{32}-w\d+r\d+$")
-STEM_RE = re.compile(r"^[0-9a-f]{16}$")
-TMP_RE = re.compile(r"^\.[0-9a-f]{16}\.([0-9a-f]{8})\.(\d+)\.[0-9a-f]+\.tmp$")
+# Record format 2 (128-bit model digests and chunk hashes); format 1's 16-hex names
+# match neither, so an older bsr-io's records are left alone: a miss, never an error.
+NS_RE = re.compile(r"^[0-9a-f]{32}-[0-9a-f]{32}-w\d+r\d+$")
+STEM_RE = re.compile(r"^[0-9a-f]{32}$")
+TMP_RE = re.compile(r"^\.[0-9a-f]{32}\.([0-9a-f]{8})\.(\d+)\.[0-9a-f]+\.tmp$")
 _HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
 
 
