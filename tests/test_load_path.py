@@ -147,3 +147,33 @@ def test_asynchronous_installs_are_waited_for_before_their_slots_return(stored):
     assert sorted(dest.waited) == [0, 1, 2, 3, 4, 5]
     assert all(live > 0 for live in dest.live_at_wait)
     assert engine.live_bytes() == 0
+
+
+def test_staged_records_are_written_and_every_slot_returns(tmp_path):
+    from bsr_io.restore import write_staged
+
+    engine = Engine(4, BIG.chunk_bytes)
+    tier = SSDTier(tmp_path / "l2", None, engine)
+    keys, layouts, data = _records(4, seed=3)
+    slots = []
+    for d in data:
+        s = engine.lease()
+        s.fill_from(d)
+        s.set_length(d.nbytes)
+        slots.append(s)
+    # Record 1 is handed with the wrong layout: it fails alone, and its slot returns too.
+    layouts[1] = BIG
+    errors: dict[int, BaseException | None] = {}
+    written = write_staged(tier, keys, layouts, slots, width=4,
+                           on_done=lambda i, e: errors.__setitem__(i, e))  # fmt: skip
+    del slots
+    assert written == 3
+    assert [i for i, e in errors.items() if e is not None] == [1]
+    assert engine.live_bytes() == 0
+    for i in (0, 2, 3):
+        slot = tier.read_into(keys[i], engine)
+        assert bytes(memoryview(slot)[: data[i].nbytes]) == data[i].tobytes()
+        slot.release()
+    assert not tier.contains(keys[1])
+    tier.close()
+    engine.close()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from bsr_io._core import Engine, Slot
 from bsr_io.commit import Agreement
 from bsr_io.discovery import Plan, discover, sources_of
-from bsr_io.engine import as_tensor, lease, register_cuda
+from bsr_io.engine import as_tensor, give_back, lease, register_cuda
 from bsr_io.errors import EngineBusy, LayoutError
 from bsr_io.keys import chunk_keys
 from bsr_io.kvcache import Destination
@@ -70,9 +70,11 @@ class RestoreResult:
         return asdict(self)
 
 
-def _first_hash(keys: Sequence[ChunkKey]) -> str:
-    # Rank-independent tag so every rank's request lands in the same namespace.
-    return f"{keys[0].chunk_hash:016x}" if keys else "empty"
+def _content_tag(keys: Sequence[ChunkKey]) -> str:
+    # Rank-independent digest of the request's whole content (the last chunk's hash
+    # chains over the prefix): the agreement matches unnamed requests across ranks by it,
+    # and requests that share only a system prompt must not match.
+    return f"{keys[-1].chunk_hash:032x}" if keys else "empty"
 
 
 def _layout_mismatch(layout: KVLayout, dest: object) -> str:
@@ -253,27 +255,70 @@ def save_records(
             tier.write(keys[i], slot, layouts[i])
         return 1
 
+    written = _each(write, len(keys), width, on_done, progress)
+    dest.synchronize()
+    return written
+
+
+def write_staged(
+    tier: Tier | Store,
+    keys: Sequence[ChunkKey],
+    layouts: Sequence[KVLayout],
+    slots: Sequence[Slot],
+    *,
+    width: int,
+    on_done: Callable[[int, BaseException | None], object] | None = None,
+) -> int:
+    """Write records already gathered into engine slots (`slots[i]` holds record i, its
+    length set): for a host whose blocks must be copied out at once (vLLM's sliding-
+    window blocks are reused from the next step on) and written later. `width` writes
+    in flight; each slot goes back to the ring as soon as its own write ends, failed or
+    not. Returns records written; failures as in `save_records`."""
+    if not len(keys) == len(layouts) == len(slots):
+        raise ValueError(f"{len(keys)} keys, {len(layouts)} layouts, {len(slots)} slots")
+    held: list[Slot | None] = list(slots)
+
+    def write(i: int) -> int:
+        slot, held[i] = held[i], None  # this thread's slot now, and only its
+        assert slot is not None
+        try:
+            return 1 if tier.write(keys[i], slot, layouts[i]) else 0
+        finally:
+            give_back(slot)
+            del slot
+
+    return _each(write, len(keys), width, on_done)
+
+
+def _each(
+    write: Callable[[int], int],
+    n: int,
+    width: int,
+    on_done: Callable[[int, BaseException | None], object] | None,
+    progress: Callable[[int], object] | None = None,
+) -> int:
+    """`write(i)` for i < n on `width` threads; the records written. With `on_done`, a
+    record's failure goes there and the rest go on; without, the first one raises."""
+
     def one(i: int) -> int:
         if on_done is None:
             return write(i)
         try:
-            n = write(i)
+            w = write(i)
         except Exception as exc:  # noqa: BLE001 - handed to the caller's callback
             on_done(i, exc)
             return 0
         on_done(i, None)
-        return n
+        return w
 
     written = 0
-    if not keys:
+    if n == 0:
         return 0
-    with ThreadPoolExecutor(max_workers=min(width, len(keys)),
-                            thread_name_prefix="bsr-save") as pool:  # fmt: skip
-        for w in pool.map(one, range(len(keys))):
+    with ThreadPoolExecutor(max_workers=min(width, n), thread_name_prefix="bsr-save") as pool:
+        for w in pool.map(one, range(n)):
             written += w
             if progress is not None:
                 progress(1)
-    dest.synchronize()
     return written
 
 
@@ -353,8 +398,10 @@ class Restorer:
         None numbers requests in call order, so ranks must then probe in the same
         order. The plan carries the request's identity on to `restore`."""
         keys = self.keys(token_ids)
+        # Numbered before discovery: a discovery that raises must not leave this rank's
+        # count of unnamed requests behind the others'.
+        request = self.agreement.request(request_id, tag=_content_tag(keys))
         sources, group_hits = discover(self.tiers, keys, self.layout)
-        request = self.agreement.request(request_id, tag=_first_hash(keys))
         agreed, reason = self.agreement.agree_min(len(sources), request)
         if not reason and agreed < len(sources):
             reason = f"hit shortened from {len(sources)} to {agreed} chunks by another rank"
