@@ -24,6 +24,7 @@ class _Spy(PagedKVCache):
     """Counts the fused installs it is asked for (so a test knows which path ran)."""
 
     fused_calls = 0
+    direct_reads = False  # these tests watch the install from a slot
 
     def host_runs(self, chunk_index):
         self.fused_calls += 1

@@ -17,6 +17,7 @@ KW = {
     "tokens": 64 * 64,  # 64 chunks of ~4 MiB: a 250 MiB state, 32x the window
     "window": 2,
     "check_data": False,
+    "direct_reads": False,  # the staging bound is what this measures: through the slots
 }
 
 
@@ -37,3 +38,13 @@ def test_vmhwm_growth_bounded_by_window(tmp_path):
     )
     assert wp["outcome"] == "complete", wp
     assert wp["vmhwm_growth_bytes"] >= state, wp
+
+
+def test_direct_reads_stage_nothing(tmp_path):
+    # Read straight into the cache's blocks: no slot is leased, and the process grows by
+    # no more than the (unused) ring; the bytes are checked.
+    kw = {"root": str(tmp_path), **KW, "direct_reads": True, "check_data": True}
+    (bsr,) = launch(1, "bsr_io.testing.scenarios:restore_on_rank", kw)
+    assert bsr["outcome"] == "complete", bsr
+    assert bsr["rws_peak_bytes"] == 0
+    assert bsr["vmhwm_growth_bytes"] <= 2 * bsr["slot_bytes"] + 64 * MiB, bsr

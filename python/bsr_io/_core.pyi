@@ -25,6 +25,7 @@ __all__ = [
     "File",
     "Slot",
     "Pending",
+    "DirectRead",
     "BsrError",
     "BsrIoError",
     "AlignmentError",
@@ -40,6 +41,7 @@ __all__ = [
     "NoMemoryError",
     "xxh3_64",
     "dio_alignment",
+    "xxh3_runs",
 ]
 
 class BsrError(Exception):
@@ -173,6 +175,19 @@ class Pending:
         a later wait returns the same Slot while it lives and ValueError after."""
 
 @final
+class DirectRead:
+    """A read from a file straight into caller buffers (`Engine.submit_read_into`). The
+    buffers stay exported (pinned) until the read ends; dropped before that, they stay
+    pinned for good, since the kernel may still write them."""
+
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> int:
+        """Block (GIL released) until the read ended; the bytes read. Raises the I/O
+        error (ShortReadError past the end of the file), TimeoutError meanwhile."""
+    @property
+    def length(self) -> int: ...
+
+@final
 class Engine:
     def __new__(
         cls,
@@ -240,6 +255,17 @@ class Engine:
         `fill_from` and `set_length` raise ValueError and new views BufferError.
         `wait()` hands the slot back."""
     def write(self, slot: Slot, file: File, offset: int, length: int | None = None) -> int: ...
+    def submit_read_into(
+        self,
+        file: File,
+        offset: int,
+        dsts: Sequence[Any],
+        runs: Sequence[tuple[int, int, int, int]],
+    ) -> DirectRead:
+        """Read the file from `offset` straight into the writable buffers `dsts` along
+        `runs` ((buffer index, offset in it, payload offset, length), covering the payload
+        in order without gaps or overlap): no slot is taken. AlignmentError when a run's
+        address or length does not suit O_DIRECT on this file (read through a slot)."""
     def free_slots(self) -> int: ...
     def live_bytes(self) -> int:
         """Staging bytes now leased or in flight (slot_bytes per such slot)."""
@@ -268,6 +294,10 @@ class Engine:
 
 def xxh3_64(data: Buffer) -> int:
     """xxh3-64 of any contiguous buffer, GIL released."""
+
+def xxh3_runs(bufs: Sequence[Any], runs: Sequence[tuple[int, int, int, int]]) -> int:
+    """xxh3-64 of the payload lying in `bufs` along `runs` (as for submit_read_into): the
+    record header's hash, taken in place (GIL released)."""
 
 def dio_alignment(path: str | PathLike[str]) -> tuple[int, int]:
     """(memory alignment, offset alignment) for O_DIRECT on `path`'s filesystem."""

@@ -39,8 +39,27 @@ class Destination(Protocol):
         ...
 
 
+def _page_aligned(shape: tuple[int, ...], dtype: torch.dtype, zero: bool) -> torch.Tensor:
+    """A host tensor whose first byte is 4096-aligned, so a direct read (O_DIRECT into
+    its blocks, window.py) can land there; torch's own allocations are 64-aligned."""
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    off = -raw.data_ptr() % 4096
+    t = raw[off : off + nbytes].view(dtype).view(shape)
+    if zero:
+        t.zero_()
+    return t
+
+
 class PagedKVCache:
-    """Per-group paged KV tensors plus the block ids a request's tokens occupy."""
+    """Per-group paged KV tensors plus the block ids a request's tokens occupy.
+
+    `direct_reads`: a host cache owns its memory for as long as a restore runs, so the
+    window may read records straight into its blocks (window.py); off on a GPU, where
+    chunks share blocks, and for a cache whose owner may hand its blocks elsewhere
+    mid-restore."""
+
+    direct_reads = True
 
     def __init__(
         self,
@@ -88,6 +107,10 @@ class PagedKVCache:
         ]
         self._block_bytes = [g.block_tokens * g.token_bytes for g in groups]
         self.device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        # Direct reads of several chunks are in flight at once: chunks sharing blocks (ids
+        # that cycle, to bound memory) would race in them, so those go through slots.
+        if self.device.type != "cpu" or any(len(set(ids)) != len(ids) for ids in self._ids):
+            self.direct_reads = False
 
     @classmethod
     def allocate(
@@ -104,8 +127,11 @@ class PagedKVCache:
         for g in layout.groups:
             n = -(-num_tokens // g.block_tokens)
             shape = (spare_blocks + n, g.block_tokens, *g.token_shape)
-            make = torch.zeros if zero else torch.empty
-            tensors.append(make(shape, dtype=g.dtype, device=device))
+            if torch.device(device).type == "cpu":
+                tensors.append(_page_aligned(shape, g.dtype, zero))
+            else:
+                make = torch.zeros if zero else torch.empty
+                tensors.append(make(shape, dtype=g.dtype, device=device))
             ids.append(range(spare_blocks, spare_blocks + n))
         return cls(layout, tensors, ids)
 

@@ -159,6 +159,8 @@ def _result(
             **timings,
             "read_wait_s": report.read_wait_s if report else 0.0,
             "install_copy_s": report.install_s if report else 0.0,
+            # Chunks read straight into the destination (no slot, hashed in place).
+            "direct_chunks": float(report.direct) if report else 0.0,
         },
         failed_chunks=report.failed_chunks if report else [],
         timed_out=report.timed_out if report else False,

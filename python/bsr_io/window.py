@@ -15,6 +15,16 @@ at `read_deadline` ends the run (its slot stays with the engine until the kernel
 gives it back; nothing is invalidated for slowness). Before any slot goes back to
 the ring, the copies out of it (a CUDA install's fence) are waited for, on every
 path out of `run`.
+
+Direct reads: where the destination owns plain host memory for the restore
+(`direct_reads`, `host_runs`) and the tier can (`submit_read_into`), a chunk is read
+with O_DIRECT straight into its blocks and hashed there: no slot, no copy. It still
+holds one of the W window positions while in flight. Memory or lengths that O_DIRECT
+refuses (AlignmentError: torch's 64-byte-aligned tensors, a 512-byte drive's odd
+run) send the rest of the run through slots; a hash that differs is a chunk failure
+like any other (the record is withdrawn, a lower tier re-reads the chunk into the same
+blocks through a slot). A direct read is never abandoned: its memory is the
+destination's, so even past the deadline the run waits for it to end.
 """
 
 from __future__ import annotations
@@ -27,14 +37,14 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from bsr_io._core import Engine, NoFreeSlot, Slot
+from bsr_io._core import AlignmentError, Engine, NoFreeSlot, Slot, xxh3_runs
 from bsr_io.discovery import holds
 from bsr_io.engine import give_back, wait_for_slot
-from bsr_io.errors import ChunkError, Unproven
+from bsr_io.errors import ChunkError, LayoutError, Unproven
 from bsr_io.install import fused_runs, install_chunk, scoped
 from bsr_io.keys import ChunkKey
 from bsr_io.kvcache import Destination, Fence
-from bsr_io.tiers.base import ENGINE_ERRORS, PendingChunk, Tier
+from bsr_io.tiers.base import ENGINE_ERRORS, DirectChunk, DirectUnavailable, PendingChunk, Tier
 
 
 class _NotStarted(str):
@@ -102,6 +112,7 @@ class InstallReport:
     install_s: float = 0.0
     failed_chunks: list[int] = field(default_factory=list)  # no tier had a good copy
     timed_out: bool = False  # a read was still in flight at the deadline
+    direct: int = 0  # chunks read straight into the destination and verified there
 
 
 class Window:
@@ -115,6 +126,7 @@ class Window:
         width: int | None = None,
         fused: bool = True,
         install_threads: int = 1,
+        direct: bool = True,
     ) -> None:
         if width is not None and not 1 <= width <= engine.window:
             raise ValueError(f"window width {width} must be in [1, {engine.window}] slots")
@@ -128,6 +140,8 @@ class Window:
         # Above 1, fused installs of several chunks run at once on their own threads
         # (GIL released), each holding its slot until it is verified.
         self.install_threads = install_threads
+        self.direct = direct  # read straight into destinations that allow it
+        self._direct_now = False  # ... and this run's destination does, so far
         self._pool: ThreadPoolExecutor | None = None
         self._install_s = 0.0
         self._sizes: Sequence[int] | None = None
@@ -157,9 +171,27 @@ class Window:
                 wait_for_slot(self.engine, self._deadline)
         return self._wait(pending, index)
 
-    def _submit(self, key: ChunkKey, source: int) -> PendingChunk | _NotStarted:
-        """Start the read in the source tier; a failure to start is kept for `_finish`."""
+    def _submit(
+        self, key: ChunkKey, source: int, dest: Destination | None = None, index: int = -1
+    ) -> PendingChunk | DirectChunk | _NotStarted:
+        """Start the read in the source tier (straight into the destination where both
+        allow it); a failure to start is kept for `_finish`."""
         tier = self.tiers[source]
+        into = getattr(tier, "submit_read_into", None)
+        if self._direct_now and into is not None and dest is not None:
+            where = fused_runs(dest, index)
+            if where is not None and all(b is not None for b in where[0]):
+                try:
+                    direct: DirectChunk = into(key, self.engine, *where)
+                    return direct
+                except ENGINE_ERRORS:
+                    raise
+                except (AlignmentError, LayoutError):
+                    self._direct_now = False  # this destination's memory: slots from here
+                except DirectUnavailable:
+                    pass  # this tier (drive) reads through a slot
+                except (ChunkError, OSError) as exc:
+                    return _not_started(f"{tier.name}: {exc}", exc)
         try:
             if tier.defers_verify:
                 # Only tiers that defer the check (record-file tiers) take `verify`.
@@ -219,15 +251,23 @@ class Window:
         index: int,
         key: ChunkKey,
         source: int,
-        pending: PendingChunk | _NotStarted,
+        pending: PendingChunk | DirectChunk | _NotStarted,
         dest: Destination,
-    ) -> tuple[Slot, Fence | None, int, list[str]]:
+    ) -> tuple[Slot | None, Fence | None, int, list[str]]:
         """Install chunk `index` verified, from its source tier, else from a lower one.
-        Returns (slot, fence of the install or None, tier index, causes)."""
+        Returns (slot, fence of the install or None, tier index, causes); no slot when
+        the chunk was read straight into the destination."""
         causes: list[str] = []
         if isinstance(pending, str):
             causes.append(pending)
             record = getattr(pending, "record", None)
+        elif isinstance(pending, DirectChunk):
+            try:
+                self._verify_in_place(dest, index, pending)
+                return None, None, source, causes
+            except ChunkError as exc:
+                causes.append(f"{self.tiers[source].name}: {exc}")
+                record = _record_of(exc)
         else:
             read = partial(self._wait, pending, index)
             done, record = self._attempt(source, dest, index, causes, read, pending)
@@ -235,6 +275,22 @@ class Window:
                 return *done, source, causes
             del pending  # the failed read's slot must be free for the fallback read
         return self._fallback(index, key, source, causes, record, dest)
+
+    def _verify_in_place(self, dest: Destination, index: int, pending: DirectChunk) -> None:
+        """Wait for a direct read (ReadTimedOut at the deadline) and hash its bytes where
+        they lie; the tier's ChunkCorrupt when the hash is not the header's."""
+        try:
+            pending.wait(self._remaining())
+        except TimeoutError:
+            raise ReadTimedOut(index, pending.key) from None
+        t0 = time.perf_counter()
+        where = fused_runs(dest, index)
+        assert where is not None  # it had runs when the read started
+        got = xxh3_runs(*where)
+        self._install_s += time.perf_counter() - t0
+        self._direct_done += 1
+        if got != pending.expected_xxh3:
+            raise pending.reject("payload checksum mismatch after a direct read")
 
     def _fallback(
         self,
@@ -336,9 +392,12 @@ class Window:
                     f"{self.engine.slot_bytes}-byte slots"
                 )
         self._sizes = sizes
+        self._direct_now = self.direct and bool(getattr(dest, "direct_reads", False))
+        self._direct_done = 0
         report = InstallReport()
         stop_every = stop_every or self.width
-        reads: deque[PendingChunk | _NotStarted] = deque()  # started reads, in chunk order
+        # started reads, in chunk order
+        reads: deque[PendingChunk | DirectChunk | _NotStarted] = deque()
         # (slot, fence, chunk, key, source tier) of installs still running
         held: deque[tuple[Slot, Fence, int, ChunkKey, int]] = deque()
         next_read = 0
@@ -349,7 +408,8 @@ class Window:
                 # Every free window position gets a read before chunk i is installed.
                 while next_read < n and len(reads) + len(held) < self.width:
                     try:
-                        reads.append(self._submit(keys[next_read], sources[next_read]))
+                        key, src = keys[next_read], sources[next_read]
+                        reads.append(self._submit(key, src, dest, next_read))
                     except NoFreeSlot:
                         # Back-pressure: finish what is ours first; with nothing of
                         # ours in flight, wait for someone else's slot.
@@ -380,11 +440,12 @@ class Window:
                     report.fallbacks.append({"chunk": i, "tier": name, "causes": causes})
                 report.bytes_read[name] = report.bytes_read.get(name, 0) + self._size(i)
                 if fence is not None:
+                    assert slot is not None  # an install's fence is a slot's copy
                     held.append((slot, fence, i, keys[i], tier_index))
                     parallel = isinstance(fence, _ParallelInstall)
                     if len(held) >= (self.install_threads if parallel else self.width):
                         self._settle(held.popleft(), dest, report)
-                if fence is None:
+                if fence is None and slot is not None:
                     give_back(slot)  # installed: the slot returns to the ring now
                 del slot
                 report.install_s += self._install_s + time.perf_counter() - t1
@@ -420,15 +481,19 @@ class Window:
                 del slot, fence
             # Reads already started own their slots until they complete: wait for them
             # until the deadline, then drop them (the engine keeps a slot the kernel may
-            # still write until its completion arrives).
+            # still write until its completion arrives). A direct read writes the
+            # destination's own memory: wait for it to end, deadline or not.
             while reads:
                 p = reads.popleft()
-                if not isinstance(p, str):
-                    try:
+                try:
+                    if isinstance(p, DirectChunk):
+                        p.wait(None)
+                    elif not isinstance(p, str):
                         give_back(p.wait(self._remaining()))
-                    except (ChunkError, OSError):
-                        pass
+                except (ChunkError, OSError):
+                    pass
                 del p
+            report.direct = self._direct_done
         if report.failed_chunks and not report.error:
             report.error = f"chunks {report.failed_chunks[:8]} unavailable in every tier"
         return report

@@ -111,6 +111,7 @@ def restore_on_rank(
     fifo_rank: int | None = None,  # ...on this rank
     hold_slots: int = 0,  # slots of the engine held by the caller during the restore
     shared_save_chunks: int = 0,  # a save of other tokens through the same engine meanwhile
+    direct_reads: bool = True,  # False: read through the slots even where O_DIRECT allows
 ) -> dict[str, Any]:
     lay = preset(layout, **(layout_kw or {}))
     base = Path(root)
@@ -127,6 +128,7 @@ def restore_on_rank(
     token_ids = synthetic_tokens(seed, tokens)
     hit_tokens = tokens // lay.chunk_tokens * lay.chunk_tokens
     dest = _destination(lay, max(hit_tokens, lay.chunk_tokens), dest_cap_tokens)
+    dest.direct_reads = direct_reads
     # Baseline before the engine exists: growth then includes the staging ring itself.
     hwm0 = vmhwm_bytes()
     # Whole-plan stages in an L1 pool of its own; its engine needs one slot unless it is

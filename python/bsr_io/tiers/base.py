@@ -75,6 +75,42 @@ class PendingChunk:
         return self._slot
 
 
+class DirectUnavailable(Exception):
+    """This chunk cannot be read straight into the destination here (the tier, or the
+    drive holding it, reads only through slots): read it through a slot."""
+
+
+class DirectChunk:
+    """A chunk read straight into the destination's memory (no slot): `wait()` returns
+    once the bytes are in place, unverified; the caller hashes them where they are
+    (`xxh3_runs`) against `expected_xxh3` and calls `reject(reason)` on a mismatch.
+    Raises ChunkError subclasses like `PendingChunk.wait`, TimeoutError meanwhile."""
+
+    def __init__(
+        self,
+        key: ChunkKey,
+        finish: Callable[[float | None], None],
+        done: Callable[[], bool],
+        *,
+        expected_xxh3: int,
+        reject: Callable[[str], Exception],
+    ) -> None:
+        self.key = key
+        self._finish = finish
+        self._done = done
+        self._ended = False
+        self.expected_xxh3 = expected_xxh3
+        self.reject = reject
+
+    def done(self) -> bool:
+        return self._ended or self._done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._ended:
+            self._finish(timeout)
+            self._ended = True
+
+
 def _spent(_timeout: float | None) -> Slot:
     raise RuntimeError("unreachable: PendingChunk already finished")
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bsr_io._core import Engine, ShortReadError, Slot
+from bsr_io._core import AlignmentError, DirectRead, Engine, File, Pending, ShortReadError, Slot
 from bsr_io.errors import LayoutError
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.record import HEADER_BYTES, RecordHeader, make_header
 from bsr_io.tiers.base import (
     ENGINE_ERRORS,
+    DirectChunk,
     Payload,
     PendingChunk,
     check_slot_fits,
@@ -97,12 +99,13 @@ class SSDTier(FileTier):
 
     defers_verify = True
 
-    def submit_read(
-        self, key: ChunkKey, engine: Engine | None = None, *, verify: bool = True
-    ) -> PendingChunk:
-        """Start the payload read; `verify=False` leaves the payload hash to the caller
-        (the key, lengths and header checksum are still checked here)."""
-        engine = engine or self.engine
+    def _start(
+        self, key: ChunkKey, engine: Engine, submit: Callable[[File, int], Any]
+    ) -> tuple[File, Path, RecordId, RecordHeader, Any]:
+        """Open `key`'s record, check its header, start the payload read with
+        `submit(file, payload_len)`: (file, path, record, header, what submit returned).
+        An AlignmentError from `submit` (a direct read the memory does not suit) passes
+        through: the record is fine, the caller reads it another way."""
         path = self.path_of(key)
         try:
             f = engine.open(path)
@@ -123,10 +126,8 @@ class SSDTier(FileTier):
                 header = self._open_checks(key, path, bytes(buf[:got]), st)
                 self._checked(key, header, st)
             record = RecordId.of(st, header)
-            n = header.payload_len
-            check_slot_fits(self.name, engine, key, n)
-            pending = engine.submit_read(f, HEADER_BYTES, n)
-        except ENGINE_ERRORS:
+            pending = submit(f, header.payload_len)
+        except (*ENGINE_ERRORS, AlignmentError):
             f.close()
             raise
         except OSError as exc:
@@ -135,22 +136,45 @@ class SSDTier(FileTier):
         except BaseException:
             f.close()
             raise
+        return f, path, record, header, pending
+
+    def _payload_wait(
+        self, key: ChunkKey, path: Path, record: RecordId, f: File, wait: Callable[[], Any]
+    ) -> Any:
+        """The payload read's end (`wait()`), its errors as chunk errors; the file is
+        closed once the read has ended."""
+        try:
+            out = wait()
+        except TimeoutError:
+            raise
+        except ShortReadError as exc:
+            f.close()
+            raise self._corrupt(key, path, record, f"record truncated: {exc}") from exc
+        except ENGINE_ERRORS:
+            f.close()
+            raise
+        except OSError as exc:
+            f.close()
+            raise self._read_error(key, path, exc, record) from exc
+        f.close()
+        return out
+
+    def submit_read(
+        self, key: ChunkKey, engine: Engine | None = None, *, verify: bool = True
+    ) -> PendingChunk:
+        """Start the payload read; `verify=False` leaves the payload hash to the caller
+        (the key, lengths and header checksum are still checked here)."""
+        engine = engine or self.engine
+
+        def submit(f: File, n: int) -> Pending:
+            check_slot_fits(self.name, engine, key, n)
+            return engine.submit_read(f, HEADER_BYTES, n)
+
+        f, path, record, header, pending = self._start(key, engine, submit)
+        n = header.payload_len
 
         def finish(timeout: float | None) -> Slot:
-            try:
-                slot = pending.wait(timeout)
-            except TimeoutError:
-                raise
-            except ShortReadError as exc:
-                f.close()
-                raise self._corrupt(key, path, record, f"record truncated: {exc}") from exc
-            except ENGINE_ERRORS:
-                f.close()
-                raise
-            except OSError as exc:
-                f.close()
-                raise self._read_error(key, path, exc, record) from exc
-            f.close()
+            slot: Slot = self._payload_wait(key, path, record, f, lambda: pending.wait(timeout))
             if verify and slot.checksum(0, n) != header.payload_xxh3:
                 slot.release()  # back to the ring now: a kept exception must not hold it
                 raise self._corrupt(key, path, record, "payload checksum mismatch")
@@ -164,6 +188,44 @@ class SSDTier(FileTier):
             key,
             finish,
             pending.done,
+            expected_xxh3=header.payload_xxh3,
+            reject=lambda why: self._corrupt(key, path, record, why),
+        )
+
+    def submit_read_into(
+        self,
+        key: ChunkKey,
+        engine: Engine | None,
+        bufs: Sequence[Any],
+        runs: Sequence[tuple[int, int, int, int]],
+    ) -> DirectChunk:
+        """Read the payload straight into `bufs` along `runs` (the destination's blocks,
+        `host_runs`), no slot; the caller hashes it in place. AlignmentError when the
+        memory does not suit O_DIRECT here (then read through a slot); a LayoutError
+        when the runs do not cover exactly the record's payload."""
+        engine = engine or self.engine
+        want = sum(r[3] for r in runs)
+
+        def submit(f: File, n: int) -> DirectRead:
+            if n != want:
+                raise LayoutError(
+                    f"{self.name}: chunk {key.short()} holds {n} payload bytes, the "
+                    f"destination's runs {want}"
+                )
+            return engine.submit_read_into(f, HEADER_BYTES, list(bufs), list(runs))
+
+        f, path, record, header, direct = self._start(key, engine, submit)
+        n = header.payload_len
+
+        def finish(timeout: float | None) -> None:
+            self._payload_wait(key, path, record, f, lambda: direct.wait(timeout))
+            self._touch(key)
+            self._count(hits=1, reads=1, bytes_read=n)
+
+        return DirectChunk(
+            key,
+            finish,
+            direct.done,
             expected_xxh3=header.payload_xxh3,
             reject=lambda why: self._corrupt(key, path, record, why),
         )

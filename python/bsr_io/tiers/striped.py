@@ -30,7 +30,14 @@ from bsr_io.errors import CapacityError, ChunkError, ChunkReadError, TierDown
 from bsr_io.keys import ChunkKey
 from bsr_io.layout import KVLayout
 from bsr_io.record import HEADER_BYTES
-from bsr_io.tiers.base import ENGINE_ERRORS, Payload, PendingChunk, Tier
+from bsr_io.tiers.base import (
+    ENGINE_ERRORS,
+    DirectChunk,
+    DirectUnavailable,
+    Payload,
+    PendingChunk,
+    Tier,
+)
 from bsr_io.tiers.files import FileTier
 from bsr_io.tiers.ssd import SSDTier
 
@@ -213,6 +220,38 @@ class StripedSSDTier(Tier):
             return PendingChunk(key, finish, inner.done)
         return PendingChunk(key, finish, inner.done, expected_xxh3=inner.expected_xxh3,
                             reject=inner.reject)  # fmt: skip
+
+    def submit_read_into(
+        self,
+        key: ChunkKey,
+        engine: Engine | None,
+        bufs: Sequence[Any],
+        runs: Sequence[tuple[int, int, int, int]],
+    ) -> DirectChunk:
+        """A direct read (see `SSDTier.submit_read_into`) from the key's drive."""
+        engine = engine or self.engine
+        d = self.drive_of(key)
+        why = self._failing_why(d)
+        if why is not None:
+            raise ChunkReadError(f"drive {self.roots[d]} is failing ({why})", key=key,
+                                 tier=self.name)  # fmt: skip
+        drive = self.drives[d]
+        if not isinstance(drive, SSDTier):
+            raise DirectUnavailable(f"drive {d} reads through slots")
+        try:
+            inner = drive.submit_read_into(key, engine, bufs, runs)
+        except DRIVE_ERRORS as exc:
+            raise self._drive_failed(d, key, exc) from exc
+
+        def finish(timeout: float | None) -> None:
+            try:
+                inner.wait(timeout)
+            except DRIVE_ERRORS as exc:
+                raise self._drive_failed(d, key, exc) from exc
+            self._count(hits=1, reads=1, bytes_read=sum(r[3] for r in runs))
+
+        return DirectChunk(key, finish, inner.done, expected_xxh3=inner.expected_xxh3,
+                           reject=inner.reject)  # fmt: skip
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:
         return self.submit_read(key, engine).wait()

@@ -8,7 +8,7 @@ use crate::arena::{Arena, SlotLease, PAGE};
 use crate::backend::pread::PreadPool;
 use crate::backend::trace::TraceEvent;
 use crate::backend::uring::{UringConfig, UringDriver};
-use crate::backend::{Health, OpKind, OpState, Pending};
+use crate::backend::{Health, OpKind, OpState, Pending, Segment};
 use crate::error::{describe_errno, Error, Result};
 use crate::file::{EngineFile, OpenOptions};
 
@@ -291,6 +291,57 @@ impl Engine {
             lease,
         );
         self.submit(op)
+    }
+
+    /// Read the file from `offset` straight into the caller's memory: `pieces` are
+    /// (address, length) in file order, contiguous in the file. Each address must meet
+    /// the file's O_DIRECT memory alignment and each length its offset alignment
+    /// (`Error::Alignment` otherwise: use a slot). No slot is taken.
+    ///
+    /// # Safety
+    /// Every piece must be writable memory that stays valid, and that nothing else reads
+    /// or writes, until the returned operation has ended (its wait returned, or
+    /// `is_done`): the kernel writes it in the meantime. Dropping the `Pending` does not
+    /// end the operation.
+    pub unsafe fn submit_read_into(
+        &self,
+        file: &Arc<EngineFile>,
+        offset: u64,
+        pieces: &[(usize, u64)],
+    ) -> Result<Pending> {
+        self.check_open()?;
+        file.check_open()?;
+        let (mem, align) = (file.mem_alignment().max(1), file.alignment());
+        if !is_aligned(offset, align) {
+            return Err(Error::Alignment(format!(
+                "offset {offset} is not a multiple of {align}, the O_DIRECT alignment of {}",
+                file.path()
+            )));
+        }
+        if pieces.is_empty() {
+            return Err(Error::invalid(
+                "a direct read needs at least one piece of memory",
+            ));
+        }
+        let mut segments = Vec::with_capacity(pieces.len());
+        let mut start = 0u64;
+        for (i, &(addr, len)) in pieces.iter().enumerate() {
+            if len == 0 {
+                return Err(Error::invalid(format!(
+                    "piece {i} of the direct read is empty"
+                )));
+            }
+            if !is_aligned(addr as u64, mem) || !is_aligned(len, align) {
+                return Err(Error::Alignment(format!(
+                    "piece {i} ({len} bytes at {addr:#x}) is not aligned for O_DIRECT on {} \
+                     (memory to {mem}, length to {align} bytes): read it through a slot",
+                    file.path()
+                )));
+            }
+            segments.push(Segment { start, addr, len });
+            start += len;
+        }
+        self.submit(OpState::direct_read(Arc::clone(file), offset, segments))
     }
 
     /// Write slot bytes `[0, length)` at `offset`; pad to the alignment with zeros on
@@ -734,6 +785,62 @@ mod tests {
             ..EngineConfig::new(1, 4096)
         }) {
             assert!(matches!(p.trace_start(10), Err(Error::InvalidArgument(_))));
+        }
+    }
+
+    #[test]
+    fn a_direct_read_fills_the_callers_memory_and_refuses_misalignment() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        let data = pattern(1 << 20);
+        std::fs::write(&path, &data).unwrap();
+        let path = path.to_str().unwrap();
+        for b in backends() {
+            let e = Engine::new(EngineConfig {
+                backend: b,
+                request_bytes: 64 << 10,
+                queue_depth: 4,
+                ..EngineConfig::new(1, 4096)
+            })
+            .unwrap();
+            let opts = OpenOptions {
+                direct: true,
+                ..Default::default()
+            };
+            let f = e.open(path, opts).unwrap();
+            // Two pieces of our own aligned memory, 3 pages apart in the file's order.
+            let a = AlignedBlock::new(256 << 10).unwrap();
+            let b2 = AlignedBlock::new(128 << 10).unwrap();
+            let pieces = [(a.ptr as usize, 256 << 10), (b2.ptr as usize, 128 << 10)];
+            // SAFETY: both blocks are ours, alive until after the wait below, untouched.
+            let op = unsafe { e.submit_read_into(&f, 12288, &pieces) }.unwrap();
+            assert_eq!(op.wait(None).unwrap(), 384 << 10, "{b:?}");
+            // SAFETY: the read ended; the blocks are ours.
+            let (ga, gb) = unsafe {
+                (
+                    std::slice::from_raw_parts(a.ptr, 256 << 10),
+                    std::slice::from_raw_parts(b2.ptr, 128 << 10),
+                )
+            };
+            assert_eq!(ga, &data[12288..12288 + (256 << 10)]);
+            assert_eq!(gb, &data[12288 + (256 << 10)..12288 + (384 << 10)]);
+            assert_eq!(e.arena().free_slots(), 1, "no slot taken");
+            assert_eq!(e.arena().peak_bytes(), 0);
+            if f.direct() && f.mem_alignment() > 1 {
+                // SAFETY: refused before any I/O is issued.
+                let bad = unsafe { e.submit_read_into(&f, 0, &[(a.ptr as usize + 1, 4096)]) };
+                assert!(matches!(bad, Err(Error::Alignment(_))), "{b:?}");
+                // SAFETY: as above.
+                let bad = unsafe { e.submit_read_into(&f, 0, &[(a.ptr as usize, 100)]) };
+                assert!(matches!(bad, Err(Error::Alignment(_))), "{b:?}");
+            }
+            // Past the end: short, as for a slot.
+            // SAFETY: `a` is ours and alive until after the wait.
+            let op = unsafe { e.submit_read_into(&f, (1 << 20) - 4096, &pieces[..1]) }.unwrap();
+            assert!(matches!(
+                op.wait(None),
+                Err(Error::ShortRead { got: 4096, .. })
+            ));
         }
     }
 

@@ -92,6 +92,33 @@ pub fn copy_runs_xxh3(src: &[u8], dsts: &mut [&mut [u8]], runs: &[Run]) -> Resul
     Ok(h.digest())
 }
 
+/// The xxh3-64 of a payload of `len` bytes that a direct read left in place along
+/// `runs` (`src_offset` is the payload offset): what the record header holds, computed
+/// without a copy. The runs must cover the payload exactly, in order.
+pub fn xxh3_runs(len: usize, bufs: &[&[u8]], runs: &[Run]) -> Result<u64> {
+    let lens: Vec<usize> = bufs.iter().map(|d| d.len()).collect();
+    check_runs(len, &lens, runs)?;
+    let mut h = Xxh3::new();
+    let mut pos = 0usize;
+    for (i, r) in runs.iter().enumerate() {
+        if r.src_offset != pos {
+            return Err(Error::invalid(format!(
+                "run {i} starts at payload offset {} but {pos} bytes are covered: a payload \
+                 read in place must lie in its runs without gaps",
+                r.src_offset
+            )));
+        }
+        h.update(&bufs[r.dst][r.dst_offset..r.dst_offset + r.len]);
+        pos += r.len;
+    }
+    if pos != len {
+        return Err(Error::invalid(format!(
+            "the runs cover {pos} of the payload's {len} bytes"
+        )));
+    }
+    Ok(h.digest())
+}
+
 /// Copy with non-temporal stores: the destination (KV blocks, written once, read much
 /// later by someone else) does not pass through the cache, which saves reading each
 /// line before it is overwritten and keeps the slot's bytes in cache for the hash.
@@ -138,6 +165,36 @@ fn fence() {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_hash_in_place_equals_the_hash_of_the_payload() {
+        let payload: Vec<u8> = (0..10_000u32).map(|i| (i * 31 % 251) as u8).collect();
+        let mut a = vec![0u8; 8000];
+        let mut b = vec![0u8; 3000];
+        a[100..7100].copy_from_slice(&payload[..7000]);
+        b[..3000].copy_from_slice(&payload[7000..]);
+        let runs = [
+            super::Run {
+                dst: 0,
+                dst_offset: 100,
+                src_offset: 0,
+                len: 7000,
+            },
+            super::Run {
+                dst: 1,
+                dst_offset: 0,
+                src_offset: 7000,
+                len: 3000,
+            },
+        ];
+        let want = crate::checksum::xxh3_64(&payload);
+        assert_eq!(super::xxh3_runs(10_000, &[&a, &b], &runs).unwrap(), want);
+        b[5] ^= 1; // control: one flipped byte in place changes it
+        assert_ne!(super::xxh3_runs(10_000, &[&a, &b], &runs).unwrap(), want);
+        // A gap or a short cover is refused, not hashed.
+        assert!(super::xxh3_runs(10_000, &[&a, &b], &runs[1..]).is_err());
+        assert!(super::xxh3_runs(10_001, &[&a, &b], &runs).is_err());
+    }
+
     use super::*;
     use crate::checksum::xxh3_64;
 

@@ -11,10 +11,11 @@ use pyo3::types::{PyDict, PyTuple};
 
 use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
 
+use crate::direct::{payload_runs, Held, PyDirectRead};
 use crate::errors::Raise;
 use crate::file::PyFile;
 use crate::pending::{Handoff, PyPending};
-use crate::slot::PySlot;
+use crate::slot::{Exported, PySlot};
 use crate::{non_negative, positive};
 
 /// One traced request as Python sees it (see `trace_take`).
@@ -202,6 +203,50 @@ impl PyEngine {
         length: i64,
     ) -> PyResult<Py<PySlot>> {
         self.submit_read(py, file, offset, length)?.wait(py, None)
+    }
+
+    /// Read the file from `offset` straight into `dsts` along `runs` ((buffer, offset in
+    /// it, payload offset, length), covering the payload in order): no slot. AlignmentError
+    /// when a run's memory or length does not suit O_DIRECT on this file.
+    fn submit_read_into(
+        &self,
+        py: Python<'_>,
+        file: &PyFile,
+        offset: i64,
+        dsts: Vec<Bound<'_, PyAny>>,
+        runs: Vec<(usize, usize, usize, usize)>,
+    ) -> PyResult<PyDirectRead> {
+        let offset = non_negative("offset", offset)?;
+        let exports = dsts
+            .iter()
+            .map(|d| Exported::get(d, true))
+            .collect::<PyResult<Vec<_>>>()?;
+        let lens: Vec<usize> = exports.iter().map(|e| e.len()).collect();
+        let (_, runs) = payload_runs(&lens, runs)?;
+        let pieces: Vec<(usize, u64)> = runs
+            .iter()
+            .map(|r| (exports[r.dst].addr() + r.dst_offset, r.len as u64))
+            .collect();
+        // The kernel writes every piece at once: no two may share memory.
+        let mut spans = pieces.clone();
+        spans.sort_unstable();
+        if spans.windows(2).any(|w| w[0].0 + w[0].1 as usize > w[1].0) {
+            return Err(PyValueError::new_err(
+                "the runs of a direct read overlap in memory; give each byte one place",
+            ));
+        }
+        let f = file.get()?;
+        let engine = &self.inner;
+        // SAFETY: every piece lies inside a writable export (checked by `payload_runs`)
+        // that the returned DirectRead holds until the read has ended (or, dropped
+        // before, for good); the pieces do not overlap.
+        let op = py
+            .detach(|| unsafe { engine.submit_read_into(&f, offset, &pieces) })
+            .raise()?;
+        Ok(PyDirectRead {
+            op,
+            held: Mutex::new(Some(Held::new(exports))),
+        })
     }
 
     #[pyo3(signature = (slot, file, offset, length = None))]

@@ -4,6 +4,7 @@
 
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+mod direct;
 mod engine;
 mod errors;
 mod file;
@@ -62,11 +63,13 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<file::PyFile>()?;
     m.add_class::<slot::PySlot>()?;
     m.add_class::<pending::PyPending>()?;
+    m.add_class::<direct::PyDirectRead>()?;
     m.add("BsrError", py.get_type::<BsrError>())?;
     for exc in Exc::ALL {
         m.add(exc.spec().0, exc_type(py, exc)?)?;
     }
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
+    m.add_function(wrap_pyfunction!(direct::xxh3_runs, m)?)?;
     Ok(())
 }

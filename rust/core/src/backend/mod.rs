@@ -34,8 +34,19 @@ struct Progress {
     abandoned: bool,
 }
 
-/// One read or write between a slot and a file range. It owns its slot (through the
-/// lease) until every request has completed.
+/// A piece of an operation's memory: `len` bytes at `addr`, for the op's bytes
+/// `[start, start + len)` (file offset `op.offset + start`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Segment {
+    pub start: u64,
+    pub addr: usize,
+    pub len: u64,
+}
+
+/// One read or write between memory and a file range: a slot, which the op owns
+/// (through the lease) until every request has completed, or, for a direct read, the
+/// caller's memory in segments (`Engine::submit_read_into`), which the caller keeps
+/// valid until then.
 #[derive(Debug)]
 pub struct OpState {
     pub kind: OpKind,
@@ -46,8 +57,9 @@ pub struct OpState {
     pub want: u64,
     /// Bytes actually transferred: `want` rounded up to the file's alignment.
     pub extent: u64,
-    pub slot_index: usize,
-    slot_addr: usize,
+    /// The slot's index among the registered fixed buffers; None for caller memory.
+    pub fixed_index: Option<usize>,
+    segments: Vec<Segment>,
     lease: Mutex<Option<Arc<SlotLease>>>,
     progress: Mutex<Progress>,
     done: Condvar,
@@ -72,24 +84,52 @@ impl OpState {
             offset,
             want,
             extent,
-            slot_index: lease.index(),
-            slot_addr: lease.addr(),
+            fixed_index: Some(lease.index()),
+            segments: vec![Segment {
+                start: 0,
+                addr: lease.addr(),
+                len: extent,
+            }],
             lease: Mutex::new(Some(lease)),
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
         })
     }
 
-    /// Cut the op into requests of at most `request_bytes`.
+    /// A read of `segments` (contiguous in the file from `offset`, in order) into the
+    /// caller's memory. Whoever builds it keeps that memory valid and untouched until
+    /// the op has ended (see `Engine::submit_read_into`).
+    pub fn direct_read(file: Arc<EngineFile>, offset: u64, segments: Vec<Segment>) -> Arc<OpState> {
+        let total = segments.iter().map(|s| s.len).sum();
+        Arc::new(OpState {
+            kind: OpKind::Read,
+            file,
+            offset,
+            want: total,
+            extent: total,
+            fixed_index: None,
+            segments,
+            lease: Mutex::new(None),
+            progress: Mutex::new(Progress::default()),
+            done: Condvar::new(),
+        })
+    }
+
+    /// Cut the op into requests of at most `request_bytes`, none across a segment end.
     pub fn requests(self: &Arc<Self>, request_bytes: u64) -> Vec<Request> {
-        let reqs: Vec<Request> = align::split(self.extent, request_bytes)
-            .map(|(start, len)| Request {
-                op: Arc::clone(self),
-                start,
-                len,
-                moved: 0,
-                ended: false,
-                stamps: trace::Stamps::default(),
+        let reqs: Vec<Request> = self
+            .segments
+            .iter()
+            .flat_map(|seg| {
+                align::split(seg.len, request_bytes).map(move |(at, len)| Request {
+                    op: Arc::clone(self),
+                    start: seg.start + at,
+                    len,
+                    moved: 0,
+                    addr: seg.addr + at as usize,
+                    ended: false,
+                    stamps: trace::Stamps::default(),
+                })
             })
             .collect();
         locked(&self.progress).outstanding = reqs.len();
@@ -272,6 +312,8 @@ pub struct Request {
     pub len: u64,
     /// Bytes of the piece already moved (after short transfers).
     pub moved: u64,
+    /// Memory address of the piece's first byte.
+    addr: usize,
     /// Accounted or abandoned: its op knows how it ended.
     ended: bool,
     /// Timings while the I/O thread traces (trace.rs).
@@ -299,7 +341,7 @@ impl Request {
     }
 
     pub fn addr(&self) -> usize {
-        self.op.slot_addr + (self.start + self.moved) as usize
+        self.addr + self.moved as usize
     }
 
     pub fn remaining(&self) -> u64 {
@@ -444,6 +486,48 @@ pub(crate) mod tests {
         assert!(last.account(Ok(1808)).is_none());
         assert_eq!(o.wait(None), Ok(10_000));
         assert_eq!(o.take_lease().unwrap().len(), 10_000);
+    }
+
+    #[test]
+    fn a_direct_read_splits_per_segment_and_keeps_no_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = data_file(&dir, false);
+        let segs = vec![
+            Segment {
+                start: 0,
+                addr: 0x10000,
+                len: 6000,
+            },
+            Segment {
+                start: 6000,
+                addr: 0x40000,
+                len: 4096,
+            },
+        ];
+        let o = OpState::direct_read(Arc::clone(&f), 4096, segs);
+        assert_eq!((o.want, o.extent, o.fixed_index), (10096, 10096, None));
+        let reqs = o.requests(4096);
+        let got: Vec<(u64, u64, usize, u64)> = reqs
+            .iter()
+            .map(|r| (r.start, r.len, r.addr(), r.file_offset()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (0, 4096, 0x10000, 4096),
+                (4096, 1904, 0x11000, 8192),
+                (6000, 4096, 0x40000, 10096)
+            ]
+        );
+        for r in reqs {
+            let n = r.remaining();
+            assert!(r.account(Ok(n)).is_none());
+        }
+        assert_eq!(o.wait(None), Ok(10096));
+        assert!(
+            o.take_lease().is_none(),
+            "caller memory: no slot to hand over"
+        );
     }
 
     #[test]

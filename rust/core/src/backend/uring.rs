@@ -433,10 +433,12 @@ impl RingLoop {
         let len = req.remaining() as u32;
         let off = req.file_offset();
         let read = req.is_read();
-        let buf_index = req.op.slot_index as u16;
+        // Caller memory (a direct read) is not among the registered buffers.
+        let fixed = self.fixed_buffers && req.op.fixed_index.is_some();
+        let buf_index = req.op.fixed_index.unwrap_or(0) as u16;
         macro_rules! build {
             ($fd:expr) => {
-                match (read, self.fixed_buffers) {
+                match (read, fixed) {
                     (true, true) => opcode::ReadFixed::new($fd, ptr, len, buf_index)
                         .offset(off)
                         .build(),

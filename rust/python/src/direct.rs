@@ -1,0 +1,148 @@
+//! `DirectRead`: a read straight from a file into the caller's buffers (a host KV
+//! cache's blocks), with no staging slot; and `xxh3_runs`, the payload's hash taken
+//! where the read left it.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use bsr_io_core::install::{self, Run};
+use bsr_io_core::{Error, Pending};
+
+use crate::errors::Raise;
+use crate::slot::Exported;
+
+/// Buffer exports pinning the destination memory while the kernel may write it.
+pub(crate) struct Held {
+    _exports: Vec<Exported>,
+}
+
+impl Held {
+    pub(crate) fn new(exports: Vec<Exported>) -> Held {
+        Held { _exports: exports }
+    }
+}
+
+// SAFETY: the exports are never used after construction except to be released, which
+// happens only where the GIL is held (a wait's return, or the DirectRead's
+// deallocation): PyBuffer_Release needs the GIL, not the thread that took the export.
+unsafe impl Send for Held {}
+// SAFETY: as above; shared references give no access to the exports.
+unsafe impl Sync for Held {}
+
+/// (buffer, offset in it, payload offset, length) tuples as the core's runs, checked to
+/// cover `[0, total)` of the payload in order, each inside its buffer.
+pub(crate) fn payload_runs(
+    lens: &[usize],
+    runs: Vec<(usize, usize, usize, usize)>,
+) -> PyResult<(usize, Vec<Run>)> {
+    let runs: Vec<Run> = runs
+        .into_iter()
+        .map(|(dst, dst_offset, src_offset, len)| Run {
+            dst,
+            dst_offset,
+            src_offset,
+            len,
+        })
+        .collect();
+    let mut total = 0;
+    for (i, r) in runs.iter().enumerate() {
+        if r.src_offset != total {
+            return Err(PyValueError::new_err(format!(
+                "run {i} starts at payload offset {} where {total} was expected: the runs \
+                 must cover the payload in order, without gaps",
+                r.src_offset
+            )));
+        }
+        total += r.len;
+    }
+    install::check_runs(total, lens, &runs).raise()?;
+    Ok((total, runs))
+}
+
+#[pyclass(name = "DirectRead", module = "bsr_io._core", frozen)]
+pub(crate) struct PyDirectRead {
+    pub(crate) op: Pending,
+    pub(crate) held: Mutex<Option<Held>>,
+}
+
+impl PyDirectRead {
+    fn held(&self) -> std::sync::MutexGuard<'_, Option<Held>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyDirectRead {
+    fn done(&self) -> bool {
+        self.op.is_done()
+    }
+
+    /// Bytes read, once the read has ended; the buffers are then the caller's again.
+    #[pyo3(signature = (timeout = None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
+        let timeout = match timeout {
+            None => None,
+            Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
+            Some(t) => {
+                return Err(PyValueError::new_err(format!(
+                    "timeout must be a non-negative number of seconds, got {t}"
+                )))
+            }
+        };
+        let op = &self.op;
+        let res = py.detach(|| op.wait(timeout));
+        if !matches!(res, Err(Error::Timeout)) {
+            drop(self.held().take()); // ended: the kernel is done with the memory
+        }
+        res.raise()
+    }
+
+    #[getter]
+    fn length(&self) -> u64 {
+        self.op.want
+    }
+}
+
+impl Drop for PyDirectRead {
+    fn drop(&mut self) {
+        if !self.op.is_done() {
+            // Dropped while the kernel may still write the buffers: keep them exported
+            // (pinned, never freed or resized) for the life of the process rather than
+            // let the memory go to someone else under a pending write.
+            if let Some(held) = self.held().take() {
+                std::mem::forget(held);
+            }
+        }
+    }
+}
+
+#[pyfunction]
+pub(crate) fn xxh3_runs(
+    py: Python<'_>,
+    bufs: Vec<Bound<'_, PyAny>>,
+    runs: Vec<(usize, usize, usize, usize)>,
+) -> PyResult<u64> {
+    let exports = bufs
+        .iter()
+        .map(|b| Exported::get(b, false))
+        .collect::<PyResult<Vec<_>>>()?;
+    let spans: Vec<(usize, usize)> = exports.iter().map(|e| (e.addr(), e.len())).collect();
+    let lens: Vec<usize> = spans.iter().map(|s| s.1).collect();
+    let (total, runs) = payload_runs(&lens, runs)?;
+    let h = py
+        .detach(move || {
+            let slices: Vec<&[u8]> = spans
+                .iter()
+                // SAFETY: each span is an export held in `exports` until after this
+                // closure returns; only read here.
+                .map(|&(a, n)| unsafe { std::slice::from_raw_parts(a as *const u8, n) })
+                .collect();
+            install::xxh3_runs(total, &slices, &runs)
+        })
+        .raise()?;
+    drop(exports);
+    Ok(h)
+}
