@@ -24,8 +24,10 @@ def test_ceiling_json_at_a_tiny_size(tmp_path, capsys):
     assert doc["source"].startswith("tmpfs") and doc["outcome"] == "complete"
     # Every path measured in every counted round; the warm-up round is not counted.
     assert {m: len(v) for m, v in doc["per_round"].items()} == dict.fromkeys(doc["per_round"], 1)
-    assert set(doc["per_round"]) == {"engine", "restore", "restore_unfused"}
+    assert set(doc["per_round"]) == {"engine", "restore", "restore_slots", "restore_unfused"}
     assert doc["restore_cpu_s_per_gib"] > 0 and doc["restore_unfused_gib_s"] > 0
+    # The restore read every chunk into the cache in place; the slot paths did not.
+    assert doc["restore_direct_chunks"] == [doc["chunks"]]
     # Four 16 MiB chunks through two slots: the staging peak is the window, not the state.
     assert doc["rws_peak_bytes"] == 2 * doc["chunk_bytes"] < doc["state_bytes"]
     assert "ratio restore/engine" in capsys.readouterr().out

@@ -63,7 +63,7 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--window", type=int, default=32, help="W: staging slots")
     p.add_argument("--queue-depth", type=int, default=32, help="engine queue depth")
     p.add_argument("--rounds", type=int, default=3, help="rounds (median is reported)")
-    p.add_argument("--dest-cap", type=parse_size, default=parse_size("1GiB"),
+    p.add_argument("--dest-cap", type=parse_size, default=parse_size("2GiB"),
                    help="host KV cache size; a larger state cycles through its blocks")  # fmt: skip
     p.add_argument("--install-threads", type=int, default=1,
                    help="fused installs of several chunks at once (default 1)")  # fmt: skip
