@@ -14,11 +14,13 @@ import psutil
 import pytest
 import torch
 from bsr_io import Engine, NoFreeSlot
+from bsr_io.engine import give_back
 from bsr_io.errors import (
     CapacityError,
     ChunkCorrupt,
     ChunkMissing,
     ChunkReadError,
+    ChunkWriteError,
     LayoutError,
     TierDown,
 )
@@ -355,6 +357,7 @@ def test_a_stall_removes_nothing_and_marks_the_tier_down_for_a_while(fresh_pool)
         while (tier.down or eng.free_slots() < 2) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert tier.stats()["withdrawn"] == 0 and tier.stats()["quarantined"] == 0
+        assert tier.stats()["header_buffers_out"] == 0  # the abandoned read gave its back
         other = MooncakeTier(fresh_pool.config(), layout=LAYOUT)
         assert other.probe(keys) == 3  # every object is still in the pool
         other.close()
@@ -363,6 +366,81 @@ def test_a_stall_removes_nothing_and_marks_the_tier_down_for_a_while(fresh_pool)
             assert bytes(memoryview(slot)) == synthetic_chunk(LAYOUT, seed, i).tobytes()
             del slot
     tier.close()
+
+
+class _SlowPut:
+    """Test double: the real client, except that a put waits `delay_s` before it runs (a
+    put stalled past the tier's deadline; the real put then reads the payload)."""
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s = inner, delay_s
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def batch_put_from_multi_buffers(self, *args):
+        time.sleep(self.delay_s)
+        return self.inner.batch_put_from_multi_buffers(*args)
+
+
+def test_an_abandoned_put_keeps_its_slot_out_of_the_ring(pool):
+    """A put past its deadline still reads its payload when it runs: the slot cannot be
+    released meanwhile (the put holds a view of it), so it never goes back to the ring
+    and gets refilled under the put; it returns once the put has, with its header
+    buffer, and the object holds the slot's bytes."""
+    tier = MooncakeTier(pool.config(timeout_s=1.0, down_s=0.0), layout=LAYOUT)
+    seed, keys = state(2)
+    with Engine(2, N) as eng:
+        tier.write(keys[0], synthetic_chunk(LAYOUT, seed, 0), LAYOUT)
+        tier.read_into(keys[0], eng).release()  # registers the engine's arena
+        slot = eng.lease()
+        slot.fill_from(synthetic_chunk(LAYOUT, seed, 1))
+        slot.set_length(N)
+        tier.client = _SlowPut(tier.client, 2.5)
+        with pytest.raises(ChunkWriteError, match="no answer"):
+            tier.write(keys[1], slot, LAYOUT)
+        with pytest.raises(BufferError):
+            slot.release()  # the put will still read it: it cannot go back now
+        give_back(slot)  # what a caller does: the slot returns when the put does
+        del slot
+        other = eng.lease()  # the only free slot; scribbling on it harms nobody
+        other.fill_from(np.full(N, 0xEE, dtype=np.uint8))
+        with pytest.raises(NoFreeSlot):
+            eng.lease()
+        other.release()
+        deadline = time.monotonic() + 30
+        while (eng.free_slots() < 2 or tier.stats()["header_buffers_out"]) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        assert eng.free_slots() == 2 and tier.stats()["header_buffers_out"] == 0
+        tier.client = tier.client.inner
+        got = tier.read_into(keys[1], eng)  # the late put stored the slot's own bytes
+        assert bytes(memoryview(got)) == synthetic_chunk(LAYOUT, seed, 1).tobytes()
+        got.release()
+    tier.close()
+
+
+def test_bookkeeping_is_bounded_and_closed_engines_let_go(pool):
+    tier = MooncakeTier(pool.config(), layout=LAYOUT)
+    tier.INDEX_MAX = 3
+    seed, keys = fill(tier, 6)
+    assert tier.keys() == keys[3:]  # the newest, at most INDEX_MAX
+    # A bad object is removed from the pool: nothing is left to remember about it.
+    bad = state(1)[1][0]
+    put_raw(tier, bad, b"x" * (HEADER_BYTES + N))
+    with Engine(2, N) as a:
+        with pytest.raises(ChunkCorrupt):
+            tier.read_into(bad, a)
+        tier.read_into(keys[0], a).release()
+        assert tier.stats()["arenas"] == 1
+    assert tier.stats()["withdrawn"] == 0 and not tier.contains(bad)
+    with Engine(2, N) as b:  # `a` is closed: its arena goes at the next read
+        tier.read_into(keys[1], b).release()
+        st = tier.stats()
+        assert st["arenas"] == 1 and st["arenas_unregistered"] == 1
+    tier.close()  # and `b`'s at close
+    assert tier.stats()["arenas"] == 0 and tier.stats()["arenas_unregistered"] == 2
 
 
 def test_killed_node_fails_reads_fast(fresh_pool):

@@ -95,15 +95,22 @@ class CallTimeout(Exception):
 
 class _Call:
     """One client call on a worker thread. `hold` keeps the memory the call may touch
-    (a slot, a header buffer, a payload) alive until the call has returned; then the
-    waiter takes it back, or, when the waiter gave up, it is let go."""
+    (a slot or a view of one, a header buffer, a payload) alive until the call has
+    returned; then the waiter takes it back, or, when the waiter gave up, `after(hold)`
+    gives it back (header buffers, registrations) on the worker and it is let go. A slot
+    in `hold` goes back to the ring only then: never while the pool may touch it."""
 
-    __slots__ = ("fn", "args", "hold", "done", "result", "error", "started", "abandoned", "_lock")
+    __slots__ = ("fn", "args", "hold", "after", "done", "result", "error", "started",
+                 "abandoned", "_lock")  # fmt: skip
 
     def __init__(
-        self, fn: Callable[..., Any], args: tuple[Any, ...], hold: tuple[Any, ...]
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        hold: tuple[Any, ...],
+        after: Callable[[tuple[Any, ...]], None] | None = None,
     ) -> None:
-        self.fn, self.args, self.hold = fn, args, hold
+        self.fn, self.args, self.hold, self.after = fn, args, hold, after
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -118,13 +125,16 @@ class _Call:
         try:
             if not skip:
                 self.result = self.fn(*self.args)
+            elif isinstance(self.fn, _Transfer):
+                self.fn.skip()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
             self.error = exc
         finally:
             with self._lock:
-                if self.abandoned:
-                    self.hold = ()  # nobody waits: the memory may be reused now
+                orphan = self.abandoned
                 self.done.set()
+            if orphan:
+                self._let_go()  # nobody waits: give the memory back now
 
     def wait(self, timeout: float | None) -> Any:
         if not self.done.wait(timeout):
@@ -134,8 +144,9 @@ class _Call:
         return self.result
 
     def take(self) -> tuple[Any, ...]:
-        """The memory the call held (once it has returned)."""
-        hold, self.hold = self.hold, ()
+        """The memory the call held (once it has returned); the waiter gives it back."""
+        with self._lock:
+            hold, self.hold, self.after = self.hold, (), None
         return hold
 
     def abandon(self) -> None:
@@ -143,8 +154,37 @@ class _Call:
         a running one lets go when it returns."""
         with self._lock:
             self.abandoned = True
-            if not self.started or self.done.is_set():
-                self.hold = ()
+            orphan = not self.started or self.done.is_set()
+        if orphan:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        with self._lock:
+            hold, self.hold = self.hold, ()
+            after, self.after = self.after, None
+        if after is not None:
+            try:
+                after(hold)
+            except Exception:  # noqa: BLE001, S110 - best effort on a worker thread
+                pass
+        del hold
+
+
+class _Transfer:
+    """A client call that targets registered memory; `ended` runs once, when it
+    returned or when it will never run."""
+
+    def __init__(self, fn: Callable[..., Any], ended: Callable[[], None]) -> None:
+        self.fn, self._ended = fn, ended
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.fn(*args)
+        finally:
+            self._ended()
+
+    def skip(self) -> None:
+        self._ended()
 
 
 class _Workers:
@@ -162,8 +202,14 @@ class _Workers:
         while (call := self._q.get()) is not None:
             call.run()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, hold: tuple[Any, ...] = ()) -> _Call:
-        call = _Call(fn, args, hold)
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        hold: tuple[Any, ...] = (),
+        after: Callable[[tuple[Any, ...]], None] | None = None,
+    ) -> _Call:
+        call = _Call(fn, args, hold, after)
         self._q.put(call)
         return call
 
@@ -201,6 +247,19 @@ class _HeaderBuffers:
 
     def blocks(self) -> list[npt.NDArray[np.uint8]]:
         return list(self._blocks)
+
+    def counts(self) -> tuple[int, int]:
+        """(buffers allocated, buffers free): equal when none is out."""
+        with self._lock:
+            return len(self._blocks) * self.BLOCK, len(self._free)
+
+
+def _release_views(owner: object) -> None:
+    """Release the buffer views in `owner` (a slot's view held for a put)."""
+    if isinstance(owner, tuple):
+        for part in owner:
+            if isinstance(part, memoryview):
+                part.release()
 
 
 def _check_reachable(config: MooncakeConfig) -> None:
@@ -242,10 +301,13 @@ def open_client(config: MooncakeConfig) -> Any:
 class MooncakeTier(Tier):
     """Chunk records as objects in a Mooncake Store pool. Thread-safe.
 
-    `keys()` and `stats()["records"]` cover what this process wrote or read (the client
-    cannot list the pool). `layout` (optional) lets reads of its chunks skip a size
-    query on the first read and check the group table as well.
+    `keys()` and `stats()["records"]` cover what this process wrote or read lately (the
+    client cannot list the pool; at most INDEX_MAX keys). `layout` (optional) lets reads
+    of its chunks skip a size query on the first read and check the group table as well.
     """
+
+    INDEX_MAX = 1 << 16
+    WITHDRAWN_MAX = 1 << 12
 
     def __init__(
         self,
@@ -257,7 +319,7 @@ class MooncakeTier(Tier):
     ) -> None:
         super().__init__(name)
         self.config = config
-        self._counts.update(exist_calls=0, timeouts=0, marked_down=0)
+        self._counts.update(exist_calls=0, timeouts=0, marked_down=0, arenas_unregistered=0)
         self._meta = _Workers(2, f"bsr-mc-meta-{name}")
         self._data = _Workers(config.io_threads, f"bsr-mc-data-{name}")
         try:
@@ -268,13 +330,19 @@ class MooncakeTier(Tier):
             raise
         self._replicas = self._replicate_config()
         self._headers = _HeaderBuffers(self.client.register_buffer)
-        self._arenas: dict[int, int] = {}  # registered engine arenas: address -> bytes
+        # Registered engine arenas: address -> (bytes, engine); an arena is unregistered
+        # once its engine is closed and no transfer of this tier targets it.
+        self._arenas: dict[int, tuple[int, Engine]] = {}
+        self._inflight: dict[int, int] = {}  # arena address -> transfers not yet returned
         self._layouts: dict[str, KVLayout] = {}
         self._payload_len: dict[str, int] = {}  # layout fingerprint -> payload bytes
         if layout is not None:
             self._learn(layout)
-        self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # seen here: payload bytes
-        self._withdrawn: set[str] = set()  # invalidated here, in case the remove failed
+        # Seen here (LRU, at most INDEX_MAX): payload bytes.
+        self._index: OrderedDict[ChunkKey, int] = OrderedDict()
+        # Objects shown bad whose forced remove failed (at most WITHDRAWN_MAX, oldest
+        # forgotten): not advertised here, removed before this tier writes the name again.
+        self._withdrawn: OrderedDict[str, None] = OrderedDict()
         self._snapshot: dict[str, tuple[float, int]] = {}
         self._down_until = 0.0  # time.monotonic() before which the pool is not asked
         self._down_why = ""
@@ -399,15 +467,56 @@ class MooncakeTier(Tier):
 
     # -- reads --------------------------------------------------------------------------
     def _register_arena(self, engine: Engine) -> None:
+        self._sweep_arenas()
         addr, nbytes = engine.arena_address, engine.arena_bytes
         with self._lock:
-            if self._arenas.get(addr) == nbytes:
+            known = self._arenas.get(addr)
+            if known is not None and known[1] is engine:
                 return
             rc = self.client.register_buffer(addr, nbytes)
             if rc != 0:
                 raise TierDown(f"cannot register the engine's staging arena with the pool: "
                                f"{code_name(rc)}", tier=self.name)  # fmt: skip
-            self._arenas[addr] = nbytes
+            self._arenas[addr] = (nbytes, engine)
+
+    def _sweep_arenas(self, everything: bool = False) -> None:
+        """Unregister the arenas of closed engines (every one when `everything`) that no
+        transfer of this tier still targets, and let go of those engines."""
+        with self._lock:
+            gone = [a for a, (_, eng) in self._arenas.items()
+                    if (everything or eng.closed) and not self._inflight.get(a)]  # fmt: skip
+            for a in gone:
+                del self._arenas[a]
+        for a in gone:
+            try:
+                self.client.unregister_buffer(a)
+            except Exception:  # noqa: BLE001, S110 - the client may be gone at exit
+                pass
+            self._count(arenas_unregistered=1)
+
+    def _arena_of(self, addr: int) -> int | None:
+        with self._lock:
+            return next((a for a, (n, _) in self._arenas.items() if a <= addr < a + n), None)
+
+    def _transfer_started(self, arena: int | None) -> None:
+        if arena is not None:
+            with self._lock:
+                self._inflight[arena] = self._inflight.get(arena, 0) + 1
+
+    def _transfer_returned(self, arena: int | None) -> None:
+        if arena is not None:
+            with self._lock:
+                left = self._inflight.get(arena, 0) - 1
+                if left > 0:
+                    self._inflight[arena] = left
+                else:
+                    self._inflight.pop(arena, None)
+
+    def _tracked(self, arena: int | None, fn: Callable[..., Any]) -> _Transfer:
+        """`fn`, counted as a transfer into `arena` from now until it returns (or is
+        skipped, abandoned before it started)."""
+        self._transfer_started(arena)
+        return _Transfer(fn, lambda: self._transfer_returned(arena))
 
     def _expected_len(self, key: ChunkKey, name: str) -> int:
         with self._lock:
@@ -438,11 +547,12 @@ class MooncakeTier(Tier):
             del slot
             raise
         call = self._data.submit(
-            self.client.batch_get_into_multi_buffers,
+            self._tracked(self._arena_of(slot.address), self.client.batch_get_into_multi_buffers),
             [name],
             [[hdr.ctypes.data, slot.address]],
             [[HEADER_BYTES, n]],
             hold=(slot, hdr),
+            after=self._after_read,
         )
         deadline = time.monotonic() + self.config.timeout_s
         del slot, hdr  # from here the call owns them until it returns
@@ -470,6 +580,12 @@ class MooncakeTier(Tier):
             return self._verify(key, name, n, call, out)
 
         return PendingChunk(key, finish, call.done.is_set)
+
+    def _after_read(self, hold: tuple[Any, ...]) -> None:
+        """An abandoned read returned: its header buffer goes back; its slot goes back to
+        the ring as `hold` is dropped."""
+        if len(hold) == 2:
+            self._headers.give(hold[1])
 
     def _verify(self, key: ChunkKey, name: str, n: int, call: _Call, out: list[int]) -> Slot:
         slot: Slot
@@ -502,8 +618,7 @@ class MooncakeTier(Tier):
         self._headers.give(hdr)
         with self._lock:
             self._payload_len.setdefault(key.layout_fingerprint, n)
-            self._index.pop(key, None)
-            self._index[key] = n
+        self._touch(key, n)
         self._count(hits=1, reads=1, bytes_read=n)
         return slot
 
@@ -561,7 +676,7 @@ class MooncakeTier(Tier):
                 raise ChunkWriteError("cannot replace an invalidated object", key=key,
                                       tier=self.name, cause=code_name(rc))  # fmt: skip
             with self._lock:
-                self._withdrawn.discard(name)
+                self._withdrawn.pop(name, None)
         try:
             (present,) = self._exists([name])
         except TierDown as exc:
@@ -572,19 +687,27 @@ class MooncakeTier(Tier):
             return False
         n = layout.chunk_bytes
         addr, keep, checksum, registered = self._payload_memory(payload, layout)
-        hdr = self._headers.take()
+        try:
+            hdr = self._headers.take()
+        except BaseException:
+            self._let_go_payload((keep, None, addr if registered else None))
+            raise
         hdr[:] = np.frombuffer(make_header(key, layout, checksum).encode(), dtype=np.uint8)
         call = self._data.submit(
-            self.client.batch_put_from_multi_buffers,
+            self._tracked(self._arena_of(addr), self.client.batch_put_from_multi_buffers),
             [name],
             [[hdr.ctypes.data, addr]],
             [[HEADER_BYTES, n]],
             self._replicas,
-            hold=(keep, hdr),
+            hold=(keep, hdr, addr if registered else None),
+            after=self._let_go_payload,
         )
+        del keep, hdr
         try:
             out = call.wait(self.config.timeout_s)
         except CallTimeout:
+            # The put may still read the payload: it keeps its view of the slot (so the
+            # slot cannot go back to the ring) until the put returns.
             call.abandon()
             self._count(timeouts=1)
             why = f"a put got no answer within {self.config.timeout_s} s"
@@ -594,11 +717,8 @@ class MooncakeTier(Tier):
             raise ChunkWriteError("pool put raised", key=key, tier=self.name,
                                   cause=exc) from exc  # fmt: skip
         finally:
-            if call.done.is_set():
-                call.take()
-                self._headers.give(hdr)
-                if registered:
-                    self.client.unregister_buffer(addr)
+            if call.done.is_set() and not call.abandoned:
+                self._let_go_payload(call.take())
         rc = int(out[0]) if out else RPC_FAIL
         if rc != 0:
             why = "pool full or no storage node" if rc == NO_HANDLE else "pool put failed"
@@ -611,29 +731,50 @@ class MooncakeTier(Tier):
     def _payload_memory(self, payload: Payload, layout: KVLayout) -> tuple[int, Any, int, bool]:
         """(address, owner to keep alive, xxh3, registered here) of the payload bytes.
 
-        Memory outside a registered engine arena is registered for the put (RDMA needs
-        it; TCP does not care) and unregistered after."""
+        A slot is held through a buffer view, which the engine honours: the caller's
+        `release()` is refused (and `give_back` leaves the slot to the view's end) while
+        a put that may still read it runs. Memory outside a registered engine arena is
+        registered for the put (RDMA needs it; TCP does not care) and unregistered after."""
         n = layout.chunk_bytes
         owner: object
         if isinstance(payload, Slot):
-            addr, owner, checksum = payload.address, payload, payload.checksum(0, n)
+            addr, checksum = payload.address, payload.checksum(0, n)
+            owner = (payload, memoryview(payload))
         else:
             arr = np.frombuffer(payload_view(payload, layout), dtype=np.uint8)
             addr, owner, checksum = arr.ctypes.data, arr, xxh3_64(arr.data)
         with self._lock:
-            inside = any(a <= addr and addr + n <= a + b for a, b in self._arenas.items())
+            inside = any(a <= addr and addr + n <= a + b for a, (b, _) in self._arenas.items())
         if inside:
             return addr, owner, checksum, False
         rc = self.client.register_buffer(addr, n)
         if rc != 0:
+            _release_views(owner)
             raise ChunkWriteError(f"cannot register the payload with the pool: {code_name(rc)}",
                                   tier=self.name)  # fmt: skip
         return addr, owner, checksum, True
+
+    def _let_go_payload(self, hold: tuple[Any, ...]) -> None:
+        """A put returned (or never ran): its header buffer, its payload registration and
+        its view of a slot go back."""
+        if not hold:
+            return
+        keep, hdr, registered_at = hold
+        if hdr is not None:
+            self._headers.give(hdr)
+        if registered_at is not None:
+            try:
+                self.client.unregister_buffer(registered_at)
+            except Exception:  # noqa: BLE001, S110 - the client may be gone at exit
+                pass
+        _release_views(keep)
 
     def _touch(self, key: ChunkKey, n: int) -> None:
         with self._lock:
             self._index.pop(key, None)
             self._index[key] = n
+            while len(self._index) > self.INDEX_MAX:
+                self._index.popitem(last=False)
 
     def _forget(self, key: ChunkKey) -> None:
         with self._lock:
@@ -655,15 +796,21 @@ class MooncakeTier(Tier):
     def _withdraw(self, key: ChunkKey, name: str, reason: str) -> None:
         with self._lock:
             first = name not in self._withdrawn
-            self._withdrawn.add(name)
+            self._withdrawn[name] = None
             self._snapshot.pop(name, None)
         self._forget(key)
         if first:
             self._count(quarantined=1)
         try:
-            self._remove_name(name)  # forced: a reader's lease must not keep a bad copy
+            rc = self._remove_name(name)  # forced: a reader's lease must not keep a bad copy
         except TierDown:
-            pass  # the local withdrawal still keeps this process from advertising it
+            rc = RPC_FAIL
+        with self._lock:
+            if rc in (0, NOT_FOUND):
+                self._withdrawn.pop(name, None)  # gone from the pool: nothing to remember
+            else:  # kept from advertising it here until a write replaces it
+                while len(self._withdrawn) > self.WITHDRAWN_MAX:
+                    self._withdrawn.popitem(last=False)
 
     def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
         """Remove `key`'s object from the pool, unless the failure proves nothing about it
@@ -682,6 +829,9 @@ class MooncakeTier(Tier):
         with self._lock:
             out = self._stats(len(self._index), sum(self._index.values()), None)
             out["withdrawn"] = len(self._withdrawn)
+            out["arenas"] = len(self._arenas)
+            allocated, free = self._headers.counts()
+            out["header_buffers_out"] = allocated - free
         out["master"] = self.config.master
         return out
 
@@ -691,5 +841,7 @@ class MooncakeTier(Tier):
         self._closed = True
         # The client is left to its destructor: closing it while a transfer to a
         # stalled node is in flight crashed the process (SIGSEGV) in Mooncake 0.3.13.
+        # Arenas no transfer targets are unregistered now (their engines let go).
+        self._sweep_arenas(everything=True)
         self._meta.stop()
         self._data.stop()
