@@ -82,8 +82,14 @@ def test_install_xxh3_refuses_bad_runs_and_aliasing():
                      [(0, 0, 100, 10), (0, 20, 50, 10)]):  # fmt: skip
             with pytest.raises(ValueError):
                 s.install_xxh3([d], runs)
+        # Runs that would write the same bytes twice are refused; buffers that alias
+        # each other are fine as long as the runs do not (only the runs are borrowed).
         with pytest.raises(ValueError, match="overlap"):
-            s.install_xxh3([d, d[100:]], [(0, 0, 0, 10)])
+            s.install_xxh3([d, d[100:]], [(0, 100, 0, 10), (1, 5, 10, 10)])
+        s.install_xxh3([d, d[100:]], [(0, 0, 0, 10), (1, 0, 10, 10)])
+        assert d[:10].tolist() == list(range(10)) and d[100:110].tolist() == list(range(10, 20))
+        with pytest.raises(ValueError, match="overlap"):  # a destination inside the slot
+            s.install_xxh3([np.frombuffer(memoryview(s), np.uint8)], [(0, 0, 0, 10)])
         with pytest.raises(BufferError):
             s.install_xxh3([bytes(10)], [(0, 0, 0, 10)])  # read-only destination
         del s

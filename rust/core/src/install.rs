@@ -7,6 +7,12 @@
 //! stay in cache: each piece is copied to its destination and then hashed while hot.
 //! Bytes written into the destination before the hash is known are allowed: they are
 //! installed, not visible, until the restore commits; a mismatch makes the chunk fail.
+//!
+//! Destinations are named by address (`Span`), not borrowed whole: several install
+//! threads write different chunks into the same KV buffers at once, so none of them may
+//! hold a `&mut` over a whole buffer. Each run becomes a slice of exactly its own bytes,
+//! for the time it is copied; what must hold across threads is that the run ranges of
+//! calls running at once are disjoint (the binding enforces it, see `copy_runs_xxh3_raw`).
 
 use xxhash_rust::xxh3::Xxh3;
 
@@ -24,6 +30,34 @@ pub struct Run {
     pub dst_offset: usize,
     pub src_offset: usize,
     pub len: usize,
+}
+
+/// A buffer by address and length: a destination (or, for `xxh3_runs_raw`, a source)
+/// that other threads may be using elsewhere while a call touches its runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub addr: usize,
+    pub len: usize,
+}
+
+impl Span {
+    pub fn of(buf: &[u8]) -> Span {
+        Span {
+            addr: buf.as_ptr() as usize,
+            len: buf.len(),
+        }
+    }
+}
+
+/// The absolute byte ranges `(start, end)` the `runs` cover in `bufs` (runs checked).
+pub fn run_ranges(bufs: &[Span], runs: &[Run]) -> Vec<(usize, usize)> {
+    runs.iter()
+        .filter(|r| r.len > 0)
+        .map(|r| {
+            let start = bufs[r.dst].addr + r.dst_offset;
+            (start, start + r.len)
+        })
+        .collect()
 }
 
 /// Check `runs` against the source length and the destination sizes: in source order,
@@ -69,16 +103,49 @@ pub fn check_runs(src_len: usize, dst_lens: &[usize], runs: &[Run]) -> Result<()
 
 /// Copy `src` into `dsts` along `runs` (checked with `check_runs`) and return the
 /// xxh3-64 of all of `src`, which is what a record header holds for its payload.
-/// Source bytes no run covers are hashed, not copied.
+/// Source bytes no run covers are hashed, not copied. One thread's form of
+/// `copy_runs_xxh3_raw`: the destinations are borrowed whole.
 pub fn copy_runs_xxh3(src: &[u8], dsts: &mut [&mut [u8]], runs: &[Run]) -> Result<u64> {
-    let lens: Vec<usize> = dsts.iter().map(|d| d.len()).collect();
+    let spans: Vec<Span> = dsts.iter().map(|d| Span::of(d)).collect();
+    // SAFETY: every destination is exclusively borrowed for this call, so its runs are
+    // valid for writes and nothing else reads or writes them meanwhile; `src` is a
+    // shared borrow, so it cannot alias a `&mut` destination.
+    unsafe { copy_runs_xxh3_raw(src, &spans, runs) }
+}
+
+/// `copy_runs_xxh3` into destinations named by address.
+///
+/// Only the runs' own bytes are ever borrowed, each as one `&mut [u8]` for the time it
+/// is copied: a whole buffer never is, so other threads may write other runs of the same
+/// buffers at the same time. A run that overlaps `src` is refused.
+///
+/// # Safety
+///
+/// For the whole call, the bytes of every run (`dsts[r.dst].addr + r.dst_offset`,
+/// `r.len` bytes) must be valid for writes, and no other thread may read or write them:
+/// calls running at once on several threads must pass disjoint run ranges (their own
+/// chunks' blocks). Bytes of the buffers outside the runs are never touched.
+pub unsafe fn copy_runs_xxh3_raw(src: &[u8], dsts: &[Span], runs: &[Run]) -> Result<u64> {
+    let lens: Vec<usize> = dsts.iter().map(|d| d.len).collect();
     check_runs(src.len(), &lens, runs)?;
+    let (src_start, src_end) = (src.as_ptr() as usize, src.as_ptr() as usize + src.len());
+    for (i, (a, b)) in run_ranges(dsts, runs).into_iter().enumerate() {
+        if a < src_end && src_start < b {
+            return Err(Error::invalid(format!(
+                "install run {i} writes into the slot it copies from"
+            )));
+        }
+    }
     let mut h = Xxh3::new();
     let mut pos = 0usize;
     for r in runs {
         // A gap between runs is verified too.
         h.update(&src[pos..r.src_offset]);
-        let dst = &mut dsts[r.dst][r.dst_offset..r.dst_offset + r.len];
+        let start = (dsts[r.dst].addr + r.dst_offset) as *mut u8;
+        // SAFETY: check_runs put the run inside its buffer; the caller guarantees those
+        // bytes are valid for writes and used by no other thread during the call; they
+        // do not overlap `src` (checked above). The slice ends with this iteration.
+        let dst = unsafe { std::slice::from_raw_parts_mut(start, r.len) };
         let src = &src[r.src_offset..r.src_offset + r.len];
         for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
             copy_streaming(d, s);
@@ -96,7 +163,22 @@ pub fn copy_runs_xxh3(src: &[u8], dsts: &mut [&mut [u8]], runs: &[Run]) -> Resul
 /// `runs` (`src_offset` is the payload offset): what the record header holds, computed
 /// without a copy. The runs must cover the payload exactly, in order.
 pub fn xxh3_runs(len: usize, bufs: &[&[u8]], runs: &[Run]) -> Result<u64> {
-    let lens: Vec<usize> = bufs.iter().map(|d| d.len()).collect();
+    let spans: Vec<Span> = bufs.iter().map(|b| Span::of(b)).collect();
+    // SAFETY: the buffers are borrowed (shared) for the call: readable, and nobody
+    // writes them meanwhile.
+    unsafe { xxh3_runs_raw(len, &spans, runs) }
+}
+
+/// `xxh3_runs` over buffers named by address: only the runs' own bytes are borrowed,
+/// each as one `&[u8]` while it is hashed, so other threads may write elsewhere in the
+/// same buffers (other chunks' installs or direct reads).
+///
+/// # Safety
+///
+/// For the whole call the bytes of every run must be valid for reads and written by
+/// nobody (no thread, no device or kernel transfer).
+pub unsafe fn xxh3_runs_raw(len: usize, bufs: &[Span], runs: &[Run]) -> Result<u64> {
+    let lens: Vec<usize> = bufs.iter().map(|d| d.len).collect();
     check_runs(len, &lens, runs)?;
     let mut h = Xxh3::new();
     let mut pos = 0usize;
@@ -108,7 +190,10 @@ pub fn xxh3_runs(len: usize, bufs: &[&[u8]], runs: &[Run]) -> Result<u64> {
                 r.src_offset
             )));
         }
-        h.update(&bufs[r.dst][r.dst_offset..r.dst_offset + r.len]);
+        let start = (bufs[r.dst].addr + r.dst_offset) as *const u8;
+        // SAFETY: check_runs put the run inside its buffer; the caller guarantees those
+        // bytes are readable and written by nobody during the call.
+        h.update(unsafe { std::slice::from_raw_parts(start, r.len) });
         pos += r.len;
     }
     if pos != len {
@@ -250,6 +335,60 @@ mod tests {
         let bad = copy_runs_xxh3(&src, &mut [&mut dst[..]], &runs).unwrap();
         assert_ne!(good, bad);
         assert_eq!(bad, xxh3_64(&src));
+    }
+
+    #[test]
+    fn threads_install_disjoint_runs_of_one_buffer_at_once() {
+        // Four threads each copy their own quarter of one destination buffer, as install
+        // threads do with different chunks' blocks of one KV tensor: no thread borrows
+        // more than its runs, so this is sound (run it under Miri to check).
+        let n = 1 << 16;
+        let srcs: Vec<Vec<u8>> = (0..4)
+            .map(|k| pattern(n).iter().map(|b| b ^ k).collect())
+            .collect();
+        let mut dst = vec![0u8; 4 * n];
+        let span = Span::of(&dst);
+        std::thread::scope(|s| {
+            for (k, src) in srcs.iter().enumerate() {
+                s.spawn(move || {
+                    let runs = [Run {
+                        dst: 0,
+                        dst_offset: k * n,
+                        src_offset: 0,
+                        len: n,
+                    }];
+                    // SAFETY: thread k writes only [k*n, (k+1)*n) of `dst`, which lives
+                    // (and is touched by nobody else) until the scope ends.
+                    let h = unsafe { copy_runs_xxh3_raw(src, &[span], &runs) }.unwrap();
+                    assert_eq!(h, xxh3_64(src));
+                });
+            }
+        });
+        for (k, src) in srcs.iter().enumerate() {
+            assert_eq!(&dst[k * n..(k + 1) * n], &src[..]);
+        }
+        dst[0] ^= 1; // the buffer is ours again
+    }
+
+    #[test]
+    fn a_run_into_its_own_slot_is_refused() {
+        let mut buf = pattern(4096);
+        let span = Span::of(&buf);
+        let src = buf.as_ptr();
+        // SAFETY: the source slice is the buffer's first half, the run its second half
+        // shifted to overlap the first: refused before any byte is written.
+        let r = unsafe {
+            let src = std::slice::from_raw_parts(src, 2048);
+            let runs = [Run {
+                dst: 0,
+                dst_offset: 1024,
+                src_offset: 0,
+                len: 2048,
+            }];
+            copy_runs_xxh3_raw(src, &[span], &runs)
+        };
+        assert!(r.is_err());
+        buf[0] = 0;
     }
 
     #[test]

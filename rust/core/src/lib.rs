@@ -8,6 +8,7 @@ pub mod align;
 pub mod arena;
 pub mod backend;
 pub mod checksum;
+pub mod claims;
 pub mod engine;
 pub mod error;
 pub mod file;

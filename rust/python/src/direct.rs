@@ -8,11 +8,12 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use bsr_io_core::install::{self, Run};
+use bsr_io_core::install::{self, Run, Span};
 use bsr_io_core::{Error, Pending};
 
 use crate::errors::Raise;
 use crate::slot::Exported;
+use bsr_io_core::claims::Claim;
 
 /// Buffer exports pinning the destination memory while the kernel may write it.
 pub(crate) struct Held {
@@ -129,18 +130,27 @@ pub(crate) fn xxh3_runs(
         .iter()
         .map(|b| Exported::get(b, false))
         .collect::<PyResult<Vec<_>>>()?;
-    let spans: Vec<(usize, usize)> = exports.iter().map(|e| (e.addr(), e.len())).collect();
-    let lens: Vec<usize> = spans.iter().map(|s| s.1).collect();
+    let spans: Vec<Span> = exports
+        .iter()
+        .map(|e| Span {
+            addr: e.addr(),
+            len: e.len(),
+        })
+        .collect();
+    let lens: Vec<usize> = spans.iter().map(|s| s.len).collect();
     let (total, runs) = payload_runs(&lens, runs)?;
+    // Only the runs' bytes are read, and no install on another thread may write them
+    // meanwhile; other chunks' runs of the same buffers stay free for other threads.
+    let claim = Claim::take(install::run_ranges(&spans, &runs)).raise()?;
     let h = py
         .detach(move || {
-            let slices: Vec<&[u8]> = spans
-                .iter()
-                // SAFETY: each span is an export held in `exports` until after this
-                // closure returns; only read here.
-                .map(|&(a, n)| unsafe { std::slice::from_raw_parts(a as *const u8, n) })
-                .collect();
-            install::xxh3_runs(total, &slices, &runs)
+            // SAFETY: each span is an export held in `exports` until after this closure
+            // returns, so the runs' bytes are readable; `claim` keeps every install and
+            // hash of this process off them. The direct read that filled them has
+            // completed (the caller hashes after its wait), so no transfer writes them.
+            let h = unsafe { install::xxh3_runs_raw(total, &spans, &runs) };
+            drop(claim);
+            h
         })
         .raise()?;
     drop(exports);

@@ -11,11 +11,12 @@ use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use bsr_io_core::checksum;
-use bsr_io_core::install::{self, Run};
+use bsr_io_core::install::{self, Run, Span};
 use bsr_io_core::{Error, SlotLease};
 
 use crate::errors::Raise;
 use crate::non_negative;
+use bsr_io_core::claims::Claim;
 
 /// A contiguous export of any buffer object, released on drop (with the GIL held).
 pub(crate) struct Exported {
@@ -180,15 +181,21 @@ impl PySlot {
             .iter()
             .map(|d| Exported::get(d, true))
             .collect::<PyResult<Vec<_>>>()?;
-        let spans: Vec<(usize, usize)> = exports.iter().map(|e| (e.addr(), e.len())).collect();
+        let spans: Vec<Span> = exports
+            .iter()
+            .map(|e| Span {
+                addr: e.addr(),
+                len: e.len(),
+            })
+            .collect();
         let (slot_addr, slot_len) = (self.lease.addr(), self.lease.len());
-        // Mutable slices must not alias each other or the slot being read.
-        let mut all: Vec<(usize, usize)> = spans.clone();
-        all.push((slot_addr, slot_len));
-        all.sort_unstable();
-        if all.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+        // A destination must not overlap the slot being read.
+        if spans
+            .iter()
+            .any(|d| d.addr < slot_addr + slot_len && slot_addr < d.addr + d.len)
+        {
             return Err(Error::invalid(
-                "install destinations overlap each other or the slot; pass each KV buffer once",
+                "an install destination overlaps the slot it is copied from",
             ))
             .raise();
         }
@@ -201,20 +208,25 @@ impl PySlot {
                 len,
             })
             .collect();
+        let lens: Vec<usize> = spans.iter().map(|d| d.len).collect();
+        install::check_runs(slot_len, &lens, &runs).raise()?;
+        // Exactly the bytes this call writes, held until it returns: another thread's
+        // install of another chunk into the same buffers claims other ranges.
+        let claim = Claim::take(install::run_ranges(&spans, &runs)).raise()?;
         let lease = Arc::clone(&self.lease);
         let hash = py
             .detach(move || {
                 // SAFETY: the slot is leased to Python, so no engine operation writes into
                 // it; its valid bytes live as long as `lease`.
                 let src = unsafe { lease.bytes(0, slot_len) }?;
-                let mut dst: Vec<&mut [u8]> = spans
-                    .iter()
-                    // SAFETY: each span is a writable export held in `exports` until after
-                    // this closure returns; the spans were checked not to overlap each
-                    // other or the slot, so these are the only slices of that memory here.
-                    .map(|&(a, n)| unsafe { std::slice::from_raw_parts_mut(a as *mut u8, n) })
-                    .collect();
-                install::copy_runs_xxh3(src, &mut dst, &runs)
+                // SAFETY: each span is a writable export held in `exports` until after
+                // this closure returns, so the runs' bytes are valid for writes; `claim`
+                // holds exactly those bytes, so no other install or in-place hash on any
+                // thread touches them meanwhile (Python code writing the same tensors
+                // during an install is the caller's error, as with any buffer export).
+                let h = unsafe { install::copy_runs_xxh3_raw(src, &spans, &runs) };
+                drop(claim);
+                h
             })
             .raise()?;
         drop(exports);
