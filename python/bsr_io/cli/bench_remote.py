@@ -13,7 +13,10 @@ cache, commit. The reference stages the whole state in one buffer with one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import random
+import resource
 import statistics
 import time
 from contextlib import ExitStack
@@ -23,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from bsr_io._core import Engine
+from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.engine import as_numpy
 from bsr_io.keys import chunk_keys
@@ -45,6 +49,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--layout", default="deepseek-v4-flash", choices=sorted(PRESETS))
     p.add_argument("--window", type=int, default=4, help="W: staging slots (reads in flight)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (medians are reported)")
+    p.add_argument("--io-threads", type=int, default=None,
+                   help="the tier's data call threads (default: its config's)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None, help="seed of the per-round order")
     add_pool_args(p)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.set_defaults(func=run)
@@ -106,9 +113,12 @@ def run(args: argparse.Namespace) -> int:
 
             inside = stack.enter_context(loopback_netns())
             segment = n * record + max(n * record // 4, 256 << 20)
-            pool = stack.enter_context(LoopbackPool(segment, lease_ttl_ms=2000))
+            # Leases outlast a bulk read of the whole state on a slow, shared machine.
+            pool = stack.enter_context(LoopbackPool(segment, lease_ttl_ms=20000))
             cfg = pool.config(timeout_s=args.pool_timeout)
             where = "loopback pool" + (" (loopback-only netns)" if inside else "")
+        if args.io_threads is not None:
+            cfg = dataclasses.replace(cfg, io_threads=args.io_threads)
         tier = MooncakeTier(cfg, layout=layout, name="L3")
         stack.callback(tier.close)
         engine = stack.enter_context(Engine(args.window, chunk))
@@ -123,15 +133,23 @@ def run(args: argparse.Namespace) -> int:
     doc.update(
         pool=where, master=cfg.master, protocol=cfg.protocol, layout=layout.name,
         chunk_bytes=chunk, chunks=n, state_bytes=state_bytes, window=args.window,
-        slot_bytes=engine.slot_bytes, rounds=args.rounds,
+        slot_bytes=engine.slot_bytes, rounds=args.rounds, io_threads=cfg.io_threads,
     )  # fmt: skip
     print(f"restore {doc['restore_gib_s']:.2f} GiB/s through {args.window} slots vs client bulk "
           f"{doc['client_bulk_gib_s']:.2f} GiB/s into one {fmt_size(doc['bulk_buffer_bytes'])} "
           f"buffer: ratio {doc['ratio']:.3f}; RWS {fmt_size(doc['rws_peak_bytes'])} "
           f"(W x chunk = {fmt_size(args.window * chunk)}), state {fmt_size(state_bytes)}, "
-          f"outcome {doc['outcome']}")  # fmt: skip
+          f"outcome {doc['outcome']}; {doc['restore_read_wait_share']:.0%} of the restore "
+          f"waiting for the pool, CPU {doc['restore_cpu_s_per_gib']:.2f} s/GiB (bulk "
+          f"{doc['bulk_cpu_s_per_gib']:.2f})")  # fmt: skip
     write_json(args.json, doc)
     return 0 if doc["outcome"] == "complete" else 1
+
+
+def _cpu_s() -> float:
+    """This process's CPU time (the pool's storage node is another process)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
 
 
 def _fill(tier, engine: Engine, layout, keys) -> None:
@@ -161,13 +179,21 @@ def _measure(tier, engine, layout, keys, tokens, args, model) -> dict[str, Any]:
     restorer.restore(restorer.probe(tokens), dest)
     rounds = []
     res = None
-    for r in range(args.rounds):
-        row: dict[str, float] = {}
-        for which in ("bulk", "restore") if r % 2 == 0 else ("restore", "bulk"):
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
+    rng = random.Random(seed)
+    loads = [snapshot()]
+    for _ in range(args.rounds):
+        row: dict[str, Any] = {}
+        order = ["bulk", "restore"]
+        rng.shuffle(order)
+        row["order"] = order
+        for which in order:
+            c0 = _cpu_s()
             if which == "bulk":
                 t0 = time.perf_counter()
                 got = tier.client.batch_get_into(names, ptrs, [record] * n)
                 row["bulk_s"] = time.perf_counter() - t0
+                row["bulk_cpu_s_per_gib"] = (_cpu_s() - c0) * GiB / (n * chunk)
                 if list(got) != [record] * n:
                     raise OSError(f"client bulk read failed: {sorted(set(got))}")
             else:
@@ -177,12 +203,17 @@ def _measure(tier, engine, layout, keys, tokens, args, model) -> dict[str, Any]:
                 res = restorer.restore(plan, dest)
                 row["probe_s"] = t1 - t0
                 row["restore_s"] = time.perf_counter() - t1
+                row["restore_cpu_s_per_gib"] = (_cpu_s() - c0) * GiB / (n * chunk)
+                # Waiting for the pool vs verifying and installing: which bounds it.
+                row["restore_read_wait_s"] = res.timings["read_wait_s"]
+                row["restore_install_s"] = res.timings["install_copy_s"]
                 if not res.complete:
                     raise OSError(f"restore from the pool ended {res.outcome}: {res.reason}")
         row["ratio"] = row["bulk_s"] / row["restore_s"]
         rounds.append(row)
+        loads.append(snapshot())
     tier.client.unregister_buffer(bulk.ctypes.data)
-    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "order"}
     state = n * chunk
     assert res is not None
     return {
@@ -196,5 +227,14 @@ def _measure(tier, engine, layout, keys, tokens, args, model) -> dict[str, Any]:
         "bulk_buffer_bytes": int(bulk.nbytes),
         "outcome": res.outcome,
         "rounds_detail": rounds,
+        "restore_cpu_s_per_gib": med["restore_cpu_s_per_gib"],
+        "bulk_cpu_s_per_gib": med["bulk_cpu_s_per_gib"],
+        # GiB/s x CPU s/GiB: cores kept busy (2 here): near 2, the path is CPU-bound.
+        "restore_cores_busy": state / med["restore_s"] / GiB * med["restore_cpu_s_per_gib"],
+        "bulk_cores_busy": state / med["bulk_s"] / GiB * med["bulk_cpu_s_per_gib"],
+        "restore_read_wait_share": med["restore_read_wait_s"] / med["restore_s"],
+        "seed": seed,
+        "load": summary(loads),
+        "load_snapshots": loads,
         "note": "loopback TCP on a shared 2-core machine; the reference verifies nothing",
     }

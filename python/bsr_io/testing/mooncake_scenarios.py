@@ -81,6 +81,7 @@ def _after_the_stall(
     objects = l3.probe(keys)
     plan = r.probe(token_ids)
     dest = PagedKVCache.allocate(r.layout, len(token_ids))
+    dest.direct_reads = False  # these scenarios watch the window's slots fill
     res = r.restore(plan, dest)
     wrong = [i for i in range(res.committed_chunks) if dest.chunk_bytes(i) != src.chunk_bytes(i)]
     return {
@@ -150,6 +151,7 @@ def remote_on_rank(
     plan = r.probe(token_ids)
     probe_exist_calls = l3.stats()["exist_calls"] - exist_before
     dest = PagedKVCache.allocate(lay, tokens)
+    dest.direct_reads = False  # these scenarios watch the window's slots fill
     target: Any = dest
     if case == "removed" and rank == 0:
         l3.remove(keys[chunks // 2])
