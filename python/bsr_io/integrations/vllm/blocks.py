@@ -1,21 +1,30 @@
-"""A request's blocks in vLLM's paged cache as a bsr-io Destination.
+"""vLLM's paged KV cache as a bsr-io destination: records over per-group block ids.
 
-Chunk c of a request covers its blocks `[c*per, (c+1)*per)`, `per = chunk_tokens /
-block_size`. Blocks below `first_block` hold vLLM's own local prefix hit: they may be
-shared with other requests, so an install never writes them (their bytes in the
-payload are skipped). Every install and extract runs under the request's guard:
-once the guard is closed (the load timed out and was reported failed, so vLLM may
-hand the blocks to another request) nothing touches the blocks again.
+`KVPages` addresses vLLM's backing allocation once (one flat byte view per storage,
+however many groups overlay it) and knows each layer's page placement, checked
+against the tensors vLLM registered. `RequestPages` is one request's records: record
+i is one group's pages for one chunk (or one window), each page at a block id of that
+group, or skipped (-1: a null block, a block of vLLM's own local hit, a page before
+the prompt). It offers `host_runs` (consecutive blocks coalesced into one run) for the
+core's fused copy-and-verify install, and `install_scope()`: the request's `Guard`,
+held around every install and extract, so once a load is abandoned nothing touches
+the blocks vLLM may have handed to another request.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
-from bsr_io.layout import KVLayout
+from bsr_io.errors import LayoutError
+from bsr_io.integrations.vllm.layout import GroupLayout
+
+SKIP = -1  # a record position no block backs here: not installed, extracted as zeros
 
 
 class Abandoned(Exception):
@@ -26,7 +35,7 @@ class Guard:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._open = True
-        self.fences: list = []  # waits for copies already issued (a CUDA stream)
+        self.fences: list[Callable[[], None]] = []  # waits for copies already issued
 
     def close(self) -> None:
         """After this returns, no install or extract of this request runs or will run,
@@ -36,103 +45,190 @@ class Guard:
         for wait in self.fences:
             wait()
 
+    @property
+    def open(self) -> bool:
+        return self._open
+
     def __enter__(self) -> Guard:
         self._lock.acquire()
         if not self._open:
             self._lock.release()
-            raise Abandoned("the request's blocks were released (timeout)")
+            raise Abandoned("the request's blocks were released (timeout or abort)")
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._lock.release()
 
 
-class RequestBlocks:
-    """Destination over one request's block ids in every layer's cache.
+@dataclass(frozen=True)
+class _Layer:
+    buf: int  # index into KVPages.bufs
+    base: int  # byte offset of block 0's page in that buffer
+    stride: int  # bytes from block b to b + 1
+    page: int
 
-    It offers no `host_runs` (the fused copy-and-hash install): that path would bypass
-    the guard, and a chunk whose first blocks are vLLM's own is only partly written."""
 
-    def __init__(
-        self,
-        layout: KVLayout,
-        layers: Sequence[torch.Tensor],
-        block_ids: Sequence[int],
-        first_block: int = 0,
-        guard: Guard | None = None,
-    ) -> None:
-        self.layout = layout
-        self.layers = list(layers)  # uint8 [num_blocks, block_bytes], one per group
-        self.block_ids = list(block_ids)
-        self.first_block = first_block
+class KVPages:
+    """Where every layer's pages are, over vLLM's storage addressed once."""
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], groups: Sequence[GroupLayout],
+                 num_blocks: int) -> None:  # fmt: skip
+        self.num_blocks = num_blocks
+        storages: dict[int, int] = {}
+        self.tensors: list[torch.Tensor] = []  # flat uint8 views, one per storage
+        self.layers: dict[str, _Layer] = {}
+        device = None
+        for g in groups:
+            for lp in g.layers:
+                t = kv_caches.get(lp.name)
+                where = f"KV cache group {g.index} ({g.spec}), layer {lp.name}"
+                if t is None:
+                    raise LayoutError(f"{where}: vLLM registered no KV cache tensor for it")
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key not in storages:
+                    storages[key] = len(self.tensors)
+                    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+                    flat.set_(st, 0, (st.nbytes(),))
+                    self.tensors.append(flat)
+                device = t.device
+                base = t.data_ptr() - key
+                self._check(where, t, lp.page_bytes, lp.block_stride, base, lp.offset,
+                            st.nbytes())  # fmt: skip
+                self.layers[lp.name] = _Layer(storages[key], base, lp.block_stride, lp.page_bytes)
+        self.device = device or torch.device("cpu")
+        # Plain host memory: numpy views for the fused install (and memcpy-speed copies).
+        self.bufs: list[np.ndarray[Any, Any]] | None = (
+            [t.numpy() for t in self.tensors] if self.device.type == "cpu" else None
+        )
+
+    def _check(self, where: str, t: torch.Tensor, page: int, stride: int, base: int,
+               offset: int, nbytes: int) -> None:  # fmt: skip
+        """Refuse, naming the layer, what bsr-io cannot read as one run per page."""
+        es = t.element_size()
+        if base != offset:
+            raise LayoutError(
+                f"{where}: tensor starts {base} B into vLLM's allocation, its KVCacheTensor "
+                f"says {offset}; bsr-io cannot address its pages"
+            )
+        n = self.num_blocks
+        if t.dim() < 1 or t.shape[0] % n:
+            raise LayoutError(f"{where}: tensor shape {list(t.shape)} is not [{n} blocks, ...]")
+        ratio = t.shape[0] // n  # kernel blocks per vLLM block
+        block = t[0:ratio]
+        if t.stride(0) * es * ratio != stride or not block.is_contiguous():
+            raise LayoutError(
+                f"{where}: a block of shape {list(t.shape)} strides {list(t.stride())} is not "
+                f"one contiguous run of bytes {stride} B apart; bsr-io reads each (layer, "
+                "block) page as one run (use a layer- or block-outermost layout: LBHNC, BLHNC)"
+            )
+        if block.numel() * es > page:
+            raise LayoutError(f"{where}: a block holds {block.numel() * es} B, its page "
+                              f"{page} B")  # fmt: skip
+        if base + (n - 1) * stride + page > nbytes:
+            raise LayoutError(f"{where}: {n} pages of {page} B do not fit its storage")
+
+
+@dataclass(frozen=True)
+class RecordPlan:
+    """One record of a request: a group, and the block id behind each of its pages
+    (in `group.span(chunk)` order; SKIP where no block is touched)."""
+
+    group: GroupLayout
+    ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ids) != self.group.record_blocks:
+            raise ValueError(f"record of {self.group.describe()} needs "
+                             f"{self.group.record_blocks} block ids, got {len(self.ids)}")  # fmt: skip
+
+
+class RequestPages:
+    """Destination over one request's records (loads install them, saves extract them)."""
+
+    def __init__(self, pages: KVPages, records: Sequence[RecordPlan],
+                 guard: Guard | None = None) -> None:  # fmt: skip
+        self.pages = pages
+        self.records = list(records)
         self.guard = guard or Guard()
-        g = layout.groups[0]
-        self.per = layout.chunk_tokens // g.block_tokens
-        self.block_bytes = g.block_tokens * g.token_bytes
-        self.device = self.layers[0].device if self.layers else torch.device("cpu")
+        self.device = pages.device
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         if self._stream is not None:
             self.guard.fences.append(self._stream.synchronize)
-        num_blocks = self.layers[0].shape[0] if self.layers else 0
-        bad = [b for b in self.block_ids if not 0 <= b < num_blocks]
-        if bad:
-            raise ValueError(f"block ids {bad[:4]} outside the cache's {num_blocks} blocks")
+        for r in self.records:
+            bad = [b for b in r.ids if b != SKIP and not 0 < b < pages.num_blocks]
+            if bad:
+                raise ValueError(f"{r.group.describe()}: block ids {bad[:4]} are null or "
+                                 f"outside the cache's {pages.num_blocks} blocks")  # fmt: skip
 
     @property
     def capacity_chunks(self) -> int:
-        return len(self.block_ids) // self.per
+        return len(self.records)
 
-    def _blocks(self, chunk_index: int) -> list[tuple[int, int]]:
-        """(position in chunk, block id) of the chunk's blocks this request may write."""
-        start = chunk_index * self.per
-        if start + self.per > len(self.block_ids):
-            raise IndexError(f"chunk {chunk_index} lies beyond the request's blocks")
-        return [
-            (j, self.block_ids[start + j]) for j in range(self.per) if start + j >= self.first_block
-        ]
+    def sizes(self) -> list[int]:
+        return [r.group.record_bytes for r in self.records]
 
-    def install(self, chunk_index: int, payload: torch.Tensor):
-        blocks = self._blocks(chunk_index)
-        bb, per = self.block_bytes, self.per
+    def runs(self, i: int) -> list[tuple[int, int, int, int]]:
+        """(buffer, offset in it, payload offset, length) of record i's pages, in payload
+        order; consecutive blocks of a layer whose pages abut are one run."""
+        r = self.records[i]
+        out: list[tuple[int, int, int, int]] = []
+        for lp, (off, _n) in zip(r.group.layers, r.group.record.group_offsets(), strict=True):
+            lay = self.pages.layers[lp.name]
+            page = lay.page
+            j = 0
+            ids = r.ids
+            while j < len(ids):
+                if ids[j] == SKIP:
+                    j += 1
+                    continue
+                k = j + 1
+                while k < len(ids) and ids[k] == ids[k - 1] + 1 and lay.stride == page:
+                    k += 1
+                out.append((lay.buf, lay.base + ids[j] * lay.stride, off + j * page,
+                            (k - j) * page))  # fmt: skip
+                j = k
+        return out
+
+    # -- the core's destination protocol -------------------------------------------
+    def install_scope(self) -> Guard:
+        return self.guard
+
+    def host_runs(
+        self, i: int
+    ) -> tuple[list[np.ndarray[Any, Any] | None], list[tuple[int, int, int, int]]] | None:
+        if self.pages.bufs is None:
+            return None
+        return list(self.pages.bufs), self.runs(i)
+
+    def install(self, i: int, payload: torch.Tensor) -> Any:
+        runs = self.runs(i)
         with self.guard:
             if self._cuda:
-                # The slot is registered with CUDA: asynchronous copies on our own stream,
-                # and an event that tells the window when the slot may be reused.
+                assert self._stream is not None
                 with torch.cuda.stream(self._stream):
-                    for li, layer in enumerate(self.layers):
-                        base = li * per * bb
-                        for j, b in blocks:
-                            src = payload[base + j * bb : base + (j + 1) * bb]
-                            layer[b].copy_(src, non_blocking=True)
-                    event = torch.cuda.Event()
+                    for b, dst, src, n in runs:
+                        self.pages.tensors[b][dst : dst + n].copy_(
+                            payload[src : src + n], non_blocking=True
+                        )
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                     event.record(self._stream)
                 return event
-            src = payload.numpy()
-            for li, layer in enumerate(self.layers):
-                dst = layer.numpy()
-                base = li * per * bb
-                for j, b in blocks:
-                    dst[b] = src[base + j * bb : base + (j + 1) * bb]
+            assert self.pages.bufs is not None
+            src_np = payload.numpy()
+            for b, dst, src, n in runs:
+                np.copyto(self.pages.bufs[b][dst : dst + n], src_np[src : src + n])
         return None
 
-    def extract(self, chunk_index: int, out: torch.Tensor) -> None:
-        start = chunk_index * self.per
-        if start + self.per > len(self.block_ids):
-            raise IndexError(f"chunk {chunk_index} lies beyond the request's blocks")
-        bb, per = self.block_bytes, self.per
+    def extract(self, i: int, out: torch.Tensor) -> None:
+        r = self.records[i]
         with self.guard:
-            for li, layer in enumerate(self.layers):
-                base = li * per * bb
-                ids = self.block_ids[start : start + per]
-                if self._cuda:
-                    out[base : base + per * bb].view(per, bb).copy_(layer[ids].cpu())
-                else:
-                    dst = out.numpy()
-                    src = layer.numpy()
-                    for j, b in enumerate(ids):
-                        dst[base + j * bb : base + (j + 1) * bb] = src[b]
+            if SKIP in r.ids:
+                out.zero_()
+            for b, src, dst, n in self.runs(i):
+                out[dst : dst + n].copy_(self.pages.tensors[b][src : src + n])
 
     def synchronize(self) -> None:
-        if self._cuda:
+        if self._stream is not None:
             self._stream.synchronize()

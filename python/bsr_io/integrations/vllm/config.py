@@ -9,6 +9,8 @@ explicitly that errors are acceptable (`accept_load_errors`).
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +20,19 @@ DEFAULT_CHUNK_TOKENS = 256
 
 class ConfigError(ValueError):
     """The vLLM configuration cannot run this connector; the message says what to change."""
+
+
+def check_chunk_tokens(chunk_tokens: int, block_sizes: Sequence[int], alignment: int | None) -> None:
+    """ConfigError unless a chunk is whole blocks of every KV cache group and lands on
+    vLLM's prefix-hit alignment; the message names the value to use."""
+    need = math.lcm(*block_sizes, *([alignment] if alignment else []))
+    if chunk_tokens % need:
+        good = -(-chunk_tokens // need) * need
+        raise ConfigError(
+            f"chunk_tokens {chunk_tokens} is not a multiple of {need} (the KV cache groups' "
+            f"block sizes {sorted(set(block_sizes))} and vLLM's hit alignment {alignment}): "
+            f'set kv_connector_extra_config.chunk_tokens to {good}'
+        )
 
 
 def _int(extra: dict[str, Any], name: str, default: int | None, minimum: int = 1) -> int | None:
@@ -48,6 +63,10 @@ class ConnectorConfig:
     load_timeout_s: float = 30.0
     save_timeout_s: float = 120.0
     save: bool = True
+    # Sliding-window records are cut in the step that computed them; a step waits at
+    # most this long for a free save slot, then skips the record (a future miss).
+    step_save_budget_s: float = 0.05
+    rescan_s: float = 5.0  # the scheduler re-lists the store for records others wrote
     model: str | None = None  # identity of the weights; default: vLLM's model and revision
     events_path: str | None = None  # JSON lines, one per load and save outcome
     metrics_port: int | None = None  # Prometheus on 127.0.0.1:<port + TP rank>
@@ -113,6 +132,8 @@ class ConnectorConfig:
             chunk_tokens=chunk_tokens,
             load_timeout_s=_float(extra, "load_timeout_s", 30.0),
             save_timeout_s=_float(extra, "save_timeout_s", 120.0),
+            step_save_budget_s=_float(extra, "step_save_budget_s", 0.05),
+            rescan_s=_float(extra, "rescan_s", 5.0),
             save=save,
             model=model,
             events_path=events,

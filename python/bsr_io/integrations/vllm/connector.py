@@ -1,7 +1,9 @@
 """`BsrIoConnector`: vLLM's KV connector interface over bsr-io (asynchronous loads).
 
 vLLM builds one instance in the scheduler process (role SCHEDULER) and one in each
-worker (role WORKER); each delegates to `SchedulerSide` or `WorkerSide`.
+worker (role WORKER); each delegates to `SchedulerSide` or `WorkerSide`. It supports
+vLLM's hybrid allocator (`SupportsHMA`): block ids arrive as one list per KV cache
+group in every hook, and each group is restored from records of its own.
 """
 
 from __future__ import annotations
@@ -12,19 +14,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 
-from bsr_io.integrations.vllm.config import ConnectorConfig
+from bsr_io.integrations.vllm.config import ConfigError, ConnectorConfig
 from bsr_io.integrations.vllm.identity import model_identity
-from bsr_io.integrations.vllm.layout import REQUIRED_LAYOUT, layout_from_kv_cache_config
-from bsr_io.integrations.vllm.metadata import BsrMetadata
+from bsr_io.integrations.vllm.layout import REQUIRED_LAYOUT, group_layouts
+from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-class BsrIoConnector(KVConnectorBase_V1):
+class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -33,12 +36,10 @@ class BsrIoConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
-        cache_layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
-            vllm_config.cache_config, "kv_cache_layout", None
-        )
-        self.layout, layer_names = layout_from_kv_cache_config(
-            kv_cache_config, str(cache_layout or REQUIRED_LAYOUT), self.cfg.chunk_tokens
-        )
+        if vllm_config.parallel_config.decode_context_parallel_size != 1:
+            raise ConfigError("bsr-io's connector does not support decode context "
+                              "parallelism (decode_context_parallel_size must be 1)")  # fmt: skip
+        self.groups = group_layouts(kv_cache_config, self.cfg.chunk_tokens)
         world_size = vllm_config.parallel_config.tensor_parallel_size
         model = model_identity(vllm_config, self.cfg.model)
         self._scheduler = None
@@ -46,22 +47,15 @@ class BsrIoConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from bsr_io.integrations.vllm.scheduler import SchedulerSide
 
-            self._scheduler = SchedulerSide(
-                self.cfg, self.layout, model, world_size, vllm_config.cache_config.block_size
-            )
+            self._scheduler = SchedulerSide(self.cfg, self.groups, model, world_size)
+            self._scheduler.start()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             from bsr_io.integrations.vllm.worker import WorkerSide
 
-            self._worker = WorkerSide(
-                self.cfg,
-                self.layout,
-                layer_names,
-                kv_cache_config.num_blocks,
-                get_tensor_model_parallel_rank(),
-                world_size,
-            )
+            self._worker = WorkerSide(self.cfg, self.groups, kv_cache_config.num_blocks,
+                                      get_tensor_model_parallel_rank(), world_size)  # fmt: skip
 
     # -- layout -----------------------------------------------------------------------
     @classmethod
@@ -75,44 +69,65 @@ class BsrIoConnector(KVConnectorBase_V1):
 
     # -- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+        assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> BsrMetadata:
+        assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]):
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
         self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        if isinstance(meta, BsrMetadata) and (meta.loads or meta.saves):
+        if self._worker is not None and isinstance(meta, BsrMetadata):
             self._worker.submit(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous: nothing per layer
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
-        return  # saves run after the request finishes, from its blocks
+        return  # window records are cut once per step, in wait_for_save
 
     def wait_for_save(self) -> None:
-        return  # saves are asynchronous; vLLM keeps their blocks until finished_sending
+        # The step's forward is done and its blocks are still live: cut the window
+        # records it completed now; their writes go on in the background.
+        if self._worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, BsrMetadata):
+            self._worker.save_step(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
         sending, recving, failed = self._worker.results()
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )
 
+    def build_connector_worker_meta(self) -> BsrWorkerMeta | None:
+        return self._worker.worker_meta() if self._worker is not None else None
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()

@@ -50,6 +50,35 @@ def write_tiny_llama(path: str | os.PathLike[str], *, layers: int = 2, seed: int
     return str(out)
 
 
+def write_tiny_gemma3(path: str | os.PathLike[str], *, seed: int = 0,
+                      max_tokens: int = 32768) -> str:  # fmt: skip
+    """A random-weight Gemma 3 text model (vllm-hybrid.md): 6 layers sliding, sliding,
+    full, sliding, sliding, full; window 256; 4 query heads, 1 KV head of 64; hidden
+    256; vocab 512; bf16. vLLM's hybrid allocator gives it three KV cache groups."""
+    import torch
+    import transformers
+
+    out = Path(path)
+    if (out / "config.json").exists():
+        return str(out)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=64, sliding_window=256,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=max_tokens, initializer_range=0.2, torch_dtype="bfloat16",
+        query_pre_attn_scalar=64,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():
+        # Gemma scales embeddings by sqrt(hidden): at random init they drown what
+        # attention adds, and the output follows the last token alone. Smaller
+        # embeddings make it depend on the whole context, so restored KV is visibly used.
+        model.model.embed_tokens.weight.mul_(0.1)
+    model.to(torch.bfloat16).save_pretrained(out)
+    return str(out)
+
+
 def tokens(seed: int, n: int) -> list[int]:
     return np.random.default_rng([seed, 0x77]).integers(1, VOCAB, size=n).tolist()
 

@@ -1,18 +1,40 @@
-"""vLLM's KV cache as a bsr-io layout: one allocator group per attention layer.
+"""vLLM's KV cache groups as bsr-io record layouts: one record layout per group.
 
-vLLM allocates each layer's cache as `[num_blocks, ...]` with every block one
-contiguous run of bytes when the layer and block dimensions are outermost (the
-"LBHNC" and "LBNHC" layouts). bsr-io moves whole blocks and never looks inside
-them, so a chunk's payload is, per layer in order, the raw bytes of the chunk's
-blocks. The physical layout's name is part of the layout's name, hence of the
-fingerprint in every key: records written under one block interior are never
-installed into another.
+A vLLM KV cache group is one allocator group: its layers share one block table and one
+block size. bsr-io never looks inside a page: a layer's page for a block is
+`kv_cache_spec.page_size_bytes` opaque bytes (padded, quantized, float32 state: all the
+same to it), at `offset + l * layer_stride + b * block_stride` of the one backing
+allocation (vLLM's `KVCacheTensor`). Layer-outermost layouts (LBHNC) and DeepSeek-V4's
+block-first packing (BLHNC) both give one contiguous run per (layer, block); anything
+else is refused, naming the group and the layer.
+
+Each group's part of a chunk is a record of its own, keyed under the group's own
+fingerprint, so discovery and failure are per group:
+
+- "full" (full attention, MLA, DeepSeek's compressed and indexer caches): the record of
+  chunk c holds every block of the chunk, every layer;
+- "window" (sliding window, and DeepSeek's compressor state, which vLLM also keeps
+  through a window): the record at chunk boundary c holds exactly the blocks vLLM keeps
+  for a prefix hit ending there, the `cdiv(window - 1 + retained, block)` blocks before
+  `(c + 1) * chunk_tokens` (fewer at the start: the missing pages are left zero), so a
+  restore reads the same bytes for that group whatever the prefix length;
+- anything else (recurrent state, chunked-local, cross attention, unknown specs) is
+  refused at start with the group and its spec class named.
+
+A record's `KVLayout` counts pages, not tokens: one AllocatorGroup per layer of
+`uint8[page_bytes]` with one page per "token", and `chunk_tokens` = pages per layer in
+the record. Its name carries the kind, block size, window, the real chunk size and a
+digest of the layers' specs and vLLM's physical layout, so the fingerprint in every key
+covers everything that decides the bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,100 +42,199 @@ import torch
 from bsr_io.errors import LayoutError
 from bsr_io.layout import AllocatorGroup, KVLayout
 
-# Layouts whose (layer, block) pages are contiguous; the CPU backend supports LBHNC only.
-BLOCK_COMPACT = ("LBHNC", "LBNHC")
+# The connector asks for layer-outermost pages; DeepSeek-V4 overrides it with BLHNC.
 REQUIRED_LAYOUT = "LBHNC"
+FULL = "full"
+WINDOW = "window"
 _SAFE = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
-def kv_layout(
-    layer_names: Sequence[str],
-    *,
-    block_tokens: int,
-    num_kv_heads: int,
-    head_size: int,
-    head_size_v: int | None,
-    dtype: torch.dtype,
-    chunk_tokens: int,
-    cache_layout: str,
-) -> KVLayout:
-    """The per-rank layout of a full-attention model's paged cache in vLLM."""
-    if cache_layout not in BLOCK_COMPACT:
-        raise LayoutError(
-            f"vLLM KV cache layout {cache_layout} does not keep each (layer, block) page "
-            f"contiguous; bsr-io needs one of {BLOCK_COMPACT}"
+class GroupRefused(LayoutError):
+    """A KV cache group the connector cannot restore; the message names it and why."""
+
+
+@dataclass(frozen=True)
+class LayerPages:
+    """Where one layer's pages are in vLLM's backing allocation (bytes)."""
+
+    name: str
+    page_bytes: int
+    offset: int  # block 0's page
+    block_stride: int  # from block b to b + 1
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """One vLLM KV cache group as bsr-io records."""
+
+    index: int  # vLLM's group id (position in block-id tuples)
+    kind: str  # FULL | WINDOW
+    spec: str  # spec class name, for messages
+    block_tokens: int
+    window: int  # tokens the group keeps before a restore point (WINDOW); 0 for FULL
+    chunk_tokens: int
+    layers: tuple[LayerPages, ...]
+    replicated: bool  # every TP rank holds the same bytes (vLLM's max_tp_shards == 1)
+    record: KVLayout
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_tokens // self.block_tokens
+
+    @property
+    def record_blocks(self) -> int:
+        """Pages per layer in one record."""
+        return self.record.chunk_tokens
+
+    @property
+    def record_bytes(self) -> int:
+        return self.record.chunk_bytes
+
+    def fingerprint(self) -> str:
+        return self.record.fingerprint()
+
+    def span(self, chunk: int) -> range:
+        """Block positions (of the request's block list) the record of chunk `chunk`
+        covers, in payload order; positions below 0 are pages the record leaves zero."""
+        end = (chunk + 1) * self.blocks_per_chunk
+        return range(end - self.record_blocks, end)
+
+    def key_rank(self, rank: int) -> int:
+        """The rank whose records this rank reads: its own, or rank 0's for a group
+        every rank holds the same bytes of."""
+        return 0 if self.replicated else rank
+
+    def describe(self) -> str:
+        what = f"window {self.window} tokens, " if self.kind == WINDOW else ""
+        return (
+            f"group {self.index} ({self.spec}, {self.kind}, {what}block {self.block_tokens}, "
+            f"{len(self.layers)} layers, {self.record_blocks} pages/layer/record, "
+            f"{self.record_bytes} B/record{', same on every rank' if self.replicated else ''})"
         )
-    token_shape = (num_kv_heads, head_size + (head_size_v or head_size))
-    groups = tuple(
-        AllocatorGroup(_SAFE.sub("_", name)[:128], dtype, token_shape, block_tokens)
-        for name in layer_names
+
+
+def _layer_specs(spec: Any, names: Sequence[str]) -> list[tuple[str, Any]]:
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return [(n, spec.kv_cache_specs[n]) for n in names]
+    return [(n, spec) for n in names]
+
+
+def _kind(index: int, spec: Any) -> tuple[str, int]:
+    """(kind, window tokens kept before a restore point) of one layer's spec, or
+    GroupRefused naming the group and the spec class."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
     )
-    return KVLayout(f"vllm-{cache_layout}", groups, chunk_tokens)
+
+    cls = type(spec)
+    name = cls.__name__
+    if cls in (FullAttentionSpec, MLAAttentionSpec):
+        # A full spec holding a sliding or chunked-local layer (the hybrid allocator
+        # off) still keeps every block: restoring all of them is right.
+        return FULL, 0
+    if cls in (SlidingWindowSpec, SlidingWindowMLASpec):
+        if isinstance(spec, SlidingWindowMLASpec) and spec.bounded_replay:
+            raise GroupRefused(
+                f"KV cache group {index} ({name}) replays its window after a hit "
+                "(bounded_replay): vLLM does not prefix-cache it, nor can bsr-io"
+            )
+        retained = int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        return WINDOW, int(spec.sliding_window) - 1 + retained
+    raise GroupRefused(
+        f"KV cache group {index} holds {name} layers, which bsr-io cannot restore "
+        "(supported: FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, "
+        "SlidingWindowMLASpec); start vLLM without the bsr-io connector for this model"
+    )
 
 
-def layout_from_kv_cache_config(kv_cache_config: Any, cache_layout: str, chunk_tokens: int):
-    """(layout, layer names in group order) from vLLM's KVCacheConfig."""
+def _placements(kv_cache_config: Any) -> dict[str, LayerPages]:
+    """Each layer's page placement from vLLM's KVCacheTensors (page size filled later)."""
+    out: dict[str, LayerPages] = {}
+    for t in kv_cache_config.kv_cache_tensors:
+        layers = list(getattr(t, "layers", None) or getattr(t, "shared_by", []))
+        for li, name in enumerate(layers):
+            off = int(getattr(t, "offset", 0)) + li * int(getattr(t, "layer_stride", 0))
+            out[name] = LayerPages(name, 0, off, int(getattr(t, "block_stride", 0)))
+    return out
+
+
+def _record_name(cache_layout: str, kind: str, block: int, window: int, chunk: int,
+                 specs: Sequence[tuple[str, Any]]) -> str:  # fmt: skip
+    text = repr([(n, repr(s)) for n, s in specs]) + cache_layout
+    digest = hashlib.blake2b(text.encode(), digest_size=6, person=b"bsr-vllm-grp").hexdigest()
+    win = f"-w{window + 1}" if kind == WINDOW else ""
+    return f"vllm-{cache_layout}-{kind}-b{block}{win}-c{chunk}-{digest}"
+
+
+def group_layouts(
+    kv_cache_config: Any, chunk_tokens: int, cache_layout: str | None = None
+) -> list[GroupLayout]:
+    """The record layout of every transferable vLLM KV cache group, in group order.
+
+    Raises GroupRefused for a group kind bsr-io cannot restore or pages it cannot
+    address, ConfigError (config.py) when `chunk_tokens` does not fit the groups."""
+    from bsr_io.integrations.vllm.config import check_chunk_tokens
+
+    cache_layout = str(cache_layout or getattr(kv_cache_config, "kv_cache_layout", None)
+                       or REQUIRED_LAYOUT)  # fmt: skip
     groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        raise LayoutError(
-            f"bsr-io's vLLM connector supports one KV cache group (full attention), got "
-            f"{len(groups)}; hybrid models are not supported yet"
+    blocks = [int(g.kv_cache_spec.block_size) for g in groups]
+    alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+    check_chunk_tokens(chunk_tokens, blocks, alignment)
+    places = _placements(kv_cache_config)
+    out: list[GroupLayout] = []
+    for gi, g in enumerate(groups):
+        if not getattr(g, "enable_kv_transfer", True):
+            continue  # an ephemeral replica vLLM rebuilds from its source group
+        names = list(g.layer_names)
+        specs = _layer_specs(g.kv_cache_spec, names)
+        kinds = {_kind(gi, s) for _, s in specs}
+        if len(kinds) != 1:
+            raise GroupRefused(f"KV cache group {gi} mixes layer kinds {sorted(kinds)}")
+        kind, window = kinds.pop()
+        block = int(g.kv_cache_spec.block_size)
+        layers = []
+        for name, spec in specs:
+            page = int(spec.page_size_bytes)
+            place = places.get(name)
+            if place is None:
+                raise GroupRefused(
+                    f"KV cache group {gi} ({type(spec).__name__}): layer {name} has no "
+                    "KVCacheTensor placement; bsr-io cannot address its pages"
+                )
+            if place.block_stride < page:
+                raise GroupRefused(
+                    f"KV cache group {gi} ({type(spec).__name__}), layer {name}: pages of "
+                    f"{page} B are {place.block_stride} B apart, so a page is not one "
+                    f"contiguous run (vLLM layout {cache_layout}); bsr-io needs each "
+                    "(layer, block) page contiguous"
+                )
+            layers.append(LayerPages(name, page, place.offset, place.block_stride))
+        per = chunk_tokens // block
+        nwin = per if kind == FULL else max(1, -(-window // block))
+        record = KVLayout(
+            _record_name(cache_layout, kind, block, window, chunk_tokens, specs),
+            tuple(AllocatorGroup(_SAFE.sub("_", lp.name)[:128], torch.uint8,
+                                 (lp.page_bytes,), 1) for lp in layers),  # fmt: skip
+            nwin,
         )
-    spec = groups[0].kv_cache_spec
-    for attr in ("num_kv_heads", "head_size", "block_size", "dtype"):
-        if not hasattr(spec, attr):
-            raise LayoutError(f"KV cache spec {type(spec).__name__} is not an attention spec")
-    if getattr(spec, "sliding_window", None):
-        raise LayoutError("sliding-window attention groups are not supported yet")
-    names = list(groups[0].layer_names)
-    layout = kv_layout(
-        names,
-        block_tokens=int(spec.block_size),
-        num_kv_heads=int(spec.num_kv_heads),
-        head_size=int(spec.head_size),
-        head_size_v=getattr(spec, "head_size_v", None),
-        dtype=spec.dtype,
-        chunk_tokens=chunk_tokens,
-        cache_layout=cache_layout,
-    )
-    page = getattr(spec, "page_size_bytes", None)
-    block_bytes = layout.groups[0].block_tokens * layout.groups[0].token_bytes
-    if page is not None and int(page) != block_bytes:
-        raise LayoutError(
-            f"vLLM pages are {page} bytes but the layout gives {block_bytes} per block "
-            "(padded or quantized pages are not supported yet)"
-        )
-    return layout, names
+        replicated = all(getattr(s, "max_tp_shards", None) == 1 for _, s in specs)
+        out.append(GroupLayout(gi, kind, type(g.kv_cache_spec).__name__, block, window,
+                               chunk_tokens, tuple(layers), replicated, record))  # fmt: skip
+    if not out:
+        raise GroupRefused("vLLM's KV cache has no group bsr-io can transfer")
+    return out
 
 
-def block_views(
-    kv_caches: Mapping[str, torch.Tensor],
-    layer_names: Sequence[str],
-    layout: KVLayout,
-    num_blocks: int,
-) -> list[torch.Tensor]:
-    """uint8 views `[num_blocks, block_bytes]` of each layer's cache, in group order.
-
-    Checks what bsr-io relies on: every layer is there, has the layout's dtype, and
-    each block is one contiguous run of `block_bytes` at a stride of `block_bytes`.
-    """
-    views = []
-    for name, group in zip(layer_names, layout.groups, strict=True):
-        t = kv_caches.get(name)
-        if t is None:
-            raise LayoutError(f"vLLM registered no KV cache for layer {name}")
-        if t.dtype != group.dtype:
-            raise LayoutError(f"layer {name}: KV cache dtype {t.dtype}, layout says {group.dtype}")
-        bb = group.block_tokens * group.token_bytes
-        if not t.is_contiguous():
-            raise LayoutError(
-                f"layer {name}: KV cache shape {list(t.shape)} strides {list(t.stride())} is "
-                "not contiguous; each block must be one run of bytes"
-            )
-        if t.numel() * t.element_size() != num_blocks * bb:
-            raise LayoutError(
-                f"layer {name}: KV cache of {t.numel() * t.element_size()} bytes is not "
-                f"{num_blocks} blocks of {bb} bytes (shape {list(t.shape)})"
-            )
-        views.append(t.view(-1).view(torch.uint8).view(num_blocks, bb))
-    return views
+def hit_alignment(kv_cache_config: Any) -> int:
+    """Tokens at which vLLM's prefix hits land (resolved by vLLM, else the lcm of the
+    groups' block sizes)."""
+    got = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+    if got:
+        return int(got)
+    return math.lcm(*(int(g.kv_cache_spec.block_size) for g in kv_cache_config.kv_cache_groups))

@@ -1,152 +1,267 @@
-"""Scheduler side: discovery from metadata, load and save plans, failures become misses.
+"""Scheduler side: discovery from the in-memory catalog, load plans, save orders.
 
-`get_num_new_matched_tokens` runs in every scheduling pass, so its answer is
-memoized per request. The hit is the number of leading whole chunks whose records
-exist for every tensor-parallel rank (a stat and a header read per record, no
-payload), capped so that at least one prompt token is left to compute. A request
-whose load failed on any rank is answered with a miss from then on: vLLM recomputes
-it instead of loading and failing again every step.
+The hit is the largest number n of whole chunks (leaving at least one token to
+compute) such that on every TP rank every full group holds the chunks vLLM does not
+already have locally, [local // chunk, n), and every window group holds its record at
+boundary n - 1: exactly what a restore to n * chunk_tokens reads. Nothing here touches
+the file system after start (catalog.py). While any worker reports its I/O stuck, the
+answer is 0: vLLM recomputes rather than queue loads behind a wedged read.
+
+Saves: each step, for every scheduled request, the chunk boundaries this step
+completes (from the request's tokens and its computed and scheduled counts, read
+before vLLM advances them) become window-group save orders, cut by the workers in
+`wait_for_save` while the blocks still hold them. When a request finishes, every whole
+chunk it computed (generated tokens included) that the catalog lacks is saved for the
+full groups; vLLM keeps its blocks until every worker reports the save done.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from bsr_io.errors import ChunkError
+from bsr_io.integrations.vllm.catalog import RecordCatalog
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import request_key_model
-from bsr_io.integrations.vllm.metadata import BsrMetadata, Transfer
-from bsr_io.keys import ChunkKey, prefix_hashes
-from bsr_io.layout import KVLayout
-from bsr_io.tiers.lower import LowerTier
+from bsr_io.integrations.vllm.layout import FULL, WINDOW, GroupLayout
+from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
+from bsr_io.keys import model_digest, prefix_hashes
 
 log = logging.getLogger("bsr_io.vllm")
 
 
 @dataclass
-class _Lookup:
+class _Request:
+    request: Any  # vLLM's Request: its token ids grow with the output
     key_model: str | None
-    hashes: list[int]
-    hit_chunks: int  # leading chunks present on every rank
-    local_tokens: int = 0  # vLLM's own (block-aligned) hit when last asked
+    hashes: list[int] = field(default_factory=list)
+    local_tokens: int = 0  # vLLM's own hit when last asked
+    hit_chunks: int = 0
+    loading: bool = False
+    failed: bool = False
+    loaded: list[tuple[int, int]] = field(default_factory=list)  # (group, chunk) loading
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, layout: KVLayout, model: str, world_size: int,
-                 block_size: int) -> None:  # fmt: skip
+    def __init__(self, cfg: ConnectorConfig, groups: list[GroupLayout], model: str,
+                 world_size: int, catalog: RecordCatalog | None = None) -> None:  # fmt: skip
         self.cfg = cfg
-        self.layout = layout
-        self.fingerprint = layout.fingerprint()
+        self.groups = groups
+        self.full = [g for g in groups if g.kind == FULL]
+        self.window = [g for g in groups if g.kind == WINDOW]
         self.model = model
         self.world_size = world_size
-        self.block_size = block_size
-        self.per = cfg.chunk_tokens // block_size
-        # Metadata only: file tiers stat a record and read its 4 KiB header.
-        self.tiers = [LowerTier(cfg.store_dir, layout=layout, name="L2")]
-        if cfg.lower_dir:
-            self.tiers.append(LowerTier(cfg.lower_dir, layout=layout, name="L3"))
-        self._lookups: dict[str, _Lookup] = {}
-        self._failed: set[str] = set()
-        self._loading: set[str] = set()
+        self.chunk = cfg.chunk_tokens
+        roots = [cfg.store_dir] + ([cfg.lower_dir] if cfg.lower_dir else [])
+        self.catalog = catalog if catalog is not None else RecordCatalog(roots)
+        self._ns: dict[str, dict[int, list[str]]] = {}  # key_model -> group -> dirs
+        self._reqs: dict[str, _Request] = {}
         self._loads: list[Transfer] = []
-        self._saves: list[Transfer] = []
+        self._finish: list[Transfer] = []
+        self.unhealthy: dict[int, str] = {}
+        self.skipped_saves = 0
+
+    def start(self) -> None:
+        self.catalog.start(self.cfg.rescan_s)
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    # -- names --------------------------------------------------------------------------
+    def dirs(self, key_model: str, g: GroupLayout) -> list[str]:
+        """The record directories group `g` is read from, one per distinct key rank."""
+        per = self._ns.get(key_model)
+        if per is None:
+            per = self._ns[key_model] = {}
+            md = model_digest(key_model)
+            for grp in self.groups:
+                ranks = sorted({grp.key_rank(r) for r in range(self.world_size)})
+                per[grp.index] = [f"{md}-{grp.fingerprint()}-w{self.world_size}r{r}"
+                                  for r in ranks]  # fmt: skip
+        return per[g.index]
+
+    def _state(self, request: Any) -> _Request:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = _Request(request, request_key_model(self.model, request))
+            self._reqs[request.request_id] = st
+        return st
+
+    def _hashes(self, st: _Request, upto_tokens: int) -> list[int]:
+        """Chunk hashes of the request's first `upto_tokens` tokens (computed once)."""
+        n = upto_tokens // self.chunk
+        if len(st.hashes) < n:
+            tokens = list(st.request.all_token_ids)[: n * self.chunk]
+            st.hashes = prefix_hashes(tokens, self.chunk)
+        return st.hashes[:n]
 
     # -- discovery ------------------------------------------------------------------------
-    def _present(self, key_model: str, h: int) -> bool:
-        for rank in range(self.world_size):
-            key = ChunkKey(key_model, self.world_size, rank, self.fingerprint, h)
-            if not any(_holds(t, key) for t in self.tiers):
-                return False
-        return True
-
-    def _lookup(self, request: Any) -> _Lookup:
-        found = self._lookups.get(request.request_id)
-        if found is not None:
-            return found
-        key_model = request_key_model(self.model, request)
-        hashes: list[int] = []
-        hit = 0
-        if key_model is not None:
-            hashes = prefix_hashes(list(request.all_token_ids), self.cfg.chunk_tokens)
-            while hit < len(hashes) and self._present(key_model, hashes[hit]):
-                hit += 1
-        found = _Lookup(key_model, hashes, hit)
-        self._lookups[request.request_id] = found
-        return found
+    def hit_chunks(self, key_model: str, hashes: list[int], first: int) -> int:
+        """Largest n <= len(hashes) such that every full group holds [first, n) and
+        every window group its record at n - 1, on every rank; `first` if none."""
+        n = len(hashes)
+        for g in self.full:
+            for ns in self.dirs(key_model, g):
+                n = self.catalog.leading(ns, hashes, first, n)
+        while n > first:
+            if all(self.catalog.holds(ns, hashes[n - 1])
+                   for g in self.window for ns in self.dirs(key_model, g)):  # fmt: skip
+                return n
+            n -= 1
+        return first
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
-        if request.request_id in self._failed:
+        st = self._state(request)
+        if st.failed or st.key_model is None or self.unhealthy:
             return 0, False
-        found = self._lookup(request)
-        # Leave at least one token to compute: vLLM must run the model to sample.
-        usable = min(found.hit_chunks, (request.num_tokens - 1) // self.cfg.chunk_tokens)
-        ext = usable * self.cfg.chunk_tokens - num_computed_tokens
-        found.local_tokens = num_computed_tokens
+        limit = (request.num_tokens - 1) // self.chunk  # leave a token to compute
+        first = num_computed_tokens // self.chunk
+        if limit <= first:
+            return 0, False
+        hashes = self._hashes(st, limit * self.chunk)
+        n = self.hit_chunks(st.key_model, hashes, first)
+        ext = n * self.chunk - num_computed_tokens
         if ext <= 0:
             return 0, False
+        st.local_tokens, st.hit_chunks = num_computed_tokens, n
         return ext, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
         if num_external_tokens <= 0:
             return
-        found = self._lookups[request.request_id]
-        end = found.local_tokens + num_external_tokens
-        n = end // self.cfg.chunk_tokens
-        ids = blocks.get_block_ids()[0]
-        self._loads.append(
-            Transfer(
-                request.request_id,
-                found.key_model,
-                tuple(found.hashes[:n]),
-                tuple(ids[: n * self.per]),
-                first_block=found.local_tokens // self.block_size,
-            )
-        )
-        self._loading.add(request.request_id)
+        st = self._reqs[request.request_id]
+        assert st.key_model is not None
+        n = (st.local_tokens + num_external_tokens) // self.chunk
+        ids = blocks.get_block_ids()
+        records = []
+        for g in self.full:
+            for c in range(st.local_tokens // self.chunk, n):
+                records.append(self._order(g, c, st, ids[g.index], st.local_tokens))
+        for g in self.window:
+            records.append(self._order(g, n - 1, st, ids[g.index], st.local_tokens))
+        # Chunk-major order: the window streams chunk by chunk through every group.
+        records.sort(key=lambda r: (r.chunk, r.group))
+        st.loading = True
+        st.loaded = [(r.group, r.chunk) for r in records]
+        self._loads.append(Transfer(request.request_id, st.key_model, tuple(records),
+                                    committed_tokens=n * self.chunk))  # fmt: skip
 
+    def _order(self, g: GroupLayout, c: int, st: _Request, ids: list[int],
+               local_tokens: int) -> RecordOrder:  # fmt: skip
+        """Group `g`'s record of chunk (or boundary) `c` over the request's block ids:
+        blocks of vLLM's own local hit, null blocks and pages before the prompt are
+        left alone (-1)."""
+        local_blocks = local_tokens // g.block_tokens
+        out = []
+        for p in g.span(c):
+            b = ids[p] if 0 <= p < len(ids) else 0
+            out.append(b if p >= local_blocks and b > 0 else -1)
+        return RecordOrder(g.index, c, st.hashes[c], tuple(out))
+
+    # -- per step ---------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> BsrMetadata:
-        meta = BsrMetadata(self._loads, self._saves)
-        self._loads, self._saves = [], []
+        meta = BsrMetadata(self._loads, self._step_saves(scheduler_output), self._finish)
+        self._loads, self._finish = [], []
         return meta
 
+    def _scheduled(self, so: Any) -> list[tuple[str, int]]:
+        """(request id, tokens computed before this step) of every scheduled request."""
+        out = [(r.req_id, r.num_computed_tokens) for r in so.scheduled_new_reqs]
+        cached = so.scheduled_cached_reqs
+        out += list(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        return out
+
+    def _step_saves(self, so: Any) -> list[Transfer]:
+        if not self.window or not self.cfg.save:
+            return []
+        state = getattr(so, "kv_connector_block_state", None)
+        saves = []
+        for rid, computed in self._scheduled(so):
+            st = self._reqs.get(rid)
+            if st is None or st.key_model is None or st.loading:
+                continue
+            end = computed + so.num_scheduled_tokens.get(rid, 0)
+            known = len(st.request.all_token_ids)
+            first, last = computed // self.chunk, min(end, known) // self.chunk
+            if last <= first or state is None:
+                continue
+            ids = state.get_block_ids(rid)
+            if ids is None:
+                continue
+            hashes = self._hashes(st, last * self.chunk)
+            records = []
+            for c in range(first, last):
+                if (c + 1) * self.chunk <= computed:
+                    continue
+                for g in self.window:
+                    if all(self.catalog.holds(ns, hashes[c]) for ns in self.dirs(st.key_model, g)):
+                        continue  # stored already (every rank)
+                    order = self._order(g, c, st, ids[g.index], 0)
+                    live = [p for p in g.span(c) if p >= 0]
+                    if len([b for b in order.ids if b > 0]) != len(live):
+                        continue  # a page of it is gone already: never save a partial record
+                    records.append(order)
+            if records:
+                saves.append(Transfer(rid, st.key_model, tuple(records)))
+        return saves
+
     def update_connector_output(self, output: Any) -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, BsrWorkerMeta):
+            for ns, hashes in meta.saved.items():
+                self.catalog.add(ns, hashes)
+            for rank in meta.ranks:
+                why = meta.unhealthy.get(rank)
+                if why and rank not in self.unhealthy:
+                    log.warning("bsr-io: worker %d reports stuck I/O (%s): no external hits "
+                                "until it recovers", rank, why)  # fmt: skip
+                if why:
+                    self.unhealthy[rank] = why
+                else:
+                    self.unhealthy.pop(rank, None)
+            self.skipped_saves += meta.skipped_saves
         for rid in output.finished_recving or ():
-            self._loading.discard(rid)
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.loading = False
         for rid in output.failed_recving or ():
-            # The next lookup for this request is a miss: it is recomputed, not reloaded.
-            self._failed.add(rid)
-            self._lookups.pop(rid, None)
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            # The next lookup for this request is a miss: it is recomputed, not reloaded;
+            # its records leave the catalog until a rescan finds the good ones again.
+            st.failed = True
+            if st.key_model is not None:
+                for gi, c in st.loaded:
+                    for ns in self.dirs(st.key_model, self.groups_by_index[gi]):
+                        self.catalog.drop(ns, [st.hashes[c]])
             log.warning("bsr-io: load of request %s failed on a rank; recomputing", rid)
 
-    # -- save ---------------------------------------------------------------------------
-    def request_finished(self, request: Any, block_ids: list[int]):
-        rid = request.request_id
-        found = self._lookups.pop(rid, None)
-        failed = rid in self._failed
-        self._failed.discard(rid)
-        if rid in self._loading or not self.cfg.save:
-            self._loading.discard(rid)
+    @property
+    def groups_by_index(self) -> dict[int, GroupLayout]:
+        return {g.index: g for g in self.groups}
+
+    # -- save at the end ------------------------------------------------------------------
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]):
+        st = self._reqs.pop(request.request_id, None)
+        if st is None or st.loading or not self.cfg.save or st.key_model is None:
             return False, None  # a load still owns these blocks: never read them
-        key_model = found.key_model if found else request_key_model(self.model, request)
-        if key_model is None:
+        n = int(request.num_computed_tokens) // self.chunk
+        if n == 0 or not self.full:
             return False, None
-        tokens = list(request.all_token_ids)[: request.num_computed_tokens]
-        hashes = found.hashes if found else prefix_hashes(tokens, self.cfg.chunk_tokens)
-        n = min(len(tokens) // self.cfg.chunk_tokens, len(hashes),
-                len(block_ids) // self.per)  # fmt: skip
-        known = 0 if (failed or found is None) else found.hit_chunks
-        if n <= known:
+        hashes = self._hashes(st, n * self.chunk)
+        first = n
+        for g in self.full:
+            for ns in self.dirs(st.key_model, g):
+                first = min(first, self.catalog.leading(ns, hashes, 0, n))
+        records = []
+        for c in range(first, n):
+            orders = [self._order(g, c, st, block_ids[g.index], 0) for g in self.full]
+            if any(-1 in o.ids for o in orders):
+                break  # a block is gone (never for full attention): save what precedes
+            records += orders
+        if not records:
             return False, None
-        self._saves.append(
-            Transfer(rid, key_model, tuple(hashes[:n]), tuple(block_ids[: n * self.per]))
-        )
+        self._finish.append(Transfer(request.request_id, st.key_model, tuple(records)))
         return True, None  # vLLM keeps the blocks until the workers report the save done
-
-
-def _holds(tier: Any, key: ChunkKey) -> bool:
-    try:
-        return tier.contains(key)
-    except (ChunkError, OSError):
-        return False  # a tier that is down holds nothing

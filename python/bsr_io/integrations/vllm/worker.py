@@ -1,17 +1,36 @@
-"""Worker side: each tensor-parallel worker restores and saves its own rank's chunks.
+"""Worker side: each tensor-parallel worker loads and saves its own rank's records.
 
-One background thread per worker runs transfers in order, loads before saves, through
-one bsr-io Engine of W chunk-sized slots: RWS per worker is W x chunk whatever the
-prefix length. A load is reported finished only after every chunk was read, verified
-against its record checksum and installed; any failure (missing, corrupt, read error,
-tier down, timeout) is reported in `failed_recving` as well, and vLLM's aggregator
-then fails the request on every rank and recomputes it. vLLM has no timeout of its
-own, so a load that passes `load_timeout_s` is reported failed here, and its blocks
-are fenced off (`Guard`) before vLLM may reuse them.
+Design (one path, two lanes, nothing unbounded):
+- Records: a request's KV is one record per (KV cache group, chunk) for full groups
+  and one per (group, chunk boundary) for window groups (layout.py). Each worker
+  reads and writes its own rank's records; a group every rank holds the same bytes of
+  (MLA) is written by rank 0 and read by all.
+- Loads run on the load lane (a thread) through the core's `load_records`: metadata
+  discovery, then the windowed, verified install through the load engine's W slots
+  straight into the request's blocks (`RequestPages`: per-group block ids, runs of
+  consecutive blocks coalesced, vLLM's own local hit and null blocks skipped; fused
+  copy-and-verify on the host). Its deadline counts from when the load starts. Any
+  failure on any group is reported in `failed_recving`, and vLLM's aggregator fails
+  the request on every rank: that is the request-level commit, no group committed
+  alone. A load abandoned at its deadline closes the request's `Guard` first, so no
+  late install touches blocks vLLM hands to another request.
+- Saves run on the save lane with an engine of their own, so neither lane waits behind
+  the other. Window-group records are cut in `wait_for_save` of the step that
+  completed them (their blocks are freed and reused from the next step on): each is
+  extracted into a save-engine slot synchronously, waiting at most
+  `step_save_budget_s` per step for slots (past it the record is skipped: a future
+  miss, counted), then written (checksummed, crash-safe) by up to W writers.
+  Full-group records of a finished request go through the core's `save_records`;
+  vLLM keeps the blocks until the worker reports the request in `finished_sending`.
+- Health: a worker whose load timed out with a read still in flight (the load
+  engine has fewer free slots than W with no load running) reports itself unhealthy
+  in its per-step worker metadata; the scheduler answers 0 external tokens until it
+  recovers. Logging and events never kill a lane.
+- Staging: the load engine holds W slots of the largest record of any group, so the
+  RWS of a restore is at most W x that; the save engine holds W more for saves.
 
-`faults` in the config wraps the tiers in bsr-io's fault-injection test double
-(bsr_io.testing.faults): tests use it to stall or lose a read on one rank. Production
-configurations leave it empty.
+`faults` in the config wraps the load tiers in bsr-io's fault-injection test double
+(bsr_io.testing.faults); production configurations leave it empty.
 """
 
 from __future__ import annotations
@@ -22,113 +41,190 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from bsr_io._core import Engine
-from bsr_io.discovery import discover, holds
-from bsr_io.integrations.vllm.blocks import Abandoned, Guard, RequestBlocks
+from bsr_io._core import Engine, Slot
+from bsr_io.engine import as_tensor, give_back, lease
+from bsr_io.errors import EngineBusy
+from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
-from bsr_io.integrations.vllm.layout import block_views
-from bsr_io.integrations.vllm.metadata import BsrMetadata, Transfer
+from bsr_io.integrations.vllm.layout import GroupLayout
+from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
 from bsr_io.keys import ChunkKey
-from bsr_io.layout import KVLayout
 from bsr_io.metrics import RestoreMetrics
-from bsr_io.restore import COMPLETE, ZERO, RestoreResult
+from bsr_io.restore import COMPLETE, ZERO, load_records, save_records
 from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.ssd import SSDTier
-from bsr_io.window import Window
 
 log = logging.getLogger("bsr_io.vllm")
+_GRACE_S = 2.0  # past a job's own deadline, the watchdog gives up on it
 
 
 def _fault_double(faults: list[dict[str, Any]], tiers: list[Any], rank: int) -> list[Any]:
     """`tiers` inside bsr-io's fault-injection test double. Fault positions count from
-    the request's chunk 0: discovery hands each tier the request's keys first."""
+    the request's first record: discovery hands each tier the request's keys first."""
     from bsr_io.testing.faults import FaultPlan
 
-    return FaultPlan.from_json(json.dumps(faults)).wrap_all(tiers, rank)
+    return list(FaultPlan.from_json(json.dumps(faults)).wrap_all(tiers, rank))
 
 
 @dataclass
 class _Job:
     kind: str  # "load" | "save"
     transfer: Transfer
-    deadline: float
+    timeout_s: float
     guard: Guard = field(default_factory=Guard)
+    started: float | None = None  # time.monotonic() when a lane took it
     done: bool = False
     ok: bool = False
-    reported: bool = False
     reason: str = ""
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.started is None else self.started + self.timeout_s
 
 
 class WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, layout: KVLayout, layer_names: list[str],
-                 num_blocks: int, rank: int, world_size: int) -> None:  # fmt: skip
+    def __init__(self, cfg: ConnectorConfig, groups: list[GroupLayout], num_blocks: int,
+                 rank: int, world_size: int) -> None:  # fmt: skip
         self.cfg = cfg
-        self.layout = layout
-        self.fingerprint = layout.fingerprint()
-        self.layer_names = layer_names
+        self.groups = {g.index: g for g in groups}
         self.num_blocks = num_blocks
         self.rank = rank
         self.world_size = world_size
-        self.engine = Engine(cfg.window, layout.chunk_bytes)
-        lower = LowerTier(cfg.lower_dir, layout=layout) if cfg.lower_dir else None
-        tiers: list[Any] = [
-            SSDTier(cfg.store_dir, cfg.store_bytes, self.engine, layout=layout, evict_to=lower)
-        ]
+        self.slot_bytes = max(g.record_bytes for g in groups)
+        self.load_engine = Engine(cfg.window, self.slot_bytes)
+        self.save_engine = Engine(cfg.window, self.slot_bytes)
+        lower = LowerTier(cfg.lower_dir) if cfg.lower_dir else None
+        # One directory, two tier objects: each moves payloads through its own engine.
+        load_tiers: list[Any] = [SSDTier(cfg.store_dir, None, self.load_engine)]
         if lower is not None:
-            tiers.append(lower)
+            load_tiers.append(lower)
         if cfg.faults:
-            tiers = _fault_double(cfg.faults, tiers, rank)
-        self.tiers = tiers
+            load_tiers = _fault_double(cfg.faults, load_tiers, rank)
+        self.load_tiers = load_tiers
+        self.save_tier = SSDTier(cfg.store_dir, cfg.store_bytes, self.save_engine, evict_to=lower)
         self.metrics = RestoreMetrics()
         if cfg.metrics_port is not None:
             from prometheus_client import start_http_server
 
             start_http_server(cfg.metrics_port + rank, addr="127.0.0.1",
                               registry=self.metrics.registry)  # fmt: skip
-        self.layers: list[torch.Tensor] = []
-        self._jobs: dict[tuple[str, str], _Job] = {}
+        self.pages: KVPages | None = None
         self._lock = threading.Lock()
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._seq = 0
-        self._thread = threading.Thread(target=self._run, name=f"bsr-vllm-r{rank}", daemon=True)
-        self._thread.start()
+        self._jobs: dict[tuple[str, str], _Job] = {}
+        self._saved: dict[str, set[int]] = {}
+        self._skipped = 0
+        self._stuck = ""  # why the load lane is wedged (watchdog), "" when it is not
+        self._loads: queue.Queue[_Job | None] = queue.Queue()
+        self._saves: queue.Queue[_Job | None] = queue.Queue()
+        self._writers = ThreadPoolExecutor(cfg.window, thread_name_prefix=f"bsr-w{rank}")
+        self._lanes = [
+            threading.Thread(target=self._lane, args=(self._loads, self._load),
+                             name=f"bsr-load-r{rank}", daemon=True),
+            threading.Thread(target=self._lane, args=(self._saves, self._save),
+                             name=f"bsr-save-r{rank}", daemon=True),
+        ]  # fmt: skip
+        for t in self._lanes:
+            t.start()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layers = block_views(kv_caches, self.layer_names, self.layout, self.num_blocks)
+        self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
 
-    # -- called by vLLM's model runner, once per step ----------------------------------------
+    # -- keys ------------------------------------------------------------------------
+    def key(self, t: Transfer, r: RecordOrder) -> ChunkKey:
+        g = self.groups[r.group]
+        return ChunkKey(t.key_model, self.world_size, g.key_rank(self.rank), g.fingerprint(),
+                        r.chunk_hash)  # fmt: skip
+
+    def _mine(self, r: RecordOrder) -> bool:
+        """Whether this rank writes record `r` (a replicated group: rank 0 only)."""
+        return not self.groups[r.group].replicated or self.rank == 0
+
+    def _dest(self, t: Transfer, records: list[RecordOrder], guard: Guard) -> RequestPages:
+        assert self.pages is not None, "register_kv_caches was not called"
+        plans = [RecordPlan(self.groups[r.group], r.ids) for r in records]
+        return RequestPages(self.pages, plans, guard)
+
+    # -- called by vLLM's model runner, once per step ----------------------------------
     def submit(self, meta: BsrMetadata) -> None:
-        now = time.monotonic()
-        for kind, transfers, timeout, prio in (
-            ("load", meta.loads, self.cfg.load_timeout_s, 0),
-            ("save", meta.saves, self.cfg.save_timeout_s, 1),
+        """Queue this step's loads and finished requests' saves (start_load_kv)."""
+        for kind, transfers, timeout, lane in (
+            ("load", meta.loads, self.cfg.load_timeout_s, self._loads),
+            ("save", meta.finish_saves, self.cfg.save_timeout_s, self._saves),
         ):
             for t in transfers:
-                job = _Job(kind, t, now + timeout)
+                job = _Job(kind, t, timeout)
                 with self._lock:
                     self._jobs[(kind, t.request_id)] = job
-                    self._seq += 1
-                    self._queue.put((prio, self._seq, job))
+                lane.put(job)
+
+    def save_step(self, meta: BsrMetadata) -> None:
+        """Cut this step's window-group records while their blocks still hold them
+        (wait_for_save): extracted into save slots now, written by the writers."""
+        if not meta.step_saves or self.pages is None:
+            return
+        budget_end = time.monotonic() + self.cfg.step_save_budget_s
+        for t in meta.step_saves:
+            for r in t.records:
+                if not self._mine(r):
+                    continue
+                g = self.groups[r.group]
+                try:
+                    slot = lease(self.save_engine, budget_end)
+                except EngineBusy:
+                    with self._lock:
+                        self._skipped += 1
+                    continue
+                try:
+                    dest = self._dest(t, [r], Guard())
+                    view = as_tensor(slot, length=g.record_bytes)
+                    dest.extract(0, view)
+                    del view
+                    slot.set_length(g.record_bytes)
+                except BaseException:
+                    give_back(slot)
+                    raise
+                self._writers.submit(self._write, self.key(t, r), g, slot)
+
+    def _write(self, key: ChunkKey, g: GroupLayout, slot: Slot) -> None:
+        try:
+            self.save_tier.write(key, slot, g.record)
+            self._note_saved(key)
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
+            log.warning("bsr-io: save of %s failed: %s", key.short(), exc)
+        finally:
+            give_back(slot)
+
+    def _note_saved(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._saved.setdefault(key.namespace(), set()).add(key.chunk_hash)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
-        sending, recving, failed = set(), set(), set()
+        sending: set[str] = set()
+        recving: set[str] = set()
+        failed: set[str] = set()
         now = time.monotonic()
         with self._lock:
             jobs = list(self._jobs.items())
         for key, job in jobs:
-            if not job.done and now > job.deadline:
-                job.guard.close()  # from here on the transfer never touches the blocks
+            deadline = job.deadline
+            if not job.done and deadline is not None and now > deadline + _GRACE_S:
+                # The lane is past its own deadline (a wait without one): give up on the
+                # job; from here on nothing touches its blocks.
+                job.guard.close()
                 with self._lock:
                     if not job.done:
                         job.done, job.ok = True, False
-                        job.reason = f"timed out after {self._timeout(job)} s"
-                        self._event(job, {"outcome": ZERO, "reason": job.reason})
+                        job.reason = f"{job.kind} did not end within {job.timeout_s} s"
+                        if job.kind == "load":
+                            self._stuck = job.reason
+                self._event(job, {"outcome": ZERO, "reason": job.reason})
             if not job.done:
                 continue
             rid = job.transfer.request_id
@@ -142,147 +238,131 @@ class WorkerSide:
                 self._jobs.pop(key, None)
         return sending, recving, failed
 
-    def _timeout(self, job: _Job) -> float:
-        return self.cfg.load_timeout_s if job.kind == "load" else self.cfg.save_timeout_s
+    def worker_meta(self) -> BsrWorkerMeta:
+        with self._lock:
+            saved, self._saved = self._saved, {}
+            skipped, self._skipped = self._skipped, 0
+        why = self.health()
+        return BsrWorkerMeta(saved, {self.rank: why} if why else {}, {self.rank}, skipped)
 
-    # -- the transfer thread ----------------------------------------------------------
-    def _run(self) -> None:
+    def health(self) -> str:
+        """Why this worker's loads cannot be trusted to finish now ("" when they can)."""
+        if self._stuck:
+            return self._stuck
+        with self._lock:
+            loading = any(j.kind == "load" and j.started is not None and not j.done
+                          for j in self._jobs.values())  # fmt: skip
+        free = self.load_engine.free_slots()
+        if not loading and free < self.cfg.window:
+            return f"{self.cfg.window - free} read(s) still in flight after their load ended"
+        return ""
+
+    # -- the lanes --------------------------------------------------------------------
+    def _lane(self, jobs: queue.Queue[_Job | None], run: Any) -> None:
         while True:
-            _, _, job = self._queue.get()
+            job = jobs.get()
             if job is None:
                 return
             if job.done:
-                continue  # timed out while queued
+                continue
+            job.started = time.monotonic()
             try:
-                ok, reason, extra = self._load(job) if job.kind == "load" else self._save(job)
-            except Abandoned as exc:
-                ok, reason, extra = False, str(exc), {}
+                ok, reason, extra = run(job)
             except Exception as exc:  # noqa: BLE001 - any failure is a zero-reuse outcome
                 log.exception("bsr-io %s of %s failed", job.kind, job.transfer.request_id)
                 ok, reason, extra = False, f"{type(exc).__name__}: {exc}", {}
             with self._lock:
                 if job.done:
-                    continue  # already reported as timed out
+                    continue  # the watchdog reported it already
                 job.ok, job.reason, job.done = ok, reason, True
-                self._event(job, {"outcome": COMPLETE if ok else ZERO, "reason": reason, **extra})
+                if job.kind == "load":
+                    self._stuck = ""  # the lane is moving again
+            self._event(job, {"outcome": COMPLETE if ok else ZERO, "reason": reason, **extra})
 
-    def _keys(self, t: Transfer) -> list[ChunkKey]:
-        return [
-            ChunkKey(t.key_model, self.world_size, self.rank, self.fingerprint, h)
-            for h in t.chunk_hashes
-        ]
-
-    def _load(self, job: _Job) -> tuple[bool, str, dict]:
+    def _load(self, job: _Job) -> tuple[bool, str, dict[str, Any]]:
         t = job.transfer
-        t0 = time.perf_counter()
-        keys = self._keys(t)
-        sources, _ = discover(self.tiers, keys, self.layout)
-        n = len(keys)
-        if len(sources) < n:
-            return False, f"rank {self.rank}: chunk {len(sources)} is no longer stored", {}
-        per = self.layout.chunk_tokens // self.layout.groups[0].block_tokens
-        first = t.first_block // per  # chunks wholly inside vLLM's local hit are not read
-        dest = RequestBlocks(self.layout, self.layers, t.block_ids, t.first_block, job.guard)
-        self.engine.reset_peak()
-        window = Window(self.engine, self.tiers, self.layout.chunk_bytes, self.cfg.window)
-        report = window.run(
-            keys[first:],
-            sources[first:],
-            _Shifted(dest, first),
-            should_stop=lambda: job.done,
-        )
-        if not report.error and report.installed < n - first:
-            report.error = "stopped before every chunk was installed"
-        ok = not report.error
-        total = time.perf_counter() - t0
-        result = RestoreResult(
-            outcome=COMPLETE if ok else ZERO,
-            committed_tokens=(n * self.layout.chunk_tokens) if ok else 0,
-            committed_chunks=n if ok else 0,
-            hit_chunks=n,
-            source_tiers=report.sources,
-            fallbacks=report.fallbacks,
-            reason=report.error,
-            rws_peak_bytes=self.engine.peak_bytes(),
-            bytes_read=report.bytes_read,
-            timings={
-                "total_s": total,
-                "read_wait_s": report.read_wait_s,
-                "install_copy_s": report.install_s,
-            },  # fmt: skip
-        )
-        self.metrics.observe(result)
+        records = list(t.records)
+        dest = self._dest(t, records, job.guard)
+        keys = [self.key(t, r) for r in records]
+        assert job.deadline is not None
+        res = load_records(
+            self.load_engine, self.load_tiers, keys, dest, sizes=dest.sizes(),
+            chunk_bytes=self.slot_bytes, width=self.cfg.window, deadline=job.deadline,
+            should_stop=lambda: job.done or not job.guard.open,
+            committed_tokens=t.committed_tokens, keep_going=True,
+        )  # fmt: skip
+        if not res.complete:
+            # Nothing of a failed load may land later: close the blocks to it first.
+            job.guard.close()
+        self.metrics.observe(res)
+        per_group: dict[str, int] = {}
+        for r, size in zip(records, dest.sizes(), strict=True):
+            name = str(r.group)
+            per_group[name] = per_group.get(name, 0) + size
         extra = {
-            "chunks": n,
-            "chunks_read": report.installed,
-            "rws_peak_bytes": result.rws_peak_bytes,
-            "chunk_bytes": self.layout.chunk_bytes,
+            "records": len(records),
+            "chunks": t.committed_tokens // self.groups[records[0].group].chunk_tokens,
+            "committed_tokens": res.committed_tokens,
+            "rws_peak_bytes": res.rws_peak_bytes,
+            "slot_bytes": self.slot_bytes,
             "window": self.cfg.window,
-            "bytes_read": report.bytes_read,
-            "fallbacks": len(report.fallbacks),
-            "seconds": total,
+            "bytes_read": res.bytes_read,
+            "bytes_by_group": per_group,
+            "fallbacks": len(res.fallbacks),
+            "timed_out": res.timed_out,
+            "seconds": res.timings.get("total_s", 0.0),
         }
-        return ok, report.error, extra
+        return res.complete, res.reason, extra
 
-    def _save(self, job: _Job) -> tuple[bool, str, dict]:
+    def _save(self, job: _Job) -> tuple[bool, str, dict[str, Any]]:
         t = job.transfer
-        t0 = time.perf_counter()
-        keys = self._keys(t)
-        dest = RequestBlocks(self.layout, self.layers, t.block_ids, 0, job.guard)
-        n = self.layout.chunk_bytes
-        top = self.tiers[0]
-        written = 0
-        for i, key in enumerate(keys):
-            if job.done:
-                return False, "save timed out", {"written": written}
-            if any(holds(tier, key) for tier in self.tiers):
-                continue
-            slot = self.engine.lease()
-            view = torch.frombuffer(slot, dtype=torch.uint8, count=n)
-            try:
-                dest.extract(i, view)
-                del view
-                slot.set_length(n)
-                top.write(key, slot, self.layout)  # checksummed, crash-safe publish
-            finally:
-                del slot
-            written += 1
-        return True, "", {"chunks": len(keys), "written": written,
-                          "seconds": time.perf_counter() - t0}  # fmt: skip
+        records = [r for r in t.records if self._mine(r)]
+        if not records:
+            return True, "", {"records": 0, "written": 0}
+        dest = self._dest(t, records, job.guard)
+        keys = [self.key(t, r) for r in records]
+        layouts = [self.groups[r.group].record for r in records]
+        failures: list[str] = []
 
-    def _event(self, job: _Job, fields: dict) -> None:
+        def done(i: int, error: BaseException | None) -> None:
+            if error is None:
+                self._note_saved(keys[i])
+            else:
+                failures.append(f"{keys[i].short()}: {error}")
+
+        assert job.deadline is not None
+        written = save_records(
+            self.save_engine, self.save_tier, keys, layouts, dest, deadline=job.deadline,
+            skip_existing=True, width=max(1, self.cfg.window // 2), on_done=done,
+        )  # fmt: skip
+        extra = {"records": len(records), "written": written, "failed": len(failures)}
+        return not failures, "; ".join(failures[:3]), extra
+
+    def _event(self, job: _Job, fields: dict[str, Any]) -> None:
         if not self.cfg.events_path:
             return
-        doc = {"rank": self.rank, "kind": job.kind, "request_id": job.transfer.request_id,
-               "time": time.time(), **fields}  # fmt: skip
-        line = (json.dumps(doc, default=str) + "\n").encode()
-        fd = os.open(self.cfg.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            os.write(fd, line)  # one O_APPEND write per line: lines of ranks never mix
-        finally:
-            os.close(fd)
+            doc = {"rank": self.rank, "kind": job.kind, "request_id": job.transfer.request_id,
+                   "time": time.time(), **fields}  # fmt: skip
+            line = (json.dumps(doc, default=str) + "\n").encode()
+            fd = os.open(self.cfg.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line)  # one O_APPEND write per line: lines of ranks never mix
+            finally:
+                os.close(fd)
+        except Exception:  # noqa: BLE001 - an event log that fails never stops a lane
+            log.exception("bsr-io: could not write an event")
 
     def close(self) -> None:
-        self._queue.put((-1, -1, None))
-        self._thread.join(timeout=5)
-        for tier in self.tiers:
-            tier.close()
-        self.engine.close()
-
-
-class _Shifted:
-    """The destination seen from a window that starts at chunk `offset` of the request."""
-
-    def __init__(self, dest: RequestBlocks, offset: int) -> None:
-        self.dest = dest
-        self.offset = offset
-        self.capacity_chunks = dest.capacity_chunks - offset
-
-    def install(self, chunk_index: int, payload: torch.Tensor):
-        return self.dest.install(chunk_index + self.offset, payload)
-
-    def extract(self, chunk_index: int, out: torch.Tensor) -> None:
-        self.dest.extract(chunk_index + self.offset, out)
-
-    def synchronize(self) -> None:
-        self.dest.synchronize()
+        self._loads.put(None)
+        self._saves.put(None)
+        for t in self._lanes:
+            t.join(timeout=5)
+        self._writers.shutdown(wait=True)
+        for tier in [*self.load_tiers, self.save_tier]:
+            try:
+                tier.close()
+            except Exception:  # noqa: BLE001 - closing what is left, best effort
+                pass
+        self.load_engine.close()
+        self.save_engine.close()
