@@ -10,31 +10,14 @@ subprocess that writes JSON), next to one baseline engine without the connector.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import vllm  # noqa: F401  - a missing vLLM must fail loudly, never skip
-
-HARNESS = "bsr_io.integrations.vllm.harness"
-
-
-def _run(what: str, tp: int, work: Path, timeout: float) -> dict:
-    out = work / f"{what}.json"
-    env = dict(os.environ)
-    if tp > 1:
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
-    cmd = [sys.executable, "-m", HARNESS, what, "--tp", str(tp), "--work", str(work / what),
-           "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{what} tp={tp} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+from engines import run_harness
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -74,6 +57,6 @@ def run(request, vllm_root) -> dict:
     work.mkdir()
     # Generous limits: on a quiet machine TP=2 takes ~2 min and ~4 min; a disk shared
     # with other benchmarks can make each fsync'd record write take seconds.
-    baseline = _run("baseline", tp, work, timeout=600)["outputs"]
-    suite = _run("suite", tp, work, timeout=1500)
+    baseline = run_harness("baseline", tp, work, timeout=600)["outputs"]
+    suite = run_harness("suite", tp, work, timeout=1500)
     return {"tp": tp, "suite": suite, "baseline": baseline}

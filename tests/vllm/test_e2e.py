@@ -87,7 +87,9 @@ def test_4_stalled_worker_times_out_and_request_recomputes(run):
     s, base, tp = run["suite"], run["baseline"], run["tp"]
     phase = s["t4_stalled"]
     loads = _by_rank(phase["loads"])
-    assert loads[tp - 1]["outcome"] == "zero" and "timed out" in loads[tp - 1]["reason"]
+    stalled = loads[tp - 1]
+    assert stalled["outcome"] == "zero", stalled
+    assert stalled.get("timed_out") or "did not end within" in stalled["reason"], stalled
     assert 4.0 <= s["t4_wall_s"] < 10.0  # waited for the timeout, not for the stall
     assert phase["cached"] == 0
     assert phase["tokens"] == base["G"]
@@ -101,7 +103,7 @@ def test_5_rws_is_w_chunks_per_worker_whatever_the_prefix(run):
     assert long["cached"] >= 8 * short["cached"] > 0  # states 8x apart
     for phase in (short, long):
         for e in phase["loads"]:
-            assert e["rws_peak_bytes"] == WINDOW * e["chunk_bytes"], e
+            assert e["rws_peak_bytes"] == WINDOW * e["slot_bytes"], e
     assert short["tokens"] == base["H1"] and long["tokens"] == base["H2"]
 
 
@@ -122,10 +124,11 @@ def test_prometheus_metrics_count_what_the_workers_did(run):
         m = s["metrics"][rank]
         loads = [e for e in s["events"] if e["kind"] == "load" and e["rank"] == rank]
         complete = sum(e["outcome"] == "complete" for e in loads)
-        # A load abandoned at its timeout ends without a result: not counted as a restore.
-        zero = sum(e["outcome"] == "zero" and "timed out" not in e["reason"] for e in loads)
+        # A load the watchdog gave up on ends without a result: not counted as a restore.
+        zero = sum(e["outcome"] == "zero" and "did not end within" not in e["reason"]
+                   for e in loads)  # fmt: skip
         assert m['bsr_io_restores_total{outcome="complete"}'] == complete > 0
         assert m.get('bsr_io_restores_total{outcome="zero"}', 0.0) == zero
         if rank == tp - 1:
             assert zero >= 2  # the corrupt record and the vanished one, on this rank
-        assert m["bsr_io_rws_peak_bytes"] == WINDOW * loads[-1]["chunk_bytes"]
+        assert m["bsr_io_rws_peak_bytes"] == WINDOW * loads[-1]["slot_bytes"]

@@ -139,8 +139,10 @@ class RecordPlan:
 
     def __post_init__(self) -> None:
         if len(self.ids) != self.group.record_blocks:
-            raise ValueError(f"record of {self.group.describe()} needs "
-                             f"{self.group.record_blocks} block ids, got {len(self.ids)}")  # fmt: skip
+            raise ValueError(
+                f"record of {self.group.describe()} needs {self.group.record_blocks} "
+                f"block ids, got {len(self.ids)}"
+            )
 
 
 class RequestPages:

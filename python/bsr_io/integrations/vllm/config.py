@@ -22,7 +22,9 @@ class ConfigError(ValueError):
     """The vLLM configuration cannot run this connector; the message says what to change."""
 
 
-def check_chunk_tokens(chunk_tokens: int, block_sizes: Sequence[int], alignment: int | None) -> None:
+def check_chunk_tokens(
+    chunk_tokens: int, block_sizes: Sequence[int], alignment: int | None
+) -> None:
     """ConfigError unless a chunk is whole blocks of every KV cache group and lands on
     vLLM's prefix-hit alignment; the message names the value to use."""
     need = math.lcm(*block_sizes, *([alignment] if alignment else []))
@@ -31,7 +33,7 @@ def check_chunk_tokens(chunk_tokens: int, block_sizes: Sequence[int], alignment:
         raise ConfigError(
             f"chunk_tokens {chunk_tokens} is not a multiple of {need} (the KV cache groups' "
             f"block sizes {sorted(set(block_sizes))} and vLLM's hit alignment {alignment}): "
-            f'set kv_connector_extra_config.chunk_tokens to {good}'
+            f"set kv_connector_extra_config.chunk_tokens to {good}"
         )
 
 

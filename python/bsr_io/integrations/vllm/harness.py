@@ -85,7 +85,7 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def engine(model: str, tp: int, *, connector: dict[str, Any] | None,
            max_model_len: int = 8192, policy: str = "recompute",
-           block_size: int = BLOCK_SIZE):  # fmt: skip
+           block_size: int = BLOCK_SIZE, **extra: Any):  # fmt: skip
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -101,7 +101,7 @@ def engine(model: str, tp: int, *, connector: dict[str, Any] | None,
     return LLM(
         model=model, skip_tokenizer_init=True, enable_prefix_caching=True,
         block_size=block_size, max_model_len=max_model_len, gpu_memory_utilization=0.08,
-        tensor_parallel_size=tp, dtype="bfloat16", seed=0, **kw,
+        tensor_parallel_size=tp, dtype="bfloat16", seed=0, **kw, **extra,
     )  # fmt: skip
 
 
@@ -135,7 +135,8 @@ class Events:
     def of(self, request_id: str, kind: str | None = None) -> list[dict]:
         return [
             e for e in self.all()
-            if e["request_id"].startswith(request_id + "-") or e["request_id"] == request_id
+            if e.get("request_id", "").startswith(request_id + "-")
+            or e.get("request_id") == request_id
             if kind is None or e["kind"] == kind
         ]  # fmt: skip
 
@@ -194,61 +195,105 @@ def reset(llm, timeout: float = 300.0) -> None:
         time.sleep(0.1)
 
 
-def _chunk_keys(store_dir: str, tp: int, prompt: list[int], model_path: str, salt=None):
-    """Every rank's chunk keys of `prompt` as the connector names them."""
+def groups_of(events: Events, rank: int = 0) -> list[dict[str, Any]]:
+    """The KV cache groups a worker's connector restores, from its start event."""
+    starts = [e for e in events.all() if e.get("kind") == "start" and e["rank"] == rank]
+    if not starts:
+        raise RuntimeError("no start event: is events_path set?")
+    return list(starts[-1]["groups"])
+
+
+def record_layout(group: dict[str, Any]):
+    """A group's record layout, rebuilt from its start-event description."""
     import torch
 
+    from bsr_io.layout import AllocatorGroup, KVLayout
+
+    layers = tuple(AllocatorGroup(n, torch.uint8, (page,), 1) for n, page in group["layers"])
+    layout = KVLayout(group["record_name"], layers, group["record_pages"])
+    assert layout.fingerprint() == group["fingerprint"]
+    return layout
+
+
+def record_keys(group: dict[str, Any], tp: int, prompt: list[int], model_path: str,
+                salt: str | None = None, chunk_tokens: int = CHUNK_TOKENS):  # fmt: skip
+    """Per rank, the keys of `group`'s records for `prompt` (one per whole chunk: chunk c's
+    record of a full group, the record at boundary c of a window group)."""
     from bsr_io.integrations.vllm.identity import key_model
-    from bsr_io.integrations.vllm.layout import REQUIRED_LAYOUT, kv_layout
-    from bsr_io.keys import chunk_keys
+    from bsr_io.keys import ChunkKey, prefix_hashes
 
-    layout = kv_layout(
-        [f"model.layers.{i}.self_attn.attn" for i in range(2)], block_tokens=BLOCK_SIZE,
-        num_kv_heads=2 // tp, head_size=64, head_size_v=64, dtype=torch.bfloat16,
-        chunk_tokens=CHUNK_TOKENS, cache_layout=REQUIRED_LAYOUT,
-    )  # fmt: skip
     model = key_model(f"vllm:{model_path}@main:torch.bfloat16", salt)
-    return layout, [chunk_keys(prompt, layout, model, r, tp) for r in range(tp)]
+    hashes = prefix_hashes(prompt, chunk_tokens)
+    return [
+        [ChunkKey(model, tp, 0 if group["replicated"] else r, group["fingerprint"], h)
+         for h in hashes]
+        for r in range(tp)
+    ]  # fmt: skip
 
 
-def plant_foreign_kv(store_dir: str, tp: int, model_path: str, victim: list[int],
-                     donor: list[int]) -> int:  # fmt: skip
-    """TEST DOUBLE: store the donor prefix's KV under the victim prefix's keys, through
-    the tier's own write path, so every record is well formed with a valid checksum.
-    A restore of the victim then installs the wrong (but verified) KV: a control that
-    the restored KV really is what vLLM attends to. Returns records replaced."""
+def plant_foreign_kv(events: Events, store_dir: str, tp: int, model_path: str,
+                     victim: list[int], donor: list[int], chunk_tokens: int = CHUNK_TOKENS,
+                     groups: list[int] | None = None, zero: bool = False) -> int:  # fmt: skip
+    """TEST DOUBLE: store other bytes under the victim prefix's keys, through the tier's
+    own write path, so every record is well formed with a valid checksum: the donor
+    prefix's records, or zeros (`zero`). A restore of the victim then installs the wrong
+    (but verified) KV: a control that the restored KV really is what vLLM attends to.
+    `groups`: the KV cache groups to replace (default all). Returns records replaced."""
     from bsr_io._core import Engine
     from bsr_io.tiers.lower import LowerTier
 
-    layout, vkeys = _chunk_keys(store_dir, tp, victim, model_path)
-    _, dkeys = _chunk_keys(store_dir, tp, donor, model_path)
-    tier = LowerTier(store_dir, layout=layout, name="L2")
-    eng = Engine(1, layout.chunk_bytes)
     n = 0
-    for r in range(tp):
-        for vk, dk in zip(vkeys[r], dkeys[r], strict=False):
-            slot = tier.read_into(dk, eng)
-            tier.remove(vk)
-            tier.write(vk, slot, layout)
-            del slot
-            n += 1
+    for g in groups_of(events):
+        if groups is not None and g["index"] not in groups:
+            continue
+        layout = record_layout(g)
+        vkeys = record_keys(g, tp, victim, model_path, chunk_tokens=chunk_tokens)
+        dkeys = record_keys(g, tp, donor, model_path, chunk_tokens=chunk_tokens)
+        tier = LowerTier(store_dir, name="L2")
+        eng = Engine(1, layout.chunk_bytes)
+        done = set()
+        for r in range(tp):
+            for vk, dk in zip(vkeys[r], dkeys[r], strict=False):
+                if vk in done or not tier.contains(vk):
+                    continue
+                done.add(vk)
+                slot = eng.lease() if zero else tier.read_into(dk, eng)
+                if zero:
+                    slot.fill_from(bytes(layout.chunk_bytes))
+                    slot.set_length(layout.chunk_bytes)
+                tier.remove(vk)
+                tier.write(vk, slot, layout)
+                slot.release()
+                n += 1
+        eng.close()
     return n
 
 
-def corrupt_record(store_dir: str, tp: int, model_path: str, prompt: list[int], rank: int,
-                   chunk: int) -> str:  # fmt: skip
-    """Flip one payload byte of a stored record on disk (real corruption, no double)."""
-    from bsr_io.record import HEADER_BYTES
+def record_path(events: Events, store_dir: str, tp: int, model_path: str, prompt: list[int],
+                rank: int, chunk: int, group: int | None = None,
+                chunk_tokens: int = CHUNK_TOKENS) -> str:  # fmt: skip
+    """The file of one record (group `group`, default the first) on disk."""
     from bsr_io.tiers.lower import LowerTier
 
-    layout, keys = _chunk_keys(store_dir, tp, prompt, model_path)
-    path = LowerTier(store_dir, layout=layout, name="L2").path_of(keys[rank][chunk])
+    g = next(g for g in groups_of(events) if group is None or g["index"] == group)
+    keys = record_keys(g, tp, prompt, model_path, chunk_tokens=chunk_tokens)
+    return str(LowerTier(store_dir, name="L2").path_of(keys[rank][chunk]))
+
+
+def corrupt_record(events: Events, store_dir: str, tp: int, model_path: str,
+                   prompt: list[int], rank: int, chunk: int, group: int | None = None,
+                   chunk_tokens: int = CHUNK_TOKENS) -> str:  # fmt: skip
+    """Flip one payload byte of a stored record on disk (real corruption, no double)."""
+    from bsr_io.record import HEADER_BYTES
+
+    path = record_path(events, store_dir, tp, model_path, prompt, rank, chunk, group,
+                       chunk_tokens)  # fmt: skip
     with open(path, "r+b") as f:
         f.seek(HEADER_BYTES + 100)
         b = f.read(1)
         f.seek(HEADER_BYTES + 100)
         f.write(bytes([b[0] ^ 0xFF]))
-    return str(path)
+    return path
 
 
 # -- the end-to-end suite: every test of issue 12 on one engine --------------------------
@@ -324,12 +369,12 @@ def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
     # 2: the donor's KV planted under C's keys (test double): the output must change.
     run("C", save=True)
     run("D", save=True)
-    out["t2_planted"] = plant_foreign_kv(store, tp, model, P["C"], P["D"])
+    out["t2_planted"] = plant_foreign_kv(events, store, tp, model, P["C"], P["D"])
     reset(llm)
     out["t2_restore"] = run("C")
     # 3: a record corrupted on disk on the last rank: every rank fails, vLLM recomputes.
     run("E", save=True)
-    out["t3_corrupted"] = corrupt_record(store, tp, model, P["E"], tp - 1, 3)
+    out["t3_corrupted"] = corrupt_record(events, store, tp, model, P["E"], tp - 1, 3)
     reset(llm)
     out["t3_failed"] = run("E")
     reset(llm)
@@ -353,6 +398,122 @@ def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
         out[f"t5_{name}"] = run(name)
     out["events"] = events.all()
     out["metrics"] = [scrape(port + r) for r in range(tp)]
+    return out
+
+
+# -- the hybrid suite: issue 18's tests on the tiny Gemma 3, one engine per TP size -----
+G_CHUNK = 256  # two blocks of 128 (vLLM's hit alignment on this model)
+G_BLOCK = 128
+G_STEP = 1024  # max_num_batched_tokens: every prompt here spans several prefill steps
+G_MAX_LEN = 16384 + 1024
+
+
+def g_engine(model: str, tp: int, connector: dict[str, Any] | None):
+    return engine(model, tp, connector=connector, max_model_len=G_MAX_LEN,
+                  block_size=G_BLOCK, max_num_batched_tokens=G_STEP)  # fmt: skip
+
+
+def g_prompts() -> dict[str, list[int]]:
+    c = G_CHUNK
+    a = tokens(21, 16 * c + 17)
+    big = tokens(26, 32 * c + 17)
+    return {
+        "A": a,  # 4K tokens of prefix: 16 chunks
+        "A2": a[: 16 * c] + tokens(22, 17),
+        "L16": tokens(23, 64 * c + 17),  # 16K tokens: the window groups read the same
+        "Z0": tokens(30, 4 * c + 17), "Z1": tokens(31, 4 * c + 17), "Z2": tokens(32, 4 * c + 17),
+        "F1": tokens(40, 6 * c + 17),  # corrupt window record on the last rank
+        "F2": tokens(41, 6 * c + 17),  # missing full record on the last rank
+        "T1": tokens(50, 5 * c + 250),  # a chat turn: 16 generated tokens cross a boundary
+        "P8": big,  # 8K tokens saved; then 2K of them in vLLM's cache, 6K from bsr-io
+        "P2": big[: 8 * c] + tokens(27, 17),
+        "P8b": big[: 32 * c] + tokens(28, 17),
+    }  # fmt: skip
+
+
+def g_turn2(first: list[int], out1: list[int]) -> list[int]:
+    return first + out1 + tokens(51, 100)
+
+
+def run_hybrid_baseline(model: str, tp: int) -> dict[str, Any]:
+    llm = g_engine(model, tp, None)
+    P = g_prompts()
+    out = {name: generate(llm, p)[0] for name, p in P.items()}
+    out["T1"] = generate(llm, P["T1"], max_tokens=16)[0]
+    out["T2"] = generate(llm, g_turn2(P["T1"], out["T1"]))[0]
+    return out
+
+
+def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
+    """Every phase on one engine with the connector (the tiny Gemma 3, 3 KV cache
+    groups): each `run` returns the request's tokens, vLLM's cached-token count and
+    the connector's per-rank load and save events."""
+    store = os.path.join(work, "store")
+    events = Events(os.path.join(work, "events.jsonl"))
+    cfg = {"store_dir": store, "window": WINDOW, "chunk_tokens": G_CHUNK,
+           "load_timeout_s": 60.0, "save_timeout_s": 600.0, "events_path": events.path,
+           "step_save_budget_s": 5.0}  # fmt: skip
+    llm = g_engine(model, tp, cfg)
+    P = g_prompts()
+    out: dict[str, Any] = {"tp": tp}
+
+    def run(name: str, prompt: list[int] | None = None, save: bool = False,
+            max_tokens: int = 8) -> dict[str, Any]:  # fmt: skip
+        toks, cached, rid, dt = generate(llm, P[name] if prompt is None else prompt,
+                                         max_tokens=max_tokens)  # fmt: skip
+        if save:
+            done = events.wait(rid, "save", tp)
+            bad = [e for e in done if e["outcome"] != "complete"]
+            if bad:
+                raise RuntimeError(f"the save of {name} failed: {bad}")
+        return {"tokens": toks, "cached": cached, "loads": events.of(rid, "load"),
+                "saves": events.of(rid, "save"), "seconds": dt}  # fmt: skip
+
+    out["groups"] = [groups_of(events, r) for r in range(tp)]
+    # Restore a 4K prefix under another suffix, then a 16K one: identical output, and
+    # the window groups read the same bytes for both.
+    out["A"] = run("A", save=True)
+    reset(llm)
+    out["A2"] = run("A2")
+    out["L16_first"] = run("L16", save=True)
+    reset(llm)
+    out["L16"] = run("L16")
+    # Per group: its records replaced by zeros (a test double), the output changes.
+    for g in range(3):
+        run(f"Z{g}", save=True)
+        out[f"Z{g}_zeroed"] = plant_foreign_kv(
+            events, store, tp, model, P[f"Z{g}"], P[f"Z{g}"], G_CHUNK, groups=[g], zero=True
+        )
+        reset(llm)
+        out[f"Z{g}"] = run(f"Z{g}")  # fmt: skip
+    # One group failing on one rank only: a corrupt window record, a missing full one.
+    last = tp - 1
+    run("F1", save=True)
+    out["F1_path"] = corrupt_record(events, store, tp, model, P["F1"], last, 5, group=0,
+                                    chunk_tokens=G_CHUNK)  # fmt: skip
+    reset(llm)
+    out["F1"] = run("F1")
+    reset(llm)
+    out["F1_again"] = run("F1")
+    out["quarantine"] = sorted(os.listdir(os.path.join(store, "quarantine")))
+    run("F2", save=True)
+    path = record_path(events, store, tp, model, P["F2"], last, 2, group=2, chunk_tokens=G_CHUNK)
+    os.unlink(path)
+    reset(llm)
+    t0 = time.monotonic()
+    out["F2"] = run("F2")
+    out["F2_wall_s"] = time.monotonic() - t0
+    # A two-turn chat: turn 2 restores turn 1's prompt and its generated tokens.
+    reset(llm)
+    out["T1"] = run("T1", save=True, max_tokens=16)
+    reset(llm)
+    out["T2"] = run("T2", prompt=g_turn2(P["T1"], out["T1"]["tokens"]))
+    # vLLM's own cache holds 2K tokens; bsr-io supplies the 6K it lacks, and only them.
+    run("P8", save=True)
+    reset(llm)
+    out["P2"] = run("P2")
+    out["P8b"] = run("P8b")
+    out["events"] = events.all()
     return out
 
 
@@ -414,7 +575,9 @@ def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bsr_io.integrations.vllm.harness")
-    ap.add_argument("what", choices=["suite", "baseline", "model", "bench"])
+    ap.add_argument(
+        "what", choices=["suite", "baseline", "model", "bench", "hybrid", "hybrid-baseline"]
+    )
     ap.add_argument("--lengths", default="1024,4096")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=int, default=8)
@@ -425,11 +588,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
     lengths = sorted(int(x) for x in args.lengths.split(","))
+    if args.what.startswith("hybrid"):
+        model = os.path.abspath(write_tiny_gemma3(os.path.join(args.work, "..", "model-gemma3")))
+        if args.what == "hybrid":
+            result: Any = {"model": model, **run_hybrid(model, args.tp, args.work)}
+        else:
+            result = {"model": model, "outputs": run_hybrid_baseline(model, args.tp)}
+        Path(args.out).write_text(json.dumps(result, default=str))
+        return 0
     path = os.path.join(args.work, "..", f"model-l{args.layers}")
     model = write_tiny_llama(path, layers=args.layers, max_tokens=max(65536, 2 * lengths[-1]))
     model = os.path.abspath(model)
     if args.what == "model":
-        result: Any = {"model": model}
+        result = {"model": model}
     elif args.what == "bench":
         result = {"model": model, "layers": args.layers,
                   **run_bench(model, args.tp, args.work, lengths, rounds=args.rounds,

@@ -219,8 +219,10 @@ def group_layouts(
         nwin = per if kind == FULL else max(1, -(-window // block))
         record = KVLayout(
             _record_name(cache_layout, kind, block, window, chunk_tokens, specs),
-            tuple(AllocatorGroup(_SAFE.sub("_", lp.name)[:128], torch.uint8,
-                                 (lp.page_bytes,), 1) for lp in layers),  # fmt: skip
+            tuple(
+                AllocatorGroup(_SAFE.sub("_", lp.name)[:128], torch.uint8, (lp.page_bytes,), 1)
+                for lp in layers
+            ),  # fmt: skip
             nwin,
         )
         replicated = all(getattr(s, "max_tp_shards", None) == 1 for _, s in specs)

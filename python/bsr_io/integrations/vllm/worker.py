@@ -41,7 +41,8 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,18 @@ class _Job:
         return None if self.started is None else self.started + self.timeout_s
 
 
+def describe(g: GroupLayout) -> dict[str, Any]:
+    """A group as the event log records it (enough to rebuild its record layout)."""
+    return {
+        "index": g.index, "kind": g.kind, "spec": g.spec, "block_tokens": g.block_tokens,
+        "window": g.window, "replicated": g.replicated, "fingerprint": g.fingerprint(),
+        "record_name": g.record.name, "record_pages": g.record_blocks,
+        "record_bytes": g.record_bytes,
+        "layers": [[grp.name, lp.page_bytes] for grp, lp in zip(g.record.groups, g.layers,
+                                                                 strict=True)],
+    }  # fmt: skip
+
+
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, groups: list[GroupLayout], num_blocks: int,
                  rank: int, world_size: int) -> None:  # fmt: skip
@@ -123,6 +136,7 @@ class WorkerSide:
         self._loads: queue.Queue[_Job | None] = queue.Queue()
         self._saves: queue.Queue[_Job | None] = queue.Queue()
         self._writers = ThreadPoolExecutor(cfg.window, thread_name_prefix=f"bsr-w{rank}")
+        self._writing: dict[str, list[Future[None]]] = {}  # request -> its window writes
         self._lanes = [
             threading.Thread(target=self._lane, args=(self._loads, self._load),
                              name=f"bsr-load-r{rank}", daemon=True),
@@ -134,6 +148,8 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
+        self._event(None, {"kind": "start", "storages": len(self.pages.tensors),
+                           "groups": [describe(g) for g in self.groups.values()]})  # fmt: skip
 
     # -- keys ------------------------------------------------------------------------
     def key(self, t: Transfer, r: RecordOrder) -> ChunkKey:
@@ -189,7 +205,9 @@ class WorkerSide:
                 except BaseException:
                     give_back(slot)
                     raise
-                self._writers.submit(self._write, self.key(t, r), g, slot)
+                fut = self._writers.submit(self._write, self.key(t, r), g, slot)
+                with self._lock:
+                    self._writing.setdefault(t.request_id, []).append(fut)
 
     def _write(self, key: ChunkKey, g: GroupLayout, slot: Slot) -> None:
         try:
@@ -212,6 +230,8 @@ class WorkerSide:
         now = time.monotonic()
         with self._lock:
             jobs = list(self._jobs.items())
+            for rid in [r for r, fs in self._writing.items() if all(f.done() for f in fs)]:
+                del self._writing[rid]  # written, and no finished-request save waits on them
         for key, job in jobs:
             deadline = job.deadline
             if not job.done and deadline is not None and now > deadline + _GRACE_S:
@@ -302,6 +322,7 @@ class WorkerSide:
         extra = {
             "records": len(records),
             "chunks": t.committed_tokens // self.groups[records[0].group].chunk_tokens,
+            "chunks_read": len({r.chunk for r in records}) if res.complete else 0,
             "committed_tokens": res.committed_tokens,
             "rws_peak_bytes": res.rws_peak_bytes,
             "slot_bytes": self.slot_bytes,
@@ -316,6 +337,11 @@ class WorkerSide:
 
     def _save(self, job: _Job) -> tuple[bool, str, dict[str, Any]]:
         t = job.transfer
+        with self._lock:
+            writing = self._writing.pop(t.request_id, [])
+        assert job.deadline is not None
+        # The request's window records first: once it is reported saved, all of it is.
+        wait_all(writing, timeout=max(0.0, job.deadline - time.monotonic()))
         records = [r for r in t.records if self._mine(r)]
         if not records:
             return True, "", {"records": 0, "written": 0}
@@ -330,7 +356,6 @@ class WorkerSide:
             else:
                 failures.append(f"{keys[i].short()}: {error}")
 
-        assert job.deadline is not None
         written = save_records(
             self.save_engine, self.save_tier, keys, layouts, dest, deadline=job.deadline,
             skip_existing=True, width=max(1, self.cfg.window // 2), on_done=done,
@@ -338,12 +363,14 @@ class WorkerSide:
         extra = {"records": len(records), "written": written, "failed": len(failures)}
         return not failures, "; ".join(failures[:3]), extra
 
-    def _event(self, job: _Job, fields: dict[str, Any]) -> None:
+    def _event(self, job: _Job | None, fields: dict[str, Any]) -> None:
         if not self.cfg.events_path:
             return
         try:
-            doc = {"rank": self.rank, "kind": job.kind, "request_id": job.transfer.request_id,
-                   "time": time.time(), **fields}  # fmt: skip
+            doc: dict[str, Any] = {"rank": self.rank, "time": time.time()}
+            if job is not None:
+                doc |= {"kind": job.kind, "request_id": job.transfer.request_id}
+            doc |= fields
             line = (json.dumps(doc, default=str) + "\n").encode()
             fd = os.open(self.cfg.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
             try:
