@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import kv_shapes
 import pytest
+from bsr_io.integrations.vllm import kv_shapes
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.harness import tokens
 from bsr_io.integrations.vllm.identity import key_model
@@ -143,8 +143,9 @@ def test_unhealthy_worker_and_failed_load_mean_no_hit(setup):
     # leave the catalog until a rescan finds them on disk again.
     blocks = SimpleNamespace(get_block_ids=lambda: tuple(list(range(1, 12)) for _ in groups))
     side.update_state_after_alloc(req, blocks, 10 * CHUNK)
-    side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None,
-                                                 finished_recving={"b"}, failed_recving={"b"}))
+    side.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=None, finished_recving={"b"}, failed_recving={"b"})
+    )
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert side.get_num_new_matched_tokens(_request("c", toks), 0) == (0, False)
     side.catalog.rescan()

@@ -9,10 +9,10 @@ own views, never through the code under test.
 
 from __future__ import annotations
 
-import kv_shapes
 import pytest
 import torch
 from bsr_io.errors import LayoutError
+from bsr_io.integrations.vllm import kv_shapes
 from bsr_io.integrations.vllm.blocks import SKIP, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConfigError
 from bsr_io.integrations.vllm.layout import FULL, WINDOW, GroupRefused, group_layouts

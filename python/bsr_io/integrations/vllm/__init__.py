@@ -7,11 +7,14 @@ Load it by configuration, no code change in vLLM:
       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"store_dir": "/nvme/bsr", "window": 8}}'
 
-The scheduler side finds whole chunks in bsr-io's store from metadata alone; each
-tensor-parallel worker streams its own chunks through its engine's W slots into the
-blocks vLLM allocated and reports the request finished, or failed, so vLLM's output
-aggregator recomputes a request that any worker could not restore in full. Newly
-computed chunks are saved through the same slots after the request finishes.
+Hybrid models (vLLM's hybrid allocator: sliding-window and full-attention groups, MLA,
+DeepSeek-V4's groups) are restored group by group under one request-level commit. The
+scheduler side finds each group's records in an in-memory catalog of the store (no I/O
+on vLLM's scheduler thread); each tensor-parallel worker loads its own records through
+the core's windowed, verified install into the blocks vLLM allocated and reports the
+request finished, or failed, so vLLM's output aggregator recomputes a request that any
+group on any worker could not restore in full. Sliding-window records are saved in the
+step that computed them, full-attention records when the request finishes.
 """
 
 from __future__ import annotations

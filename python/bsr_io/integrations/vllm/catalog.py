@@ -52,6 +52,7 @@ class RecordCatalog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rescans = 0
+        self.version = 0  # bumped on every change: a memoized answer is stale after one
 
     # -- lookups (no system call; called on vLLM's scheduler thread) ---------------------
     def holds(self, ns: str, chunk_hash: int) -> bool:
@@ -86,6 +87,7 @@ class RecordCatalog:
             return
         with self._lock:
             self._apply(self._sets, add, ns, hashes)
+            self.version += 1
             if self._journal is not None:
                 self._journal.append((add, ns, hashes))
 
@@ -103,6 +105,8 @@ class RecordCatalog:
             for add, ns, hashes in self._journal or []:
                 self._apply(fresh, add, ns, hashes)
             self._journal = None
+            if fresh != self._sets:
+                self.version += 1
             self._sets = fresh
             self.rescans += 1
 

@@ -401,6 +401,44 @@ def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
     return out
 
 
+class FsCalls:
+    """Counts file-system calls made by this process while active (an audit hook for
+    opens, listings and other os calls Python audits, plus os.stat/lstat, which it
+    does not audit). For checking that a code path makes none."""
+
+    _hooked = False
+    _active: FsCalls | None = None
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self._saved: dict[str, Any] = {}
+
+    @classmethod
+    def _hook(cls, event: str, _args: object) -> None:
+        if cls._active is not None and event.startswith(("open", "os.", "shutil.", "glob.")):
+            cls._active.calls.append(event)
+
+    def __enter__(self) -> FsCalls:
+        if not FsCalls._hooked:
+            sys.addaudithook(FsCalls._hook)  # cannot be removed: it records while active
+            FsCalls._hooked = True
+        for name in ("stat", "lstat"):
+            fn = self._saved[name] = getattr(os, name)
+
+            def counting(*a: Any, _n: str = name, _f: Any = fn, **k: Any) -> Any:
+                self.calls.append(f"os.{_n}")
+                return _f(*a, **k)
+
+            setattr(os, name, counting)
+        FsCalls._active = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        FsCalls._active = None
+        for name, fn in self._saved.items():
+            setattr(os, name, fn)
+
+
 # -- the hybrid suite: issue 18's tests on the tiny Gemma 3, one engine per TP size -----
 G_CHUNK = 256  # two blocks of 128 (vLLM's hit alignment on this model)
 G_BLOCK = 128
@@ -519,7 +557,8 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
 
 # -- bench vllm: TTFT with restore vs recompute on the same engine ------------------------
 def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int = 3,
-              window: int = 8, chunk_tokens: int = 256, block_size: int = 128) -> dict:  # fmt: skip
+              window: int = 8, chunk_tokens: int = 256, block_size: int = 128,
+              **engine_kw: Any) -> dict:  # fmt: skip
     """Per prompt length: TTFT when vLLM recomputes the prompt (a fresh cache_salt each
     round, so bsr-io misses) and when bsr-io restores it (the salt it was saved under),
     both after vLLM's local prefix cache was reset, on one engine."""
@@ -528,7 +567,7 @@ def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int
     cfg = {"store_dir": store, "window": window, "chunk_tokens": chunk_tokens,
            "events_path": events.path, "load_timeout_s": 300.0}  # fmt: skip
     llm = engine(model, tp, connector=cfg, max_model_len=max(lengths) + 64,
-                 block_size=block_size)  # fmt: skip
+                 block_size=block_size, **engine_kw)  # fmt: skip
     rows = []
     for n in lengths:
         prompt = tokens(1000 + n, n + 16)  # n tokens of prefix to restore, then a question
@@ -553,7 +592,7 @@ def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int
         final_loads = events.wait(rid, "load", tp, timeout=60)
         ok = all(e["outcome"] == "complete" for e in loads + final_loads)
         med_re, med_rc = float(np.median(restore)), float(np.median(recompute))
-        e0 = final_loads[0]
+        by_group = {g: n for g, n in sorted(final_loads[0]["bytes_by_group"].items())}
         rows.append({
             "prompt_tokens": len(prompt),
             "restored_tokens": cached,
@@ -563,8 +602,9 @@ def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int
             "ttft_restore_rounds_s": restore,
             "ttft_recompute_rounds_s": recompute,
             "rws_peak_bytes_per_worker": max(e["rws_peak_bytes"] for e in loads + final_loads),
-            "state_bytes_per_worker": e0["chunks"] * e0["chunk_bytes"],
-            "chunk_bytes_per_worker": e0["chunk_bytes"],
+            "state_bytes_per_worker": sum(by_group.values()),
+            "bytes_read_by_group_per_worker": by_group,
+            "record_bytes_max": final_loads[0]["slot_bytes"],
             "window": window,
             "loads_complete": ok,
             "output_identical": ok and final == ref and all(t == ref[0] for t in firsts),
@@ -582,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--model", choices=["llama", "gemma3"], default="llama")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
@@ -596,8 +637,12 @@ def main(argv: list[str] | None = None) -> int:
             result = {"model": model, "outputs": run_hybrid_baseline(model, args.tp)}
         Path(args.out).write_text(json.dumps(result, default=str))
         return 0
-    path = os.path.join(args.work, "..", f"model-l{args.layers}")
-    model = write_tiny_llama(path, layers=args.layers, max_tokens=max(65536, 2 * lengths[-1]))
+    if args.model == "gemma3":
+        path = os.path.join(args.work, "..", "model-gemma3")
+        model = write_tiny_gemma3(path, max_tokens=max(32768, 2 * lengths[-1]))
+    else:
+        path = os.path.join(args.work, "..", f"model-l{args.layers}")
+        model = write_tiny_llama(path, layers=args.layers, max_tokens=max(65536, 2 * lengths[-1]))
     model = os.path.abspath(model)
     if args.what == "model":
         result = {"model": model}

@@ -41,6 +41,7 @@ class _Request:
     loading: bool = False
     failed: bool = False
     loaded: list[tuple[int, int]] = field(default_factory=list)  # (group, chunk) loading
+    memo: tuple[int, int, int, int] | None = None  # (catalog version, first, limit) -> hit
 
 
 class SchedulerSide:
@@ -119,8 +120,15 @@ class SchedulerSide:
         first = num_computed_tokens // self.chunk
         if limit <= first:
             return 0, False
-        hashes = self._hashes(st, limit * self.chunk)
-        n = self.hit_chunks(st.key_model, hashes, first)
+        # vLLM asks again in every scheduling pass while the request waits: the answer
+        # stands until the catalog changes.
+        version = self.catalog.version
+        if st.memo is not None and st.memo[:3] == (version, first, limit):
+            n = st.memo[3]
+        else:
+            hashes = self._hashes(st, limit * self.chunk)
+            n = self.hit_chunks(st.key_model, hashes, first)
+            st.memo = (version, first, limit, n)
         ext = n * self.chunk - num_computed_tokens
         if ext <= 0:
             return 0, False

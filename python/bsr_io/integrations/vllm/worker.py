@@ -292,11 +292,11 @@ class WorkerSide:
                 log.exception("bsr-io %s of %s failed", job.kind, job.transfer.request_id)
                 ok, reason, extra = False, f"{type(exc).__name__}: {exc}", {}
             with self._lock:
+                if job.kind == "load":
+                    self._stuck = ""  # the lane is moving again
                 if job.done:
                     continue  # the watchdog reported it already
                 job.ok, job.reason, job.done = ok, reason, True
-                if job.kind == "load":
-                    self._stuck = ""  # the lane is moving again
             self._event(job, {"outcome": COMPLETE if ok else ZERO, "reason": reason, **extra})
 
     def _load(self, job: _Job) -> tuple[bool, str, dict[str, Any]]:
