@@ -161,7 +161,8 @@ def _store_of_empty_records(root: Path, groups: list[Any], model: str, tp: int,
             d = record_path(root / "chunks", first).parent
             d.mkdir(parents=True, exist_ok=True)
             for h in hashes:
-                fd = os.open(d / f"{h:016x}.chunk", os.O_WRONLY | os.O_CREAT, 0o600)
+                key = ChunkKey(model, tp, rank, g.fingerprint(), h)
+                fd = os.open(record_path(root / "chunks", key), os.O_WRONLY | os.O_CREAT, 0o600)
                 os.close(fd)
                 n += 1
     return n
