@@ -55,7 +55,9 @@ def test_restored_prefix_identical_and_cached(hy):
     _complete(s["A2"], tp)
     assert s["A2"]["cached"] == 16 * G_CHUNK
     assert s["A2"]["tokens"] == base["A2"]
-    assert base["A2"] != base["A"]  # the control: the suffix does change the output
+    # The control: the same question after another prefix gives another output, so
+    # the output depends on the prefix (the restored KV), not on the question alone.
+    assert base["A2"] != base["A2x"]
     assert s["L16"]["cached"] == 64 * G_CHUNK and s["L16"]["tokens"] == base["L16"]
 
 

@@ -458,6 +458,7 @@ def g_prompts() -> dict[str, list[int]]:
     return {
         "A": a,  # 4K tokens of prefix: 16 chunks
         "A2": a[: 16 * c] + tokens(22, 17),
+        "A2x": tokens(29, 16 * c) + tokens(22, 17),  # A2's question after another prefix
         "L16": tokens(23, 64 * c + 17),  # 16K tokens: the window groups read the same
         "Z0": tokens(30, 4 * c + 17), "Z1": tokens(31, 4 * c + 17), "Z2": tokens(32, 4 * c + 17),
         "F1": tokens(40, 6 * c + 17),  # corrupt window record on the last rank
