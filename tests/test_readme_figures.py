@@ -381,6 +381,94 @@ VLLM_FIGURES: list[Fig] = [
     Fig("W=8, {}-token chunks", "vllm.json", "chunk_tokens", fmt="{:.0f}"),
     Fig("32K ({} s against", "vllm.json", "rows.5.ttft_restore_s", fmt="{:.3f}"),
     Fig("s against {} s);", "vllm.json", "rows.5.ttft_recompute_s"),
+    # The hybrid model (tiny Gemma 3) and scheduler-side discovery.
+    *[
+        Fig(phrase, "vllm-gemma3.json", f"rows.{i}.ttft_ratio_recompute_over_restore", fmt="{:.1f}")
+        for i, phrase in (
+            (0, "is {}x shorter at 1K tokens"),
+            (1, "{}x at 4K and"),
+            (2, "and {}x at 16K"),
+        )
+    ],  # fmt: skip
+    Fig("16K ({} s against", "vllm-gemma3.json", "rows.2.ttft_restore_s", fmt="{:.3f}"),
+    Fig("against {} s); each", "vllm-gemma3.json", "rows.2.ttft_recompute_s"),
+    Fig(
+        "group read {} KiB at every length",
+        "vllm-gemma3.json",
+        "rows.2.bytes_read_by_group_per_worker.0",
+        fmt="{:.0f}",
+        scale=1024.0,
+    ),
+    Fig(
+        "full group read {},",
+        "vllm-gemma3.json",
+        "rows.0.bytes_read_by_group_per_worker.2",
+        fmt="{:.1f}",
+        scale=MIB,
+    ),
+    Fig(
+        ", {} and",
+        "vllm-gemma3.json",
+        "rows.1.bytes_read_by_group_per_worker.2",
+        fmt="{:.1f}",
+        scale=MIB,
+    ),
+    Fig(
+        "and {} MiB; the staging",
+        "vllm-gemma3.json",
+        "rows.2.bytes_read_by_group_per_worker.2",
+        fmt="{:.1f}",
+        scale=MIB,
+    ),
+    Fig(
+        "at or below {} KiB",
+        "vllm-gemma3.json",
+        "max rws_peak_bytes_per_worker",
+        fmt="{:.0f}",
+        derive=lambda d: (
+            max(r["rws_peak_bytes_per_worker"] for r in d["vllm-gemma3.json"]["rows"]) / 1024
+        ),
+    ),
+    Fig(
+        "records of {} KiB)",
+        "vllm-gemma3.json",
+        "rows.0.record_bytes_max",
+        fmt="{:.0f}",
+        scale=1024.0,
+    ),
+    Fig("of a {}-chunk prefix", "vllm-discovery.json", "chunks", fmt="{:,.0f}"),
+    Fig("({} records, listed", "vllm-discovery.json", "records_listed", fmt="{:,.0f}"),
+    Fig("at start in {} s)", "vllm-discovery.json", "catalog_build_s"),
+    Fig(
+        "lookup takes {} ms",
+        "vllm-discovery.json",
+        "catalog_lookup_s_median x 1000",
+        derive=lambda d: d["vllm-discovery.json"]["catalog_lookup_s_median"] * 1000,
+    ),
+    Fig(
+        "repeated ask {} us",
+        "vllm-discovery.json",
+        "repeat_request_s_median x 1e6",
+        fmt="{:.0f}",
+        derive=lambda d: d["vllm-discovery.json"]["repeat_request_s_median"] * 1e6,
+    ),
+    Fig(
+        "once ({} ms for",
+        "vllm-discovery.json",
+        "prefix_hash_s_median x 1000",
+        fmt="{:.0f}",
+        derive=lambda d: d["vllm-discovery.json"]["prefix_hash_s_median"] * 1000,
+    ),
+    Fig(
+        "ms for {} tokens",
+        "vllm-discovery.json",
+        "chunks x chunk_tokens",
+        fmt="{:,.0f}",
+        derive=lambda d: (
+            d["vllm-discovery.json"]["chunks"] * d["vllm-discovery.json"]["chunk_tokens"]
+        ),
+    ),
+    Fig("load average {} on", "vllm-discovery.json", "loadavg_1m_at_end", fmt="{:.1f}"),
 ]
 
 

@@ -232,6 +232,8 @@ def run_discovery(args: argparse.Namespace) -> int:
         "prefix_hash_s_median": float(np.median(hash_s)),
         "repeat_request_s_median": float(np.median(again_s)),
         "calls": len(new_s) + len(again_s),
+        "loadavg_1m_at_end": os.getloadavg()[0],
+        "cores": os.cpu_count(),
         "file_system_calls": len(fs.calls),
         "reference": "prefix_hash_s_median: hashing the prompt's chunks alone (bsr-io's "
         "prefix_hashes), same process, same run; a new request pays it once",

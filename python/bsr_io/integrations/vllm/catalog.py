@@ -59,12 +59,15 @@ class RecordCatalog:
         got = self._sets.get(ns)
         return got is not None and chunk_hash in got
 
-    def leading(self, ns: str, hashes: Sequence[int], start: int, end: int) -> int:
-        """The largest m in [start, end] with hashes[start:m] all held in `ns`."""
+    def leading(self, ns: str, hashes: Sequence[int], start: int, end: int,
+                whole: frozenset[int] | None = None) -> int:  # fmt: skip
+        """The largest m in [start, end] with hashes[start:m] all held in `ns`.
+        `whole`: frozenset(hashes[start:end]), when the caller checks several
+        directories (a set against a set reuses the stored hashes)."""
         got = self._sets.get(ns)
         if got is None or start >= end:
             return start
-        if got.issuperset(hashes[start:end]):
+        if (whole if whole is not None else frozenset(hashes[start:end])) <= got:
             return end
         lo, hi = start, end - 1  # hashes[start:lo] held; hashes[start:hi+1] not
         while lo < hi:

@@ -101,10 +101,12 @@ class SchedulerSide:
     def hit_chunks(self, key_model: str, hashes: list[int], first: int) -> int:
         """Largest n <= len(hashes) such that every full group holds [first, n) and
         every window group its record at n - 1, on every rank; `first` if none."""
-        n = len(hashes)
+        total = n = len(hashes)
+        whole = frozenset(hashes[first:n]) if self.full else None
         for g in self.full:
             for ns in self.dirs(key_model, g):
-                n = self.catalog.leading(ns, hashes, first, n)
+                # The whole range's set is built once, while no directory has cut it.
+                n = self.catalog.leading(ns, hashes, first, n, whole if n == total else None)
         while n > first:
             if all(self.catalog.holds(ns, hashes[n - 1])
                    for g in self.window for ns in self.dirs(key_model, g)):  # fmt: skip
