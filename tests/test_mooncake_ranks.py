@@ -43,8 +43,9 @@ def check_common(results, outcome: str):
         assert r["probe_exist_calls"] == 1, r  # one batched existence check per probe
         assert r["outcome"] == outcome, r
         assert r["wrong_chunks"] == [], r
-        if outcome == "complete":  # more chunks than slots: the window must fill, no more
-            assert r["rws_peak_bytes"] == WINDOW * r["slot_bytes"], r
+        if outcome == "complete":  # never more than the window (L2 chunks may be read
+            # straight into the destination, with no slot at all)
+            assert 0 < r["rws_peak_bytes"] <= WINDOW * r["slot_bytes"], r
     if outcome == "zero":
         assert all(r["committed_chunks"] == 0 for r in results)
 

@@ -167,21 +167,23 @@ class Agreement:
     # -- keys' lifetimes ----------------------------------------------------------------
     def _finished(self, ns: str) -> None:
         """This rank has read the decision under `ns`: the last of the ranks to do so
-        deletes the phase's keys; rank 0 notes the others to expire them."""
+        deletes the phase's keys; the others note the phase, to expire it if some rank
+        never reads it (any of them may survive the others, so each keeps its list)."""
         if self._keep_keys:
             return
         try:
             readers = int(self._store.add(f"{ns}done", 1))
             if readers >= self.world_size:
                 _delete(self, ns)
-            elif self.rank == 0:
+            else:
                 self._ids.note_unfinished(ns, time.monotonic() + self.expire_s)
         except Exception:  # noqa: BLE001, S110 - a store that is gone holds no keys
             pass
 
     def _sweep(self) -> None:
-        """Delete the keys of phases some rank never finished, `expire_s` after."""
-        if self.world_size == 1 or self.rank != 0 or self._keep_keys:
+        """Delete the keys of phases some rank never finished, `expire_s` after (one
+        check per phase this rank did not finish last; most were deleted meanwhile)."""
+        if self.world_size == 1 or self._keep_keys:
             return
         for ns in self._ids.expired(time.monotonic()):
             try:
@@ -203,7 +205,7 @@ def _delete(a: Agreement, ns: str) -> None:
 class _Numbering:
     """Request namespaces shared by the Agreements of one process group: the unnamed
     requests' count, each caller id's use count, where an unnamed request moved when
-    this rank caught up with its peers, and the phases left for rank 0 to expire."""
+    this rank caught up with its peers, and the phases this rank left for expiry."""
 
     _MOVED_KEEP = 1 << 12  # namespaces moved recently (open_vote follows them)
     _IDS_MAX = 1 << 20  # caller ids remembered, at most (memory bound)

@@ -93,16 +93,16 @@ def reuse_on_rank(rank: int, world_size: int, *, keep_keys: bool) -> dict[str, A
     return {"rank": rank, "first": list(first), "again": list(again), "ns": again_ns}
 
 
-def expire_on_rank(rank: int, world_size: int, *, lone: int) -> dict[str, Any]:
-    a = Agreement.from_process_group(timeout_s=0.3, expire_s=1.0)
+def expire_on_rank(rank: int, world_size: int, *, lone: int, lone_rank: int) -> dict[str, Any]:
+    a = Agreement.from_process_group(timeout_s=0.3, expire_s=2.5)
     dist.barrier()
     base = _keys()
-    if rank == 0:  # rank 1 never comes to these
+    if rank == lone_rank:  # the other rank never comes to these
         for i in range(lone):
             a.agree_min(1, a.request(f"lone{i}"))
     dist.barrier()
     left = _keys()
-    time.sleep(1.2)
+    time.sleep(2.7)
     dist.barrier()
     together = [a.agree_min(7, a.request(f"both{i}")) for i in range(3)]
     dist.barrier()
