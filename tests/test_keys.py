@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from bsr_io.keys import ChunkKey, chunk_keys, prefix_hashes
+from bsr_io.keys import ChunkKey, chunk_keys, extend_prefix_hashes, prefix_hashes
 from bsr_io.layout import preset
 
 FP = "0" * 32
@@ -118,6 +118,22 @@ def test_chunk_keys_per_rank_and_layout():
     assert [k.chunk_hash for k in k0] == [k.chunk_hash for k in k1]
     assert not set(k0) & set(k1)
     assert {k.layout_fingerprint for k in chunk_keys(ids, other, "m")} == {other.fingerprint()}
+
+
+def test_extending_the_chain_equals_hashing_the_whole_sequence():
+    tokens = list(np.random.default_rng(5).integers(0, 50_000, 16 * 7 + 5))
+    whole = prefix_hashes(tokens, 16)
+    assert len(whole) == 7
+    for done in range(8):
+        for cut in range(done * 16, len(tokens) + 1, 5):
+            part = extend_prefix_hashes(whole[:done], tokens[:cut], 16)
+            assert part == prefix_hashes(tokens[:cut], 16), (done, cut)
+    assert extend_prefix_hashes(whole[:3], tokens, 16) == whole
+    # A chain continued from another prefix's hashes names another prefix.
+    other = prefix_hashes([t + 1 for t in tokens], 16)
+    assert extend_prefix_hashes(other[:2], tokens, 16)[2:] != whole[2:]
+    with pytest.raises(ValueError, match="earlier chunk hashes"):
+        extend_prefix_hashes(whole, tokens[:20], 16)
 
 
 def test_chunk_hashes_are_128_bits_and_chain_the_whole_state():

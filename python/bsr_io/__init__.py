@@ -75,7 +75,7 @@ from bsr_io.errors import (  # noqa: E402
     RecordFormatError,
     TierDown,
 )
-from bsr_io.keys import ChunkKey, chunk_keys, prefix_hashes  # noqa: E402
+from bsr_io.keys import ChunkKey, chunk_keys, extend_prefix_hashes, prefix_hashes  # noqa: E402
 from bsr_io.layout import AllocatorGroup, KVLayout, preset  # noqa: E402
 from bsr_io.store import Store, open_store  # noqa: E402
 from bsr_io.tiers import LowerTier, MemoryTier, SSDTier, Tier  # noqa: E402
@@ -101,6 +101,7 @@ __all__ += [
     "TierDown",
     "chunk_keys",
     "open_store",
+    "extend_prefix_hashes",
     "prefix_hashes",
     "preset",
 ]

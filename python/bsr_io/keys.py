@@ -1,12 +1,14 @@
 """Prefix hashing and chunk keys.
 
-Tokens are cut into chunks of `chunk_tokens`; chunk i's hash chains chunk i-1's state
-with chunk i's token ids, so a chunk key names the whole prefix up to its end. The
-chain is blake2b-256 over a canonical encoding (little-endian int64 token ids), the
-same in every process and on every host; a key carries the first 128 bits of each
-link. 128 bits keep a collision out of reach (2^64 work for a birthday pair, a second
-preimage for a given prefix 2^128), where 64 bits let an adversary who controls
-prompts poison a shared cache (vLLM's CVE-2025-25183). A partial last chunk has no key.
+Tokens are cut into chunks of `chunk_tokens`; chunk i's hash chains chunk i-1's hash
+with chunk i's token ids, so a chunk key names the whole prefix up to its end. Each
+link is blake2b-256 over a canonical encoding (the previous hash, little-endian int64
+token ids), truncated to 128 bits, the same in every process and on every host. 128
+bits keep a collision out of reach (2^64 work for a birthday pair, a second preimage
+for a given prefix 2^128), where 64 bits let an adversary who controls prompts poison
+a shared cache (vLLM's CVE-2025-25183). The chain continues from any hash
+(`extend_prefix_hashes`), so a growing sequence is hashed once. A partial last chunk
+has no key.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,18 +45,33 @@ def _token_array(token_ids: Any) -> npt.NDArray[np.int64]:
 
 def prefix_hashes(token_ids: Any, chunk_tokens: int) -> list[int]:
     """Chained 128-bit hashes of each full chunk of `token_ids` (list, numpy or torch)."""
+    return extend_prefix_hashes([], token_ids, chunk_tokens)
+
+
+def extend_prefix_hashes(
+    prev_hashes: Sequence[int], token_ids: Any, chunk_tokens: int
+) -> list[int]:
+    """`prefix_hashes(token_ids, chunk_tokens)`, given the hashes of its first
+    `len(prev_hashes)` chunks (computed earlier, e.g. before decode added tokens): only
+    the chunks after them are hashed, chained on from the last one. `token_ids` is the
+    whole sequence; the result lists every full chunk's hash, `prev_hashes` first."""
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     tokens = _token_array(token_ids)
-    hashes: list[int] = []
-    prev = b"\0" * 32
-    for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
+    done = len(prev_hashes)
+    if done * chunk_tokens > len(tokens):
+        raise ValueError(
+            f"{done} earlier chunk hashes but only {len(tokens)} tokens of {chunk_tokens} per chunk"
+        )
+    hashes = [int(h) for h in prev_hashes]
+    prev = hashes[-1].to_bytes(16, "little") if hashes else b"\0" * 16
+    for start in range(done * chunk_tokens, len(tokens) - chunk_tokens + 1, chunk_tokens):
         h = hashlib.blake2b(digest_size=32, person=b"bsr-prefix")
         h.update(_HASH_DOMAIN)
-        h.update(prev)  # the whole 256-bit state chains on, the key keeps 128 bits of it
+        h.update(prev)
         h.update(tokens[start : start + chunk_tokens].tobytes())
-        prev = h.digest()
-        hashes.append(int.from_bytes(prev[:16], "little"))
+        prev = h.digest()[:16]
+        hashes.append(int.from_bytes(prev, "little"))
     return hashes
 
 
