@@ -136,7 +136,7 @@ def test_extending_the_chain_equals_hashing_the_whole_sequence():
         extend_prefix_hashes(whole, tokens[:20], 16)
 
 
-def test_chunk_hashes_are_128_bits_and_chain_the_whole_state():
+def test_chunk_hashes_are_128_bits():
     """Keys carry 128 bits: over a few thousand chunks some hash needs more than 64 bits
     (a 64-bit hash never would), none more than 128; the wider key round-trips."""
     hashes = prefix_hashes(np.arange(4096 * 8, dtype=np.int64) % 50_000, 8)
