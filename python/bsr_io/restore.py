@@ -251,10 +251,16 @@ def save_records(
         if skip_existing and tier.probe([keys[i]]) == 1:
             return 0
         nbytes = layouts[i].chunk_bytes
-        with lease(engine, deadline) as slot:
+        slot = lease(engine, deadline)
+        try:
             _extract(dest, i, slot, nbytes)
             slot.set_length(nbytes)
             tier.write(keys[i], slot, layouts[i])
+        finally:
+            # A put abandoned at its timeout (a pool tier) may still read the slot: it
+            # keeps a view, and the slot returns to the ring when that put returns.
+            give_back(slot)
+            del slot
         return 1
 
     written = _each(write, len(keys), width, on_done, progress)
