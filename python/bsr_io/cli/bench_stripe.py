@@ -128,6 +128,8 @@ def measure(args: argparse.Namespace, roots: list[Path], huge: HugeMem) -> dict[
     restorer = Restorer(Store([l2]), lay, window=args.window, engine=eng, model=MODEL,
                         install_threads=args.install_threads)  # fmt: skip
     dest = _destination(lay, tokens, args.dest_cap)
+    for t in dest.tensors:
+        t.zero_()  # fault the cache in once: a serving engine's KV pool is resident
     fio_name = "fio_hugemem" if huge.mount is not None else "fio"
     methods = ("restore", fio_name)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
