@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import re
 import shutil
 import statistics
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 
 from bsr_io._core import Engine, File
 from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read, huge_page_buffers
+from bsr_io.cli.host import huge_page_bytes
 from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.cli.trace import engine_summary
@@ -117,20 +117,8 @@ def buffered_read(path: Path, slot: int) -> float:
 
 
 def arena_huge_bytes(eng: Engine) -> int | None:
-    """Bytes of the engine's arena backed by transparent huge pages (smaps), or None when
-    unreadable: on 4 KiB pages a 1 MiB request needs 256 segments, and is split."""
-    lo, hi = eng.arena_address, eng.arena_address + eng.arena_bytes
-    try:
-        text = Path("/proc/self/smaps").read_text()
-    except OSError:
-        return None
-    total = 0
-    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
-        m = re.match(r"([0-9a-f]+)-([0-9a-f]+)", block)
-        h = re.search(r"AnonHugePages:\s+(\d+) kB", block)
-        if m and h and int(m.group(1), 16) < hi and int(m.group(2), 16) > lo:
-            total += int(h.group(1)) * 1024
-    return min(total, eng.arena_bytes)
+    """Bytes of the engine's arena backed by transparent huge pages (see huge_page_bytes)."""
+    return huge_page_bytes(eng.arena_address, eng.arena_bytes)
 
 
 def queue_max_segments(path: Path) -> int | None:

@@ -41,7 +41,7 @@ from bsr_io.cli.fio import (
     fio_available,
     huge_page_buffers,
 )
-from bsr_io.cli.host import check_memory
+from bsr_io.cli.host import check_memory, huge_page_bytes
 from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.progress import bar
 from bsr_io.cli.report import write_json
@@ -178,6 +178,10 @@ def measure(
     b.dest = PagedKVCache.allocate(lay, b.tokens)
     for t in b.dest.tensors:
         t.zero_()  # fault the destination in once: a serving engine's KV pool is resident
+    # Direct reads land in the cache: on 4 KiB pages their 1 MiB requests would be split.
+    dest_huge = [
+        huge_page_bytes(t.data_ptr(), t.numel() * t.element_size()) for t in b.dest.tensors
+    ]
     skip = {"naive", "naive_engine"} if args.skip_naive else set()
     if b.huge.mount is None:
         skip.add("fio_hugemem")
@@ -278,6 +282,8 @@ def measure(
         "fast_profile_s": profile,
         "naive_profile_s": {k: nmid[k] for k in ("stage_s", "install_s")} if naive else None,
         "per_round": rounds,
+        "dest_huge_page_bytes": None if None in dest_huge else sum(x or 0 for x in dest_huge),
+        "dest_bytes": sum(t.numel() * t.element_size() for t in b.dest.tensors),
         "seed": seed,
         "orders": orders,
         "load": summary(loads),

@@ -3,6 +3,7 @@ policy's, bsr_io.testing.scratch)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from bsr_io.sizes import fmt_size
@@ -17,6 +18,24 @@ def mem_available() -> int | None:
     except OSError:
         pass
     return None
+
+
+def huge_page_bytes(addr: int, nbytes: int) -> int | None:
+    """Bytes of `[addr, addr + nbytes)` this process has on transparent huge pages
+    (/proc/self/smaps), None when unreadable. A 1 MiB O_DIRECT request into 4 KiB pages
+    needs 256 segments, more than a virtio disk's queue takes: it is split."""
+    lo, hi = addr, addr + nbytes
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return None
+    total = 0
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", text):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+)", block)
+        h = re.search(r"AnonHugePages:\s+(\d+) kB", block)
+        if m and h and int(m.group(1), 16) < hi and int(m.group(2), 16) > lo:
+            total += int(h.group(1)) * 1024
+    return min(total, nbytes)
 
 
 def check_memory(need_bytes: int, what: str, hint: str) -> None:
