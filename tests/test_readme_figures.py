@@ -98,6 +98,10 @@ def _sweep_row(i: int, unit: str, tag: str) -> Callable[[dict[str, Any]], str]:
     return row
 
 
+def _list(xs: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
 def _ratio(a: str, b: str) -> Callable[[dict[str, Any]], float]:
     def f(docs: dict[str, Any]) -> float:
         (doc,) = docs.values()
@@ -115,8 +119,81 @@ FIGURES: list[Fig] = [
     Fig("GiB/s (ratio {}), fio on 4 KiB pages", "ssd.json", "ratio_vs_fio_hugemem"),
     Fig("fio on 4 KiB pages {} GiB/s (ratio", "ssd.json", "results.fio.gib_s"),
     Fig("(ratio {}, a handicapped reference)", "ssd.json", "ratio_vs_fio"),
+    Fig(
+        "the engine over fio on huge pages: {} (median",
+        "ssd.json",
+        "ratio_vs_fio_hugemem_rounds, sorted",
+        fmt="{}",
+        derive=lambda d: _list(sorted(d["ssd.json"]["ratio_vs_fio_hugemem_rounds"])),
+    ),
+    Fig(
+        "(median {}). The request trace",
+        "ssd.json",
+        "median of ratio_vs_fio_hugemem_rounds",
+        derive=lambda d: statistics.median(d["ssd.json"]["ratio_vs_fio_hugemem_rounds"]),
+    ),
+    Fig(
+        "a mean depth of {} requests for the engine",
+        "ssd.json",
+        "trace_medians.bsr_io.mean_depth",
+        fmt="{:.1f}",
+    ),  # fmt: skip
+    Fig(
+        "(its queue full {}% of the time)",
+        "ssd.json",
+        "trace_medians.bsr_io.time_full x 100",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["ssd.json"]["trace_medians"]["bsr_io"]["time_full"],
+    ),
+    Fig(
+        "of the time) against {} for fio",
+        "ssd.json",
+        "trace_medians.fio_hugemem.mean_depth",
+        fmt="{:.1f}",
+    ),  # fmt: skip
+    Fig(
+        "median request latency of {} ms against",
+        "ssd.json",
+        "trace_medians.bsr_io.latency_p50_ms",
+        fmt="{:.1f}",
+    ),  # fmt: skip
+    Fig(
+        "ms against {} ms (medians over rounds)",
+        "ssd.json",
+        "trace_medians.fio_hugemem.latency_p50_ms",
+        fmt="{:.1f}",
+    ),  # fmt: skip
+    Fig(
+        "(`ssd-w32.json`): the engine over fio on huge pages {}, a mean",
+        "ssd-w32.json",
+        "ratio_vs_fio_hugemem",
+    ),  # fmt: skip
+    Fig(
+        "a mean depth of {} against fio's",
+        "ssd-w32.json",
+        "trace_medians.bsr_io.mean_depth",
+        fmt="{:.1f}",
+    ),  # fmt: skip
+    Fig(
+        "against fio's {}. The machine",
+        "ssd-w32.json",
+        "trace_medians.fio_hugemem.mean_depth",
+        fmt="{:.1f}",
+    ),  # fmt: skip
+    Fig("while these ran: 1-minute load {} to", "ssd.json", "load.loadavg_1m_min"),
+    Fig("to {}, other processes using up to", "ssd.json", "load.loadavg_1m_max"),
+    Fig("other processes using up to {} of the 2 cores", "ssd.json", "load.others_cores_max"),
     # restore latency
-    Fig("{} bytes, cold cache, median of 3", "ttft.json", "state_bytes", fmt="{:,.0f}"),
+    Fig("{} bytes, cold cache, median of 5", "ttft.json", "state_bytes", fmt="{:,.0f}"),
+    Fig("on a shared machine: 1-minute load {} to", "ttft.json", "load.loadavg_1m_min"),
+    Fig("to {}): the naive path", "ttft.json", "load.loadavg_1m_max"),
+    Fig("on huge pages (goal {},", "ttft.json", "target_fast_over_fio_hugemem"),
+    Fig("in its median round {} s went to waiting", "ttft.json", "fast_profile_s.read_wait_s"),
+    Fig(
+        "waiting for reads and {} s to hashing in place",
+        "ttft.json",
+        "fast_profile_s.install_copy_s",
+    ),  # fmt: skip
     Fig("then install) {} s;", "ttft.json", "naive_s"),
     Fig("(the control) {} s;", "ttft.json", "naive_engine_s"),
     Fig("BSR {} s; fio reading", "ttft.json", "fast_s"),
@@ -192,6 +269,76 @@ FIGURES: list[Fig] = [
     Fig("the three runs' medians {}x,", "ceiling.json", "fused_over_unfused"),
     Fig("medians 1.42x, {}x and", "ceiling-2.json", "fused_over_unfused"),
     Fig("and {}x).", "ceiling-3.json", "fused_over_unfused"),
+    # reading in place (ceiling-direct.json)
+    Fig("`ceiling-direct.json`: {} tokens from", "ceiling-direct.json", "tokens", fmt="{:,.0f}"),
+    Fig("each round, 1-minute load {} to", "ceiling-direct.json", "load.loadavg_1m_min"),
+    Fig("to {}): the restore reads", "ceiling-direct.json", "load.loadavg_1m_max"),
+    Fig("ran at {} GiB/s against", "ceiling-direct.json", "restore_gib_s"),
+    Fig(
+        "GiB/s against {} GiB/s for the same restore through the slots",
+        "ceiling-direct.json",
+        "restore_slots_gib_s",
+    ),  # fmt: skip
+    Fig("hash): {}x.", "ceiling-direct.json", "direct_over_slots"),
+    Fig("payloads through slots ({} GiB/s)", "ceiling-direct.json", "engine_raw_gib_s"),
+    Fig("ratio was {} (per round", "ceiling-direct.json", "ratio", fmt="{:.3f}"),
+    Fig(
+        "(per round {}; goal in every round",
+        "ceiling-direct.json",
+        "ratio_rounds",
+        fmt="{}",
+        derive=lambda d: _list(d["ceiling-direct.json"]["ratio_rounds"]),
+    ),
+    Fig("goal in every round {},", "ceiling-direct.json", "goal_ratio"),
+    Fig(
+        "the restore cost {} CPU s/GiB",
+        "ceiling-direct.json",
+        "restore_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),  # fmt: skip
+    Fig(
+        "CPU s/GiB against {} through the slots",
+        "ceiling-direct.json",
+        "restore_slots_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),  # fmt: skip
+    Fig(
+        "the slots and {} for the engine alone",
+        "ceiling-direct.json",
+        "engine_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),  # fmt: skip
+    Fig("(CPU goal {},", "ceiling-direct.json", "goal_cpu_s_per_gib"),
+    # several drives (stripe.json)
+    Fig("of the {} on the disk", "stripe.json", "chunks", fmt="{:.0f}"),
+    Fig("striped restore ran at {} GiB/s", "stripe.json", "restore_gib_s"),
+    Fig(
+        "GiB/s against {} GiB/s for fio reading the same record files", "stripe.json", "fio_gib_s"
+    ),  # fmt: skip
+    Fig("(one set of jobs per directory): ratio {}", "stripe.json", "ratio", fmt="{:.3f}"),
+    Fig(
+        "(per round {}).",
+        "stripe.json",
+        "ratio_rounds",
+        fmt="{}",
+        derive=lambda d: _list(d["stripe.json"]["ratio_rounds"]),
+    ),
+    Fig(
+        "{}% of the restore's time went to waiting",
+        "stripe.json",
+        "restore_read_wait_share x 100",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["stripe.json"]["restore_read_wait_share"],
+    ),
+    Fig(
+        "waiting for reads and {}% to verifying",
+        "stripe.json",
+        "restore_install_share x 100",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["stripe.json"]["restore_install_share"],
+    ),
+    Fig("shared cores (1-minute load {} to", "stripe.json", "load.loadavg_1m_min"),
+    Fig("to {}).", "stripe.json", "load.loadavg_1m_max"),
     # staging against state size
     Fig("cold cache, {}-byte chunks", "sweep.json", "rows.0.chunk_bytes", fmt="{:,.0f}"),
     *[
@@ -359,6 +506,17 @@ FIGURES: list[Fig] = [
     Fig("buffer {} GiB/s:", "remote.json", "client_bulk_gib_s"),
     Fig("ratio {} (median of the rounds' ratios", "remote.json", "ratio"),
     Fig("(median of the rounds' ratios {})", "remote.json", "ratio_median_of_rounds"),
+    Fig(
+        "What caps it: {}% of the",
+        "remote.json",
+        "restore_read_wait_share x 100",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["remote.json"]["restore_read_wait_share"],
+    ),
+    Fig("spends {} CPU s/GiB on it", "remote.json", "restore_cpu_s_per_gib"),
+    Fig("on it against {} for the bulk", "remote.json", "bulk_cpu_s_per_gib"),
+    Fig("read (1-minute load {} to", "remote.json", "load.loadavg_1m_min"),
+    Fig("to {} while it ran)", "remote.json", "load.loadavg_1m_max"),
 ]
 
 # The hook for the vLLM section: its figures, kept with the section by whoever writes it.
