@@ -89,7 +89,8 @@ class KVPages:
                 if key not in storages:
                     storages[key] = len(self.tensors)
                     flat = torch.empty(0, dtype=torch.uint8, device=t.device)
-                    flat.set_(st, 0, (st.nbytes(),))
+                    # torch's stub lists set_(storage, offset, size) only with a stride.
+                    flat.set_(st, 0, (st.nbytes(),))  # type: ignore[call-overload]
                     self.tensors.append(flat)
                 device = t.device
                 base = t.data_ptr() - key
@@ -155,7 +156,7 @@ class RequestPages:
         self.guard = guard or Guard()
         self.device = pages.device
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None  # type: ignore[no-untyped-call]
         if self._stream is not None:
             self.guard.fences.append(self._stream.synchronize)
         for r in self.records:

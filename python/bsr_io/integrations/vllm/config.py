@@ -12,7 +12,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 DEFAULT_WINDOW = 8
 DEFAULT_CHUNK_TOKENS = 256
@@ -37,6 +37,10 @@ def check_chunk_tokens(
         )
 
 
+@overload
+def _int(extra: dict[str, Any], name: str, default: int, minimum: int = 1) -> int: ...
+@overload
+def _int(extra: dict[str, Any], name: str, default: None, minimum: int = 1) -> int | None: ...
 def _int(extra: dict[str, Any], name: str, default: int | None, minimum: int = 1) -> int | None:
     value = extra.get(name, default)
     if value is None:

@@ -68,11 +68,13 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a save that does not happen is a future miss, nothing more
 
     # -- scheduler side ---------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -84,10 +86,14 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]):
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
@@ -104,7 +110,7 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous: nothing per layer
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any):
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
         return  # window records are cut once per step, in wait_for_save
 
     def wait_for_save(self) -> None:

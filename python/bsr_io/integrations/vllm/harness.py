@@ -17,9 +17,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    from bsr_io.keys import ChunkKey
+    from bsr_io.layout import KVLayout
 
 CHUNK_TOKENS = 64
 BLOCK_SIZE = 32
@@ -43,9 +50,11 @@ def write_tiny_llama(path: str | os.PathLike[str], *, layers: int = 2, seed: int
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
         num_attention_heads=2, num_key_value_heads=2, head_dim=64,
         max_position_embeddings=max_tokens, initializer_range=0.2, torch_dtype="bfloat16",
-    )  # fmt: skip
+    )  # type: ignore[call-arg]  # fmt: skip
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    # transformers leaves the model's __init__ unannotated, and its decorated `to` loses
+    # `self` to mypy.
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[no-untyped-call, arg-type]
     model.save_pretrained(out)
     return str(out)
 
@@ -67,7 +76,7 @@ def write_tiny_gemma3(path: str | os.PathLike[str], *, seed: int = 0,
         layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
         max_position_embeddings=max_tokens, initializer_range=0.2, torch_dtype="bfloat16",
         query_pre_attn_scalar=64,
-    )  # fmt: skip
+    )  # type: ignore[call-arg]  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.Gemma3ForCausalLM(cfg)
     with torch.no_grad():
@@ -75,17 +84,18 @@ def write_tiny_gemma3(path: str | os.PathLike[str], *, seed: int = 0,
         # attention adds, and the output follows the last token alone. Smaller
         # embeddings make it depend on the whole context, so restored KV is visibly used.
         model.model.embed_tokens.weight.mul_(0.1)
-    model.to(torch.bfloat16).save_pretrained(out)
+    model.to(torch.bfloat16).save_pretrained(out)  # type: ignore[arg-type]
     return str(out)
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    return np.random.default_rng([seed, 0x77]).integers(1, VOCAB, size=n).tolist()
+    ids: list[int] = np.random.default_rng([seed, 0x77]).integers(1, VOCAB, size=n).tolist()
+    return ids
 
 
 def engine(model: str, tp: int, *, connector: dict[str, Any] | None,
-           max_model_len: int = 8192, policy: str = "recompute",
-           block_size: int = BLOCK_SIZE, **extra: Any):  # fmt: skip
+           max_model_len: int = 8192, policy: Literal["recompute", "fail"] = "recompute",
+           block_size: int = BLOCK_SIZE, **extra: Any) -> LLM:  # fmt: skip
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -105,11 +115,13 @@ def engine(model: str, tp: int, *, connector: dict[str, Any] | None,
     )  # fmt: skip
 
 
-def generate(llm, prompt: list[int], *, salt: str | None = None, max_tokens: int = 8):
+def generate(
+    llm: LLM, prompt: list[int], *, salt: str | None = None, max_tokens: int = 8
+) -> tuple[list[int], int | None, str, float]:
     """(token ids, num_cached_tokens, request id, seconds to the first token)."""
     from vllm import SamplingParams
 
-    p: dict[str, Any] = {"prompt_token_ids": prompt}
+    p: TokensPrompt = {"prompt_token_ids": prompt}
     if salt is not None:
         p["cache_salt"] = salt
     t0 = time.perf_counter()
@@ -126,13 +138,13 @@ class Events:
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def all(self) -> list[dict]:
+    def all(self) -> list[dict[str, Any]]:
         if not os.path.exists(self.path):
             return []
         with open(self.path) as f:
             return [json.loads(line) for line in f if line.strip()]
 
-    def of(self, request_id: str, kind: str | None = None) -> list[dict]:
+    def of(self, request_id: str, kind: str | None = None) -> list[dict[str, Any]]:
         return [
             e for e in self.all()
             if e.get("request_id", "").startswith(request_id + "-")
@@ -140,7 +152,9 @@ class Events:
             if kind is None or e["kind"] == kind
         ]  # fmt: skip
 
-    def wait(self, request_id: str, kind: str, ranks: int, timeout: float = 900.0) -> list[dict]:
+    def wait(
+        self, request_id: str, kind: str, ranks: int, timeout: float = 900.0
+    ) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             got = self.of(request_id, kind)
@@ -157,7 +171,7 @@ def free_ports(n: int) -> int:
     for _ in range(100):
         with socket.socket() as s0:
             s0.bind(("127.0.0.1", 0))
-            p = s0.getsockname()[1]
+            p: int = s0.getsockname()[1]
         try:
             socks = []
             for i in range(n):
@@ -186,7 +200,7 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
-def reset(llm, timeout: float = 300.0) -> None:
+def reset(llm: LLM, timeout: float = 300.0) -> None:
     """Drop vLLM's local prefix cache, so the next request must come from bsr-io."""
     deadline = time.monotonic() + timeout
     while not llm.reset_prefix_cache():
@@ -203,7 +217,7 @@ def groups_of(events: Events, rank: int = 0) -> list[dict[str, Any]]:
     return list(starts[-1]["groups"])
 
 
-def record_layout(group: dict[str, Any]):
+def record_layout(group: dict[str, Any]) -> KVLayout:
     """A group's record layout, rebuilt from its start-event description."""
     import torch
 
@@ -216,7 +230,8 @@ def record_layout(group: dict[str, Any]):
 
 
 def record_keys(group: dict[str, Any], tp: int, prompt: list[int], model_path: str,
-                salt: str | None = None, chunk_tokens: int = CHUNK_TOKENS):  # fmt: skip
+                salt: str | None = None,
+                chunk_tokens: int = CHUNK_TOKENS) -> list[list[ChunkKey]]:  # fmt: skip
     """Per rank, the keys of `group`'s records for `prompt` (one per whole chunk: chunk c's
     record of a full group, the record at boundary c of a window group)."""
     from bsr_io.integrations.vllm.identity import key_model
@@ -313,7 +328,7 @@ def prompts() -> dict[str, list[int]]:
     }
 
 
-def faults_for(tp: int) -> list[dict]:
+def faults_for(tp: int) -> list[dict[str, Any]]:
     """TEST DOUBLE (bsr_io.testing.faults) on the last rank: chunk 12's record vanishes just
     before its first read (prompt F is the first request that long); chunk 20's first
     read stalls 10 s, past the 4 s load timeout (prompt G)."""
@@ -446,7 +461,7 @@ G_STEP = 1024  # max_num_batched_tokens: every prompt here spans several prefill
 G_MAX_LEN = 16384 + 1024
 
 
-def g_engine(model: str, tp: int, connector: dict[str, Any] | None):
+def g_engine(model: str, tp: int, connector: dict[str, Any] | None) -> LLM:
     return engine(model, tp, connector=connector, max_model_len=G_MAX_LEN,
                   block_size=G_BLOCK, max_num_batched_tokens=G_STEP)  # fmt: skip
 
@@ -559,7 +574,7 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
 # -- bench vllm: TTFT with restore vs recompute on the same engine ------------------------
 def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int = 3,
               window: int = 8, chunk_tokens: int = 256, block_size: int = 128,
-              **engine_kw: Any) -> dict:  # fmt: skip
+              **engine_kw: Any) -> dict[str, Any]:  # fmt: skip
     """Per prompt length: TTFT when vLLM recomputes the prompt (a fresh cache_salt each
     round, so bsr-io misses) and when bsr-io restores it (the salt it was saved under),
     both after vLLM's local prefix cache was reset, on one engine."""

@@ -24,7 +24,7 @@ def model_identity(vllm_config: Any, override: str | None = None) -> str:
 
 
 def context_digest(cache_salt: str | None, lora: Any = None) -> str:
-    doc = {"salt": cache_salt}
+    doc: dict[str, Any] = {"salt": cache_salt}
     if lora is not None:
         doc["lora"] = [
             getattr(lora, "lora_name", None),

@@ -19,6 +19,7 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheGroupSpec,
+    KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowMLASpec,
@@ -30,8 +31,9 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 
 def _vllm_config(layout: str) -> Any:
-    cache = SimpleNamespace(kv_cache_layout=layout, prefix_cache_retention_interval=None,
-                            num_gpu_blocks_override=None)  # fmt: skip
+    # A stand-in for vLLM's CacheConfig (its unbound method reads these fields only).
+    cache: Any = SimpleNamespace(kv_cache_layout=layout, prefix_cache_retention_interval=None,
+                                 num_gpu_blocks_override=None)  # fmt: skip
     cache.get_resolved_kv_cache_layout = lambda: CacheConfig.get_resolved_kv_cache_layout(cache)
     return SimpleNamespace(cache_config=cache,
                            attention_config=SimpleNamespace(hisparse_config=None))  # fmt: skip
@@ -107,11 +109,13 @@ def dsv4(num_blocks: int = 12, layout: str = "BLHNC") -> Any:
 
     names = [f"model.layers.{i}" for i in range(4)]
     c4, c128 = names[:2], names[2:]
-    compressed = {f"{n}.attn.compressed": mla(4 if n in c4 else 128) for n in names}
+    compressed: dict[str, KVCacheSpec] = {
+        f"{n}.attn.compressed": mla(4 if n in c4 else 128) for n in names
+    }
     compressed |= {f"{n}.attn.indexer": mla(4, head=132, content=None) for n in c4}
-    s4 = {f"{n}.attn.compressor.state": state(4, 2048, 8) for n in c4}
+    s4: dict[str, KVCacheSpec] = {f"{n}.attn.compressor.state": state(4, 2048, 8) for n in c4}
     s4 |= {f"{n}.attn.indexer.compressor.state": state(4, 512, 8) for n in c4}
-    s128 = {f"{n}.attn.compressor.state": state(8, 1024, 128) for n in c128}
+    s128: dict[str, KVCacheSpec] = {f"{n}.attn.compressor.state": state(8, 1024, 128) for n in c128}
     groups = [KVCacheGroupSpec([f"{n}.attn.swa" for n in names[g::3]], swa()) for g in range(3)]
     groups.append(KVCacheGroupSpec(list(compressed), UniformTypeKVCacheSpecs(256, compressed)))
     groups.append(KVCacheGroupSpec(list(s4), UniformTypeKVCacheSpecs(4, s4)))

@@ -114,7 +114,9 @@ class SchedulerSide:
             n -= 1
         return first
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         st = self._state(request)
         if st.failed or st.key_model is None or self.unhealthy:
             return 0, False
@@ -137,7 +139,7 @@ class SchedulerSide:
         st.local_tokens, st.hit_chunks = num_computed_tokens, n
         return ext, True
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         st = self._reqs[request.request_id]
@@ -253,7 +255,9 @@ class SchedulerSide:
         return {g.index: g for g in self.groups}
 
     # -- save at the end ------------------------------------------------------------------
-    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]):
+    def request_finished(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is None or st.loading or not self.cfg.save or st.key_model is None:
             return False, None  # a load still owns these blocks: never read them
