@@ -8,6 +8,10 @@ the workers confirm and emptied of a request's records when its load fails. A
 background thread lists the directories again every few seconds and swaps the sets in,
 so records written or removed by other processes are seen. A stale entry costs one
 failed load (records are verified when read), never wrong data.
+
+A pool below the SSD tier (Mooncake) cannot be listed: saves written through to it are
+added with `keep=True` and survive rescans (an SSD record evicted or deleted is still
+served from the pool) until a failed load drops them.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class RecordCatalog:
         self._sets: dict[str, set[int]] = _list(self._dirs)
         # Changes made while a rescan runs, replayed onto its result before the swap.
         self._journal: list[tuple[bool, str, frozenset[int]]] | None = None
+        self._kept: dict[str, set[int]] = {}  # written through to a pool: no listing sees them
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rescans = 0
@@ -79,11 +84,21 @@ class RecordCatalog:
         return lo
 
     # -- feeding ---------------------------------------------------------------------
-    def add(self, ns: str, hashes: Iterable[int]) -> None:
-        self._change(True, ns, frozenset(hashes))
+    def add(self, ns: str, hashes: Iterable[int], keep: bool = False) -> None:
+        """`keep`: the records are also in a pool no rescan lists; they stay until dropped."""
+        got = frozenset(hashes)
+        if keep and got:
+            with self._lock:
+                self._apply(self._kept, True, ns, got)
+        self._change(True, ns, got)
 
     def drop(self, ns: str, hashes: Iterable[int]) -> None:
-        self._change(False, ns, frozenset(hashes))
+        got = frozenset(hashes)
+        if got:
+            with self._lock:
+                if ns in self._kept:
+                    self._apply(self._kept, False, ns, got)
+        self._change(False, ns, got)
 
     def _change(self, add: bool, ns: str, hashes: frozenset[int]) -> None:
         if not hashes:
@@ -105,6 +120,8 @@ class RecordCatalog:
             self._journal = []
         fresh = _list(self._dirs)
         with self._lock:
+            for ns, kept in self._kept.items():
+                self._apply(fresh, True, ns, frozenset(kept))
             for add, ns, hashes in self._journal or []:
                 self._apply(fresh, add, ns, hashes)
             self._journal = None

@@ -8,11 +8,12 @@ explicitly that errors are acceptable (`accept_load_errors`).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, overload
+
+from bsr_io.tiers.mooncake_config import EXTRA_PREFIX, MooncakeConfig
 
 DEFAULT_WINDOW = 8
 DEFAULT_CHUNK_TOKENS = 256
@@ -63,6 +64,9 @@ def _float(extra: dict[str, Any], name: str, default: float) -> float:
 class ConnectorConfig:
     store_dir: str
     lower_dir: str | None = None
+    # The SSD tier's cap, per TP rank: each worker counts and evicts only its own rank's
+    # records (its `-w<W>r<R>` directories), so a store shared by TP ranks holds at most
+    # tp x store_bytes and no rank evicts another's records.
     store_bytes: int | None = None
     window: int = DEFAULT_WINDOW
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -76,7 +80,9 @@ class ConnectorConfig:
     model: str | None = None  # identity of the weights; default: vLLM's model and revision
     events_path: str | None = None  # JSON lines, one per load and save outcome
     metrics_port: int | None = None  # Prometheus on 127.0.0.1:<port + TP rank>
-    faults: list[dict[str, Any]] = field(default_factory=list)  # test double, see worker.py
+    # A Mooncake Store pool below the SSD tier (`bsr.mooncake.*` keys, as the LMCache
+    # plugin takes them): saves write through, loads read it where the SSD tier misses.
+    mooncake: MooncakeConfig | None = None
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -84,8 +90,8 @@ class ConnectorConfig:
         connector cannot honour."""
         kv = vllm_config.kv_transfer_config
         extra = dict(kv.kv_connector_extra_config or {})
-        known = set(cls.__dataclass_fields__) | {"accept_load_errors"}
-        unknown = sorted(set(extra) - known)
+        known = (set(cls.__dataclass_fields__) - {"mooncake"}) | {"accept_load_errors"}
+        unknown = sorted(k for k in set(extra) - known if not k.startswith(EXTRA_PREFIX))
         if unknown:
             raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; "
                               f"known: {sorted(known)}")  # fmt: skip
@@ -117,9 +123,10 @@ class ConnectorConfig:
         if vllm_config.parallel_config.pipeline_parallel_size != 1:
             raise ConfigError("bsr-io's connector supports tensor parallelism only "
                               "(pipeline_parallel_size must be 1)")  # fmt: skip
-        faults = extra.get("faults", [])
-        if isinstance(faults, str):
-            faults = json.loads(faults)
+        try:
+            mooncake = MooncakeConfig.from_extra_config(extra)
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config {EXTRA_PREFIX}*: {exc}") from None
         lower = extra.get("lower_dir")
         model = extra.get("model")
         events = extra.get("events_path")
@@ -144,5 +151,5 @@ class ConnectorConfig:
             model=model,
             events_path=events,
             metrics_port=_int(extra, "metrics_port", None),
-            faults=list(faults),
+            mooncake=mooncake,
         )

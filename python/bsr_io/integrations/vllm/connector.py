@@ -55,11 +55,19 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
             from bsr_io.integrations.vllm.worker import WorkerSide
 
             self._worker = WorkerSide(self.cfg, self.groups, kv_cache_config.num_blocks,
-                                      get_tensor_model_parallel_rank(), world_size)  # fmt: skip
+                                      get_tensor_model_parallel_rank(), world_size,
+                                      model=model)  # fmt: skip
 
     # -- layout -----------------------------------------------------------------------
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # The earliest hook vLLM 0.32 gives a connector: the engine core asks it right
+        # after the weights load, before memory profiling and the KV cache (the
+        # connector itself is built after both). A configuration it cannot honour is
+        # refused here. With the engine core in the caller's process
+        # (VLLM_ENABLE_V1_MULTIPROCESSING=0) the caller gets this ConfigError itself;
+        # otherwise vLLM logs it and raises its generic start-up error.
+        ConnectorConfig.from_vllm(vllm_config)
         # Layer and block outermost: each (layer, block) page is one run of bytes.
         return REQUIRED_LAYOUT
 

@@ -237,7 +237,8 @@ def record_keys(group: dict[str, Any], tp: int, prompt: list[int], model_path: s
     from bsr_io.integrations.vllm.identity import key_model
     from bsr_io.keys import ChunkKey, prefix_hashes
 
-    model = key_model(f"vllm:{model_path}@main:torch.bfloat16", salt)
+    # The connector's model identity, as its workers' start event records it.
+    model = key_model(group.get("model") or f"vllm:{model_path}@main:torch.bfloat16", salt)
     hashes = prefix_hashes(prompt, chunk_tokens)
     return [
         [ChunkKey(model, tp, 0 if group["replicated"] else r, group["fingerprint"], h)
@@ -357,7 +358,9 @@ def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
     port = free_ports(tp)
     cfg = {"store_dir": store, "window": WINDOW, "chunk_tokens": CHUNK_TOKENS,
            "load_timeout_s": 4.0, "save_timeout_s": 600.0, "events_path": events.path,
-           "faults": faults_for(tp), "metrics_port": port}  # fmt: skip
+           "metrics_port": port}  # fmt: skip
+    # The fault double reaches the workers as it does everywhere: through the environment.
+    os.environ["BSR_IO_FAULTS"] = json.dumps(faults_for(tp))
     llm = engine(model, tp, connector=cfg)
     P = prompts()
     out: dict[str, Any] = {"tp": tp}

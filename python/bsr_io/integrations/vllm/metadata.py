@@ -40,6 +40,9 @@ class BsrMetadata(KVConnectorMetadata):
     # Full-group records of finished requests; vLLM keeps the blocks until every
     # worker reports the request in finished_sending.
     finish_saves: list[Transfer] = field(default_factory=list)
+    # key model -> chunk hashes vLLM's own prefix cache served to requests scheduled this
+    # step: each worker refreshes those records' recency in its SSD tier (no I/O).
+    touches: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -42,6 +42,8 @@ class _Request:
     failed: bool = False
     loaded: list[tuple[int, int]] = field(default_factory=list)  # (group, chunk) loading
     memo: tuple[int, int, int, int] | None = None  # (catalog version, first, limit) -> hit
+    local_seen: int = 0  # vLLM's own hit, as last offered to get_num_new_matched_tokens
+    touched: bool = False  # its chunks' recency sent to the workers once
 
 
 class SchedulerSide:
@@ -60,6 +62,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self._loads: list[Transfer] = []
         self._finish: list[Transfer] = []
+        self._touches: dict[str, list[int]] = {}
         self.unhealthy: dict[int, str] = {}
         self.skipped_saves = 0
 
@@ -118,6 +121,7 @@ class SchedulerSide:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         st = self._state(request)
+        st.local_seen = num_computed_tokens
         if st.failed or st.key_model is None or self.unhealthy:
             return 0, False
         limit = (request.num_tokens - 1) // self.chunk  # leave a token to compute
@@ -140,6 +144,7 @@ class SchedulerSide:
         return ext, True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._touch(request)
         if num_external_tokens <= 0:
             return
         st = self._reqs[request.request_id]
@@ -159,6 +164,17 @@ class SchedulerSide:
         self._loads.append(Transfer(request.request_id, st.key_model, tuple(records),
                                     committed_tokens=n * self.chunk))  # fmt: skip
 
+    def _touch(self, request: Any) -> None:
+        """Once per request: the chunks vLLM's own prefix cache served it go to the
+        workers, which refresh their records' recency (hot leading chunks stay)."""
+        st = self._reqs.get(request.request_id)
+        if st is None or st.key_model is None or st.touched:
+            return
+        st.touched = True
+        n = st.local_seen // self.chunk
+        if n > 0:
+            self._touches.setdefault(st.key_model, []).extend(self._hashes(st, n * self.chunk))
+
     def _order(self, g: GroupLayout, c: int, st: _Request, ids: list[int],
                local_tokens: int) -> RecordOrder:  # fmt: skip
         """Group `g`'s record of chunk (or boundary) `c` over the request's block ids:
@@ -173,8 +189,9 @@ class SchedulerSide:
 
     # -- per step ---------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> BsrMetadata:
-        meta = BsrMetadata(self._loads, self._step_saves(scheduler_output), self._finish)
-        self._loads, self._finish = [], []
+        meta = BsrMetadata(self._loads, self._step_saves(scheduler_output), self._finish,
+                           touches=self._touches)  # fmt: skip
+        self._loads, self._finish, self._touches = [], [], {}
         return meta
 
     def _scheduled(self, so: Any) -> list[tuple[str, int]]:
@@ -222,7 +239,7 @@ class SchedulerSide:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, BsrWorkerMeta):
             for ns, hashes in meta.saved.items():
-                self.catalog.add(ns, hashes)
+                self.catalog.add(ns, hashes, keep=self.cfg.mooncake is not None)
             for rank in meta.ranks:
                 why = meta.unhealthy.get(rank)
                 if why and rank not in self.unhealthy:

@@ -29,8 +29,9 @@ Design (one path, two lanes, nothing unbounded):
 - Staging: the load engine holds W slots of the largest record of any group, so the
   RWS of a restore is at most W x that; the save engine holds W more for saves.
 
-`faults` in the config wraps the load tiers in bsr-io's fault-injection test double
-(bsr_io.testing.faults); production configurations leave it empty.
+`BSR_IO_FAULTS` in the environment wraps the load tiers in bsr-io's fault-injection
+test double (bsr_io.testing.faults), as it does for every integration; the connector's
+configuration has no fault key.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from bsr_io.errors import EngineBusy
 from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.layout import GroupLayout
+from bsr_io.integrations.vllm.ranktier import RankTier
 from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
 from bsr_io.keys import ChunkKey
 from bsr_io.metrics import RestoreMetrics
@@ -65,12 +67,18 @@ log = logging.getLogger("bsr_io.vllm")
 _GRACE_S = 2.0  # past a job's own deadline, the watchdog gives up on it
 
 
-def _fault_double(faults: list[dict[str, Any]], tiers: list[Any], rank: int) -> list[Any]:
-    """`tiers` inside bsr-io's fault-injection test double. Fault positions count from
-    the request's first record: discovery hands each tier the request's keys first."""
+def _fault_double(tiers: list[Any], rank: int) -> list[Any]:
+    """`tiers` inside bsr-io's fault-injection test double when the environment holds a
+    plan (`BSR_IO_FAULTS`, as everywhere in bsr-io); `tiers` unchanged otherwise. Fault
+    positions count from the request's first record: discovery hands each tier the
+    request's keys first."""
+    if not os.environ.get("BSR_IO_FAULTS", "").strip():
+        return tiers  # production: the test double is not even imported
     from bsr_io.testing.faults import FaultPlan
 
-    return list(FaultPlan.from_json(json.dumps(faults)).wrap_all(tiers, rank))
+    plan = FaultPlan.from_env()
+    log.warning("bsr-io: fault injection (BSR_IO_FAULTS) on rank %d: %s", rank, plan.to_json())
+    return list(plan.wrap_all(tiers, rank))
 
 
 @dataclass
@@ -103,8 +111,9 @@ def describe(g: GroupLayout) -> dict[str, Any]:
 
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, groups: list[GroupLayout], num_blocks: int,
-                 rank: int, world_size: int) -> None:  # fmt: skip
+                 rank: int, world_size: int, model: str = "") -> None:  # fmt: skip
         self.cfg = cfg
+        self.model = model  # the model identity keys are made under (for the event log)
         self.groups = {g.index: g for g in groups}
         self.num_blocks = num_blocks
         self.rank = rank
@@ -114,13 +123,24 @@ class WorkerSide:
         self.save_engine = Engine(cfg.window, self.slot_bytes)
         lower = LowerTier(cfg.lower_dir) if cfg.lower_dir else None
         # One directory, two tier objects: each moves payloads through its own engine.
+        # The save side's index holds this worker's records only (ranktier.py).
         load_tiers: list[Any] = [SSDTier(cfg.store_dir, None, self.load_engine)]
         if lower is not None:
             load_tiers.append(lower)
-        if cfg.faults:
-            load_tiers = _fault_double(cfg.faults, load_tiers, rank)
-        self.load_tiers = load_tiers
-        self.save_tier = SSDTier(cfg.store_dir, cfg.store_bytes, self.save_engine, evict_to=lower)
+        owned = {g.key_rank(rank) for g in groups}
+        self.ssd = RankTier(cfg.store_dir, cfg.store_bytes, self.save_engine,
+                            world_size=world_size, ranks=owned, evict_to=lower)  # fmt: skip
+        self.save_tier: Any = self.ssd
+        self.pool: Any = None
+        if cfg.mooncake is not None:
+            # A pool below the SSD tier: saves write through, loads read it on an SSD miss.
+            from bsr_io.store import Store
+            from bsr_io.tiers.mooncake import MooncakeTier
+
+            self.pool = MooncakeTier(cfg.mooncake)
+            load_tiers.append(self.pool)
+            self.save_tier = Store([self.ssd, self.pool])
+        self.load_tiers = _fault_double(load_tiers, rank)
         self.metrics = RestoreMetrics()
         if cfg.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -148,8 +168,9 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
-        self._event(None, {"kind": "start", "storages": len(self.pages.tensors),
-                           "groups": [describe(g) for g in self.groups.values()]})  # fmt: skip
+        self._event(None, {"kind": "start", "storages": len(self.pages.tensors), "model": self.model,
+                           "groups": [describe(g) | {"model": self.model}
+                                      for g in self.groups.values()]})  # fmt: skip
 
     # -- keys ------------------------------------------------------------------------
     def key(self, t: Transfer, r: RecordOrder) -> ChunkKey:
@@ -169,6 +190,12 @@ class WorkerSide:
     # -- called by vLLM's model runner, once per step ----------------------------------
     def submit(self, meta: BsrMetadata) -> None:
         """Queue this step's loads and finished requests' saves (start_load_kv)."""
+        for key_model, hashes in meta.touches.items():
+            self.ssd.touch(
+                ChunkKey(key_model, self.world_size, g.key_rank(self.rank), g.fingerprint(), h)
+                for h in hashes
+                for g in self.groups.values()
+            )
         for kind, transfers, timeout, lane in (
             ("load", meta.loads, self.cfg.load_timeout_s, self._loads),
             ("save", meta.finish_saves, self.cfg.save_timeout_s, self._saves),
@@ -314,6 +341,8 @@ class WorkerSide:
         if not res.complete:
             # Nothing of a failed load may land later: close the blocks to it first.
             job.guard.close()
+        else:
+            self.ssd.touch(keys)  # restored: the last of this rank's records to evict
         self.metrics.observe(res)
         per_group: dict[str, int] = {}
         for r, size in zip(records, dest.sizes(), strict=True):
@@ -386,7 +415,7 @@ class WorkerSide:
         for t in self._lanes:
             t.join(timeout=5)
         self._writers.shutdown(wait=True)
-        for tier in [*self.load_tiers, self.save_tier]:
+        for tier in dict.fromkeys([*self.load_tiers, self.save_tier]):
             try:
                 tier.close()
             except Exception:  # noqa: BLE001 - closing what is left, best effort
