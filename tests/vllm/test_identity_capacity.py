@@ -170,9 +170,12 @@ def test_catalog_keeps_pool_records_across_rescans(tmp_path):
 # -- configuration --------------------------------------------------------------------------
 def _vllm_config(**extra):
     return SimpleNamespace(
-        kv_transfer_config=KVTransferConfig(kv_connector="BsrIoConnector", kv_role="kv_both",
-                                            kv_load_failure_policy="recompute",
-                                            kv_connector_extra_config=extra),  # fmt: skip
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="BsrIoConnector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=extra,
+        ),  # fmt: skip
         cache_config=CacheConfig(block_size=32, enable_prefix_caching=True),
         parallel_config=ParallelConfig(),
     )

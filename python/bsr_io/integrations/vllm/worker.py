@@ -55,8 +55,8 @@ from bsr_io.errors import EngineBusy
 from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.layout import GroupLayout
-from bsr_io.integrations.vllm.ranktier import RankTier
 from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
+from bsr_io.integrations.vllm.ranktier import RankTier
 from bsr_io.keys import ChunkKey
 from bsr_io.metrics import RestoreMetrics
 from bsr_io.restore import COMPLETE, ZERO, load_records, save_records
@@ -168,9 +168,9 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
-        self._event(None, {"kind": "start", "storages": len(self.pages.tensors), "model": self.model,
-                           "groups": [describe(g) | {"model": self.model}
-                                      for g in self.groups.values()]})  # fmt: skip
+        groups = [describe(g) | {"model": self.model} for g in self.groups.values()]
+        self._event(None, {"kind": "start", "storages": len(self.pages.tensors),
+                           "model": self.model, "groups": groups})  # fmt: skip
 
     # -- keys ------------------------------------------------------------------------
     def key(self, t: Transfer, r: RecordOrder) -> ChunkKey:
