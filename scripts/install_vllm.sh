@@ -27,9 +27,10 @@ PY
     python -m pip install -q -r "$VENV/vllm-rest.txt"
 fi
 # bsr-io itself, built into this venv (abi3 extension), with the test tools (mypy: the vLLM
-# integration is type-checked here, against vLLM's own types).
+# integration is type-checked here, against vLLM's own types) and Mooncake (tests/vllm
+# restore from a real loopback pool below the SSD tier; they never skip).
 python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "psutil>=5.9" "prometheus-client>=0.19" \
-    "matplotlib>=3.8" "mypy>=1.11"
+    "matplotlib>=3.8" "mypy>=1.11" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # The extension lands in python/bsr_io/ (shared with ./.venv) and the cargo target dir is
 # shared with the main venv's builds: a concurrent build can race the staging rename, so retry.
 for attempt in 1 2 3; do

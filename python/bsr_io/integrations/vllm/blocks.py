@@ -33,7 +33,10 @@ class Abandoned(Exception):
 
 class Guard:
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: the core's install holds the scope around `install`, which
+        # enters the guard itself (a fallback install from a lower tier deadlocked on a
+        # plain Lock, and the watchdog's close then blocked vLLM's model runner).
+        self._lock = threading.RLock()
         self._open = True
         self.fences: list[Callable[[], None]] = []  # waits for copies already issued
 
