@@ -37,6 +37,8 @@ def _vllm_config(policy="recompute", prefix=True, block=32, **extra):
         ({}, "store_dir"),
         ({"store_dir": "/s", "windw": 3}, "unknown kv_connector_extra_config keys ['windw']"),
         ({"store_dir": "/s", "window": 0}, "window must be an int >= 1"),
+        ({"store_dir": "/s", "window": None}, "window must be an int >= 1, got None"),
+        ({"store_dir": "/s", "chunk_tokens": None}, "chunk_tokens must be an int >= 1"),
     ],
 )
 def test_refuses_with_a_clear_message(kwargs, message):

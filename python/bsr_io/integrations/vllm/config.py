@@ -44,8 +44,8 @@ def _int(extra: dict[str, Any], name: str, default: int, minimum: int = 1) -> in
 def _int(extra: dict[str, Any], name: str, default: None, minimum: int = 1) -> int | None: ...
 def _int(extra: dict[str, Any], name: str, default: int | None, minimum: int = 1) -> int | None:
     value = extra.get(name, default)
-    if value is None:
-        return None
+    if value is None and default is None:
+        return None  # optional and not set (an explicit null where a default exists is refused)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(f"kv_connector_extra_config.{name} must be an int >= {minimum}, "
                           f"got {value!r}")  # fmt: skip
