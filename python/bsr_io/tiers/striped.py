@@ -188,15 +188,20 @@ class StripedSSDTier(Tier):
             return False
 
     # -- data -----------------------------------------------------------------------------
-    def submit_read(
-        self, key: ChunkKey, engine: Engine | None = None, *, verify: bool = True
-    ) -> PendingChunk:
-        engine = engine or self.engine
+    def _readable_drive(self, key: ChunkKey) -> int:
+        """The key's drive, or ChunkReadError while that drive is marked failing."""
         d = self.drive_of(key)
         why = self._failing_why(d)
         if why is not None:
             raise ChunkReadError(f"drive {self.roots[d]} is failing ({why})", key=key,
                                  tier=self.name)  # fmt: skip
+        return d
+
+    def submit_read(
+        self, key: ChunkKey, engine: Engine | None = None, *, verify: bool = True
+    ) -> PendingChunk:
+        engine = engine or self.engine
+        d = self._readable_drive(key)
         drive = self.drives[d]
         try:
             if drive.defers_verify:
@@ -230,11 +235,7 @@ class StripedSSDTier(Tier):
     ) -> DirectChunk:
         """A direct read (see `SSDTier.submit_read_into`) from the key's drive."""
         engine = engine or self.engine
-        d = self.drive_of(key)
-        why = self._failing_why(d)
-        if why is not None:
-            raise ChunkReadError(f"drive {self.roots[d]} is failing ({why})", key=key,
-                                 tier=self.name)  # fmt: skip
+        d = self._readable_drive(key)
         drive = self.drives[d]
         if not isinstance(drive, SSDTier):
             raise DirectUnavailable(f"drive {d} reads through slots")
