@@ -24,8 +24,13 @@ def test_ceiling_json_at_a_tiny_size(tmp_path, capsys):
     assert doc["source"].startswith("tmpfs") and doc["outcome"] == "complete"
     # Every path measured in every counted round; the warm-up round is not counted.
     assert {m: len(v) for m, v in doc["per_round"].items()} == dict.fromkeys(doc["per_round"], 1)
-    assert set(doc["per_round"]) == {"engine", "restore", "restore_slots", "restore_unfused"}
+    assert set(doc["per_round"]) == {"engine", "restore", "restore_slots", "restore_unfused",
+                                     "hash"}  # fmt: skip
     assert doc["restore_cpu_s_per_gib"] > 0 and doc["restore_unfused_gib_s"] > 0
+    # What the restore adds to the read is restore minus engine, its floor the hash alone.
+    own = doc["restore_cpu_s_per_gib"] - doc["engine_cpu_s_per_gib"]
+    assert doc["restore_own_cpu_s_per_gib"] == pytest.approx(own)
+    assert doc["hash_cpu_s_per_gib"] > 0
     # The restore read every chunk into the cache in place; the slot paths did not.
     assert doc["restore_direct_chunks"] == [doc["chunks"]]
     # Four 16 MiB chunks through two slots: the staging peak is the window, not the state.

@@ -1,9 +1,10 @@
 """What the host can give a command before it starts: memory (disk room is the scratch
-policy's, bsr_io.testing.scratch)."""
+policy's, bsr_io.testing.scratch); and what a measured path took from it: CPU time."""
 
 from __future__ import annotations
 
 import re
+import resource
 from pathlib import Path
 
 from bsr_io.sizes import fmt_size
@@ -46,3 +47,9 @@ def check_memory(need_bytes: int, what: str, hint: str) -> None:
             f"not enough memory: {what} needs about {fmt_size(need_bytes)}, "
             f"{fmt_size(avail)} is available; use {hint}"
         )
+
+
+def process_cpu_s() -> float:
+    """This process's user + system CPU seconds so far (every thread, the engine's too)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime

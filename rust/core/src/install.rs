@@ -14,7 +14,9 @@
 //! for the time it is copied; what must hold across threads is that the run ranges of
 //! calls running at once are disjoint (the binding enforces it, see `copy_runs_xxh3_raw`).
 
-use xxhash_rust::xxh3::Xxh3;
+use std::hash::Hasher;
+
+use crate::checksum::Xxh3;
 
 use crate::error::{Error, Result};
 
@@ -140,7 +142,7 @@ pub unsafe fn copy_runs_xxh3_raw(src: &[u8], dsts: &[Span], runs: &[Run]) -> Res
     let mut pos = 0usize;
     for r in runs {
         // A gap between runs is verified too.
-        h.update(&src[pos..r.src_offset]);
+        h.write(&src[pos..r.src_offset]);
         let start = (dsts[r.dst].addr + r.dst_offset) as *mut u8;
         // SAFETY: check_runs put the run inside its buffer; the caller guarantees those
         // bytes are valid for writes and used by no other thread during the call; they
@@ -150,13 +152,13 @@ pub unsafe fn copy_runs_xxh3_raw(src: &[u8], dsts: &[Span], runs: &[Run]) -> Res
         for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
             copy_streaming(d, s);
             // The copy just pulled this piece of the slot into cache: hash it there.
-            h.update(s);
+            h.write(s);
         }
         pos = r.src_offset + r.len;
     }
-    h.update(&src[pos..]);
+    h.write(&src[pos..]);
     fence();
-    Ok(h.digest())
+    Ok(h.finish())
 }
 
 /// The xxh3-64 of a payload of `len` bytes that a direct read left in place along
@@ -193,7 +195,7 @@ pub unsafe fn xxh3_runs_raw(len: usize, bufs: &[Span], runs: &[Run]) -> Result<u
         let start = (bufs[r.dst].addr + r.dst_offset) as *const u8;
         // SAFETY: check_runs put the run inside its buffer; the caller guarantees those
         // bytes are readable and written by nobody during the call.
-        h.update(unsafe { std::slice::from_raw_parts(start, r.len) });
+        h.write(unsafe { std::slice::from_raw_parts(start, r.len) });
         pos += r.len;
     }
     if pos != len {
@@ -201,7 +203,7 @@ pub unsafe fn xxh3_runs_raw(len: usize, bufs: &[Span], runs: &[Run]) -> Result<u
             "the runs cover {pos} of the payload's {len} bytes"
         )));
     }
-    Ok(h.digest())
+    Ok(h.finish())
 }
 
 /// Copy with non-temporal stores: the destination (KV blocks, written once, read much
