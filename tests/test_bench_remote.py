@@ -27,7 +27,13 @@ def test_bench_remote_json(tmp_path):
     for k in ("restore_gib_s", "client_bulk_gib_s", "ratio", "rws_peak_bytes", "state_bytes"):
         assert doc[k] > 0, k
     assert doc["outcome"] == "complete"
-    assert doc["rws_peak_bytes"] == 3 * doc["slot_bytes"]  # W x chunk, not the state
+    # Through the slots the window stages W chunks, not the state; read straight into the
+    # destination it stages nothing.
+    assert doc["rws_peak_bytes"] == doc["rws_bound_bytes"] == 3 * doc["slot_bytes"]
     assert doc["state_bytes"] == doc["chunks"] * doc["chunk_bytes"] > doc["rws_peak_bytes"]
+    assert doc["direct_chunks"] == doc["chunks"] and doc["rws_peak_bytes_direct"] == 0
+    for row in doc["rounds_detail"]:
+        assert row["restore_slots_direct_chunks"] == 0
+        assert sorted(row["order"]) == ["bulk", "bulk_low", "restore", "restore_slots"]
     after = {p.pid for p in psutil.process_iter(["name"]) if "mooncake" in (p.info["name"] or "")}
     assert after <= before  # the pool it started is gone

@@ -179,6 +179,7 @@ def test_restore_from_the_pool_alone(tier, engine):
     r = Restorer(Store([tier]), LAYOUT, window=2, engine=engine, model="mc")
     assert r.save(tokens, src) == 5
     dest = PagedKVCache.allocate(LAYOUT, len(tokens))
+    dest.direct_reads = False  # through the slots (test_mooncake_direct.py reads in place)
     res = r.restore(r.probe(tokens), dest)
     assert res.outcome == "complete" and res.committed_chunks == 5
     assert res.rws_peak_bytes == 2 * engine.slot_bytes

@@ -282,6 +282,11 @@ class Window:
         try:
             pending.wait(self._remaining())
         except TimeoutError:
+            # Never abandoned: until it ends the read may still write these blocks.
+            try:
+                pending.wait(None)
+            except (ChunkError, OSError):
+                pass
             raise ReadTimedOut(index, pending.key) from None
         t0 = time.perf_counter()
         where = fused_runs(dest, index)

@@ -1,13 +1,17 @@
-"""`bsr-io bench remote`: restore a state from a Mooncake Store pool through W slots,
-against the Mooncake client's own bulk read of the same objects into one registered
-buffer, in the same run.
+"""`bsr-io bench remote`: restore a state from a Mooncake Store pool through a window
+of W reads, against the Mooncake client's own bulk read of the same objects into one
+registered buffer, in the same run.
 
 The restore is the whole BSR path: discovery (one batched existence check), reads
-scattered into engine slots, key/layout/checksum verification, install into a paged
-cache, commit. The reference stages the whole state in one buffer with one
-`batch_get_into` call and verifies nothing: the client's best case. With no
-`--master`, a loopback pool (a master and one storage node) is started for the run
-(inside a loopback-only network namespace when run as root) and stopped afterwards.
+(straight into the destination's blocks where it is host memory, else into engine
+slots), key/layout/checksum verification, commit. The reference stages the whole state
+in one buffer with one `batch_get_into` call and verifies nothing: the client's best
+case. Two more paths per round say where the time goes: the restore through the W
+slots (an install copy per chunk) and the bulk read issued from a thread at the tier's
+data-call priority (`io_priority`). Each round runs the paths in a shuffled order. With
+no `--master`, a loopback pool (a master and one storage node) is started for the run
+(inside a loopback-only network namespace when run as root) and stopped afterwards;
+its storage node's CPU time is then recorded per path.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import random
 import resource
 import statistics
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -37,7 +42,8 @@ from bsr_io.restore import Restorer
 from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.store import Store
 from bsr_io.testing.synthetic import fill_random, synthetic_tokens
-from bsr_io.tiers.mooncake_config import MooncakeConfig
+from bsr_io.tiers.mooncake import lower_thread_priority
+from bsr_io.tiers.mooncake_config import IO_PRIORITIES, MooncakeConfig
 
 
 def register(bench_subparsers: Any) -> None:
@@ -51,6 +57,10 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds (medians are reported)")
     p.add_argument("--io-threads", type=int, default=None,
                    help="the tier's data call threads (default: its config's)")  # fmt: skip
+    p.add_argument("--io-priority", default=None, choices=IO_PRIORITIES,
+                   help="CPU priority of those threads (default: its config's)")  # fmt: skip
+    p.add_argument("--no-direct", action="store_true",
+                   help="the main restore reads through the slots too")  # fmt: skip
     p.add_argument("--seed", type=int, default=None, help="seed of the per-round order")
     add_pool_args(p)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -82,17 +92,6 @@ def pool_config(args: argparse.Namespace) -> MooncakeConfig | None:
     )  # fmt: skip
 
 
-def _capped_destination(layout, tokens: int, cap_chunks: int) -> PagedKVCache:
-    """A paged cache for `tokens` whose block ids cycle through `cap_chunks` chunks'
-    blocks: every byte is still installed, host memory stays bounded."""
-    small = PagedKVCache.allocate(layout, cap_chunks * layout.chunk_tokens)
-    ids = []
-    for g, t in zip(layout.groups, small.tensors, strict=True):
-        n = -(-tokens // g.block_tokens)
-        ids.append([i % t.shape[0] for i in range(n)])
-    return PagedKVCache(layout, small.tensors, ids)
-
-
 def run(args: argparse.Namespace) -> int:
     from bsr_io.tiers.mooncake import MooncakeTier
 
@@ -119,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
             where = "loopback pool" + (" (loopback-only netns)" if inside else "")
         if args.io_threads is not None:
             cfg = dataclasses.replace(cfg, io_threads=args.io_threads)
+        if args.io_priority is not None:
+            cfg = dataclasses.replace(cfg, io_priority=args.io_priority)
+        if args.no_direct:
+            cfg = dataclasses.replace(cfg, direct_reads=False)
+        node = None if where == "given pool" else pool.node
         tier = MooncakeTier(cfg, layout=layout, name="L3")
         stack.callback(tier.close)
         engine = stack.enter_context(Engine(args.window, chunk))
@@ -129,19 +133,25 @@ def run(args: argparse.Namespace) -> int:
               f"({fmt_size(state_bytes)})")  # fmt: skip
         _fill(tier, engine, layout, keys)
         stack.callback(lambda: [tier.remove(k) for k in keys])
-        doc = _measure(tier, engine, layout, keys, tokens, args, model)
+        doc = _measure(tier, engine, layout, keys, tokens, args, model, node)
     doc.update(
         pool=where, master=cfg.master, protocol=cfg.protocol, layout=layout.name,
         chunk_bytes=chunk, chunks=n, state_bytes=state_bytes, window=args.window,
         slot_bytes=engine.slot_bytes, rounds=args.rounds, io_threads=cfg.io_threads,
+        io_priority=cfg.io_priority, direct_reads=cfg.direct_reads,
     )  # fmt: skip
-    print(f"restore {doc['restore_gib_s']:.2f} GiB/s through {args.window} slots vs client bulk "
+    print(f"restore {doc['restore_gib_s']:.2f} GiB/s ({doc['direct_chunks']} of {n} chunks read "
+          f"straight into the destination, at most {args.window} in flight) vs client bulk "
           f"{doc['client_bulk_gib_s']:.2f} GiB/s into one {fmt_size(doc['bulk_buffer_bytes'])} "
-          f"buffer: ratio {doc['ratio']:.3f}; RWS {fmt_size(doc['rws_peak_bytes'])} "
-          f"(W x chunk = {fmt_size(args.window * chunk)}), state {fmt_size(state_bytes)}, "
-          f"outcome {doc['outcome']}; {doc['restore_read_wait_share']:.0%} of the restore "
-          f"waiting for the pool, CPU {doc['restore_cpu_s_per_gib']:.2f} s/GiB (bulk "
-          f"{doc['bulk_cpu_s_per_gib']:.2f})")  # fmt: skip
+          f"buffer: ratio {doc['ratio']:.3f} (median of rounds "
+          f"{doc['ratio_median_of_rounds']:.3f}); "
+          f"RWS {fmt_size(doc['rws_peak_bytes'])} (bound W x chunk = "
+          f"{fmt_size(doc['rws_bound_bytes'])}), state {fmt_size(state_bytes)}, outcome "
+          f"{doc['outcome']}; {doc['restore_read_wait_share']:.0%} of the restore waiting for "
+          f"the pool, CPU {doc['restore_cpu_s_per_gib']:.2f} s/GiB (bulk "
+          f"{doc['bulk_cpu_s_per_gib']:.2f}). Through the slots: {doc['restore_slots_gib_s']:.2f} "
+          f"GiB/s (ratio {doc['ratio_slots']:.3f}); bulk from a {cfg.io_priority}-priority "
+          f"thread: {doc['client_bulk_low_gib_s']:.2f} GiB/s")  # fmt: skip
     write_json(args.json, doc)
     return 0 if doc["outcome"] == "complete" else 1
 
@@ -162,7 +172,35 @@ def _fill(tier, engine: Engine, layout, keys) -> None:
     del view, slot
 
 
-def _measure(tier, engine, layout, keys, tokens, args, model) -> dict[str, Any]:
+def _node_cpu_s(node: Any) -> float:
+    """The storage node's CPU time (the pool's side of every read), 0 when not ours."""
+    if node is None:
+        return 0.0
+    try:
+        with open(f"/proc/{node.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _on_thread(fn: Any, priority: str) -> Any:
+    """`fn()` on a fresh thread at `priority` (as the tier's data calls run)."""
+    out: list[Any] = []
+
+    def body() -> None:
+        lower_thread_priority(priority)
+        out.append(fn())
+
+    t = threading.Thread(target=body, name="bsr-bench-bulk")
+    t.start()
+    t.join()
+    if not out:
+        raise OSError("the bulk read on its thread raised (see above)")
+    return out[0]
+
+
+def _measure(tier, engine, layout, keys, tokens, args, model, node) -> dict[str, Any]:
     n, chunk = len(keys), layout.chunk_bytes
     record = HEADER_BYTES + chunk
     names = [tier.object_name(k) for k in keys]
@@ -172,69 +210,106 @@ def _measure(tier, engine, layout, keys, tokens, args, model) -> dict[str, Any]:
     if rc != 0:
         raise OSError(f"cannot register the bulk buffer with the pool: {rc}")
     ptrs = [bulk.ctypes.data + i * record for i in range(n)]
-    dest = _capped_destination(layout, n * layout.chunk_tokens, max(2, args.window))
+    # The whole state's blocks, faulted in: a host cache the window may read straight into.
+    dest = PagedKVCache.allocate(layout, n * layout.chunk_tokens)
+    direct_ok = dest.direct_reads and tier.config.direct_reads
     restorer = Restorer(Store([tier]), layout, window=args.window, engine=engine, model=model)
-    # One untimed round first: the first transfers pay for connections and page faults.
-    tier.client.batch_get_into(names, ptrs, [record] * n)
-    restorer.restore(restorer.probe(tokens), dest)
+    state = n * chunk
+
+    def bulk_read() -> None:
+        got = tier.client.batch_get_into(names, ptrs, [record] * n)
+        if list(got) != [record] * n:
+            raise OSError(f"client bulk read failed: {sorted(set(got))}")
+
+    def restore(direct: bool) -> Any:
+        dest.direct_reads = direct
+        plan = restorer.probe(tokens)
+        res = restorer.restore(plan, dest)
+        if not res.complete:
+            raise OSError(f"restore from the pool ended {res.outcome}: {res.reason}")
+        return res
+
+    # One untimed pass first: the first transfers pay for connections and page faults.
+    bulk_read()
+    restore(direct_ok)
+    restore(False)
     rounds = []
-    res = None
+    results: dict[str, Any] = {}
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
     rng = random.Random(seed)
     loads = [snapshot()]
     for _ in range(args.rounds):
         row: dict[str, Any] = {}
-        order = ["bulk", "restore"]
+        order = ["bulk", "restore", "restore_slots", "bulk_low"]
         rng.shuffle(order)
         row["order"] = order
         for which in order:
-            c0 = _cpu_s()
+            c0, n0 = _cpu_s(), _node_cpu_s(node)
+            t0 = time.perf_counter()
             if which == "bulk":
-                t0 = time.perf_counter()
-                got = tier.client.batch_get_into(names, ptrs, [record] * n)
-                row["bulk_s"] = time.perf_counter() - t0
-                row["bulk_cpu_s_per_gib"] = (_cpu_s() - c0) * GiB / (n * chunk)
-                if list(got) != [record] * n:
-                    raise OSError(f"client bulk read failed: {sorted(set(got))}")
+                bulk_read()
+            elif which == "bulk_low":
+                _on_thread(bulk_read, tier.config.io_priority)
             else:
-                t0 = time.perf_counter()
-                plan = restorer.probe(tokens)
-                t1 = time.perf_counter()
-                res = restorer.restore(plan, dest)
-                row["probe_s"] = t1 - t0
-                row["restore_s"] = time.perf_counter() - t1
-                row["restore_cpu_s_per_gib"] = (_cpu_s() - c0) * GiB / (n * chunk)
+                results[which] = res = restore(direct_ok and which == "restore")
+            row[f"{which}_s"] = time.perf_counter() - t0
+            row[f"{which}_cpu_s_per_gib"] = (_cpu_s() - c0) * GiB / state
+            if node is not None:
+                row[f"{which}_node_cpu_s_per_gib"] = (_node_cpu_s(node) - n0) * GiB / state
+            if which.startswith("restore"):
                 # Waiting for the pool vs verifying and installing: which bounds it.
-                row["restore_read_wait_s"] = res.timings["read_wait_s"]
-                row["restore_install_s"] = res.timings["install_copy_s"]
-                if not res.complete:
-                    raise OSError(f"restore from the pool ended {res.outcome}: {res.reason}")
+                row[f"{which}_read_wait_s"] = res.timings["read_wait_s"]
+                row[f"{which}_install_s"] = res.timings["install_copy_s"]
+                row[f"{which}_direct_chunks"] = int(res.timings["direct_chunks"])
+                row[f"{which}_rws_peak_bytes"] = res.rws_peak_bytes
         row["ratio"] = row["bulk_s"] / row["restore_s"]
+        row["ratio_slots"] = row["bulk_s"] / row["restore_slots_s"]
+        row["ratio_vs_bulk_low"] = row["bulk_low_s"] / row["restore_s"]
         rounds.append(row)
         loads.append(snapshot())
     tier.client.unregister_buffer(bulk.ctypes.data)
     med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0] if k != "order"}
-    state = n * chunk
-    assert res is not None
-    return {
+    rws = max(r[f"{p}_rws_peak_bytes"] for r in rounds for p in ("restore", "restore_slots"))
+    bound = args.window * engine.slot_bytes
+    if rws > bound:
+        raise OSError(f"staging peaked at {rws} bytes, above W x slot = {bound}")
+    out = {
         "restore_gib_s": state / med["restore_s"] / GiB,
         "client_bulk_gib_s": state / med["bulk_s"] / GiB,
         "ratio": med["bulk_s"] / med["restore_s"],
         "ratio_median_of_rounds": med["ratio"],
-        "probe_s": med["probe_s"],
-        "rws_peak_bytes": res.rws_peak_bytes,
-        "rws_expected_bytes": args.window * engine.slot_bytes,
+        "ratio_min_of_rounds": min(r["ratio"] for r in rounds),
+        "restore_slots_gib_s": state / med["restore_slots_s"] / GiB,
+        "ratio_slots": med["bulk_s"] / med["restore_slots_s"],
+        "ratio_slots_median_of_rounds": med["ratio_slots"],
+        "client_bulk_low_gib_s": state / med["bulk_low_s"] / GiB,
+        "ratio_vs_bulk_low_median_of_rounds": med["ratio_vs_bulk_low"],
+        "direct_chunks": med["restore_direct_chunks"],
+        "rws_peak_bytes": rws,  # the larger of the two restores' (the slots' path)
+        "rws_peak_bytes_direct": max(r["restore_rws_peak_bytes"] for r in rounds),
+        "rws_bound_bytes": bound,
         "bulk_buffer_bytes": int(bulk.nbytes),
-        "outcome": res.outcome,
+        "outcome": results["restore"].outcome,
         "rounds_detail": rounds,
         "restore_cpu_s_per_gib": med["restore_cpu_s_per_gib"],
+        "restore_slots_cpu_s_per_gib": med["restore_slots_cpu_s_per_gib"],
         "bulk_cpu_s_per_gib": med["bulk_cpu_s_per_gib"],
         # GiB/s x CPU s/GiB: cores kept busy (2 here): near 2, the path is CPU-bound.
         "restore_cores_busy": state / med["restore_s"] / GiB * med["restore_cpu_s_per_gib"],
         "bulk_cores_busy": state / med["bulk_s"] / GiB * med["bulk_cpu_s_per_gib"],
         "restore_read_wait_share": med["restore_read_wait_s"] / med["restore_s"],
+        "restore_slots_read_wait_share": med["restore_slots_read_wait_s"] / med["restore_slots_s"],
         "seed": seed,
         "load": summary(loads),
         "load_snapshots": loads,
         "note": "loopback TCP on a shared 2-core machine; the reference verifies nothing",
     }
+    if node is not None:
+        for p in ("restore", "restore_slots", "bulk", "bulk_low"):
+            out[f"{p}_node_cpu_s_per_gib"] = med[f"{p}_node_cpu_s_per_gib"]
+        # Both processes' CPU per GiB: what the 2 cores must supply for each path.
+        for p in ("restore", "bulk"):
+            out[f"{p}_total_cpu_s_per_gib"] = (
+                med[f"{p}_cpu_s_per_gib"] + med[f"{p}_node_cpu_s_per_gib"]
+            )
+    return out

@@ -84,6 +84,8 @@ class DirectChunk:
     """A chunk read straight into the destination's memory (no slot): `wait()` returns
     once the bytes are in place, unverified; the caller hashes them where they are
     (`xxh3_runs`) against `expected_xxh3` and calls `reject(reason)` on a mismatch.
+    `expected_xxh3` is final once `wait()` returned (a pool's header arrives with the
+    payload, so its tier sets it then).
     Raises ChunkError subclasses like `PendingChunk.wait`, TimeoutError meanwhile."""
 
     def __init__(

@@ -8,13 +8,19 @@ the same bytes as a record file: the 4096-byte header, then the payload.
 - Reads scatter the object into a small registered header buffer and straight into an
   engine slot (the engine's arena is registered with the client once), then the same
   key, layout and checksum checks as every tier. Nothing is staged outside the W slots
-  but the 4 KiB headers.
+  but the 4 KiB headers. Where the window offers a host destination's blocks
+  (`submit_read_into`, TCP only) the payload is scattered straight into them instead:
+  no slot and no install copy; the window hashes it in place.
+- Data calls run on `io_threads` threads at `io_priority` (low by default): Mooncake's
+  client spins in the calling thread until its transfer ends, and at normal priority
+  each spinning caller takes a core from the transfer engine and the verification.
 - Writes gather header and payload from registered memory; Mooncake's put is
   write-once and silent, so an existing object is reported as already held.
 - Every client call runs on a worker thread with a deadline (`timeout_s`): a silent
   storage node costs a chunk failure after the deadline, never a hang. A read past
   its deadline keeps its slot until the transfer engine gives up on it, so the slot
-  is never reused while Mooncake may still write into it.
+  is never reused while Mooncake may still write into it; a read into the
+  destination is waited for until then (Mooncake's transfer timeout) before it fails.
 - Objects are removed only on proof that they are bad (key, header, size, checksum).
   A timeout, a failed RPC or an unreachable node proves nothing: the chunk falls back
   for this restore, the tier reports itself down for `down_s`, and the objects stay.
@@ -22,6 +28,7 @@ the same bytes as a record file: the 4096-byte header, then the payload.
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import threading
@@ -51,10 +58,13 @@ from bsr_io.record import (
     HEADER_BYTES,
     OldRecordFormat,
     RecordFormatError,
+    RecordHeader,
     decode_header,
     make_header,
 )
 from bsr_io.tiers.base import (
+    DirectChunk,
+    DirectUnavailable,
     Payload,
     PendingChunk,
     Tier,
@@ -187,11 +197,31 @@ class _Transfer:
         self._ended()
 
 
-class _Workers:
-    """Daemon threads running client calls, so a stuck call cannot hold up exit."""
+def lower_thread_priority(how: str) -> None:
+    """Lower the calling thread's CPU priority ("low": nice 19, "idle": SCHED_IDLE;
+    "normal" leaves it). Linux applies both per thread. Best effort: a platform that
+    refuses keeps the thread as it is."""
+    tid = threading.get_native_id()
+    try:
+        if how == "low":
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
+        elif how == "idle":
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        pass
 
-    def __init__(self, n: int, name: str) -> None:
+
+class _Workers:
+    """Daemon threads running client calls, so a stuck call cannot hold up exit.
+
+    `priority` (see `lower_thread_priority`) is set in each thread before its first
+    call. Threads Mooncake starts itself (its transfer engine's) are started by
+    `setup`, on another thread, and keep that thread's priority."""
+
+    def __init__(self, n: int, name: str, priority: str = "normal") -> None:
         self._q: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._priority = priority
+        self.native_ids: list[int] = []
         self._threads = [
             threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)
         ]
@@ -199,6 +229,8 @@ class _Workers:
             t.start()
 
     def _loop(self) -> None:
+        self.native_ids.append(threading.get_native_id())
+        lower_thread_priority(self._priority)
         while (call := self._q.get()) is not None:
             call.run()
 
@@ -252,6 +284,29 @@ class _HeaderBuffers:
         """(buffers allocated, buffers free): equal when none is out."""
         with self._lock:
             return len(self._blocks) * self.BLOCK, len(self._free)
+
+
+def _run_addresses(
+    bufs: Sequence[Any], runs: Sequence[tuple[int, int, int, int]], n: int, what: str
+) -> tuple[list[int], list[int]]:
+    """Addresses and lengths of `runs` in `bufs` (writable host byte arrays), which must
+    lie inside their buffers and cover an n-byte payload in order, once; else LayoutError."""
+    ptrs, sizes, at = [], [], 0
+    for bi, off, pos, length in runs:
+        buf = bufs[bi]
+        if not isinstance(buf, np.ndarray) or not buf.flags.writeable or not buf.flags.c_contiguous:
+            raise LayoutError(f"{what}: destination buffer {bi} is not writable host memory")
+        if pos != at or length <= 0 or off < 0 or off + length > buf.nbytes:
+            raise LayoutError(
+                f"{what}: run ({bi}, {off}, {pos}, {length}) does not continue the payload "
+                f"at {at} inside its {buf.nbytes}-byte buffer"
+            )
+        ptrs.append(buf.ctypes.data + off)
+        sizes.append(length)
+        at += length
+    if at != n:
+        raise LayoutError(f"{what} holds {n} payload bytes, the destination's runs {at}")
+    return ptrs, sizes
 
 
 def _release_views(owner: object) -> None:
@@ -321,7 +376,11 @@ class MooncakeTier(Tier):
         self.config = config
         self._counts.update(exist_calls=0, timeouts=0, marked_down=0, arenas_unregistered=0)
         self._meta = _Workers(2, f"bsr-mc-meta-{name}")
-        self._data = _Workers(config.io_threads, f"bsr-mc-data-{name}")
+        # Data calls busy-poll for their transfer's end (Mooncake 0.3.13's
+        # TransferEngineOperationState::wait_for_completion spins in the calling thread):
+        # at low priority the spinning yields the cores to the transfer engine's own
+        # threads and to verification, and several calls can be in flight at once.
+        self._data = _Workers(config.io_threads, f"bsr-mc-data-{name}", config.io_priority)
         try:
             self.client = client if client is not None else self._open(config)
         except BaseException:
@@ -591,36 +650,131 @@ class MooncakeTier(Tier):
         slot: Slot
         slot, hdr = call.take()  # the call has returned: its memory is ours again
         try:
-            rc = int(out[0]) if out else RPC_FAIL
-            if rc != HEADER_BYTES + n:
-                raise self._read_failure(key, name, rc, expected=HEADER_BYTES + n)
-            try:
-                header = decode_header(hdr.tobytes())
-            except OldRecordFormat as exc:
-                self._forget(key)
-                raise ChunkMissing("object of an older record format", key=key, tier=self.name,
-                                   cause=exc) from None  # fmt: skip
-            except RecordFormatError as exc:
-                raise self._corrupt(key, name, f"bad header: {exc}") from None
-            with self._lock:
-                layout = self._layouts.get(key.layout_fingerprint)
-            problem = header.check(key, layout)
-            if problem is None and header.payload_len != n:
-                problem = f"payload is {header.payload_len} bytes, object holds {n}"
-            if problem is None and slot.checksum(0, n) != header.payload_xxh3:
-                problem = "payload checksum mismatch"
-            if problem:
-                raise self._corrupt(key, name, problem)
+            header = self._checked_header(key, name, n, out, hdr)
+            if slot.checksum(0, n) != header.payload_xxh3:
+                raise self._corrupt(key, name, "payload checksum mismatch")
         except BaseException:
             self._headers.give(hdr)
             del slot  # back to the ring now: a kept exception must not hold it
             raise
         self._headers.give(hdr)
+        self._read_done(key, n)
+        return slot
+
+    def _checked_header(
+        self, key: ChunkKey, name: str, n: int, out: list[int], hdr: npt.NDArray[np.uint8]
+    ) -> RecordHeader:
+        """The record header a read brought, checked against the key, the layout and the
+        object's size (the payload's hash is the caller's); the chunk's error otherwise."""
+        rc = int(out[0]) if out else RPC_FAIL
+        if rc != HEADER_BYTES + n:
+            raise self._read_failure(key, name, rc, expected=HEADER_BYTES + n)
+        try:
+            header = decode_header(hdr.tobytes())
+        except OldRecordFormat as exc:
+            self._forget(key)
+            raise ChunkMissing("object of an older record format", key=key, tier=self.name,
+                               cause=exc) from None  # fmt: skip
+        except RecordFormatError as exc:
+            raise self._corrupt(key, name, f"bad header: {exc}") from None
+        with self._lock:
+            layout = self._layouts.get(key.layout_fingerprint)
+        problem = header.check(key, layout)
+        if problem is None and header.payload_len != n:
+            problem = f"payload is {header.payload_len} bytes, object holds {n}"
+        if problem:
+            raise self._corrupt(key, name, problem)
+        return header
+
+    def _read_done(self, key: ChunkKey, n: int) -> None:
         with self._lock:
             self._payload_len.setdefault(key.layout_fingerprint, n)
         self._touch(key, n)
         self._count(hits=1, reads=1, bytes_read=n)
-        return slot
+
+    def submit_read_into(
+        self,
+        key: ChunkKey,
+        engine: Engine | None,
+        bufs: Sequence[Any],
+        runs: Sequence[tuple[int, int, int, int]],
+    ) -> DirectChunk:
+        """Read the object straight into the destination: its header into a registered
+        4 KiB buffer and its payload into `bufs` along `runs` (`host_runs`: buffer index,
+        offset in it, payload offset, length), in one scatter call; no slot. The caller
+        hashes the payload in place against `expected_xxh3`, known once `wait()`
+        returned. DirectUnavailable on an RDMA pool (it reads only into registered
+        memory) or with `direct_reads` off; a LayoutError when the runs do not cover the
+        payload exactly once.
+
+        Never abandoned: past `timeout_s` the wait goes on until the call returns
+        (Mooncake gives a silent peer up after its transfer timeout), since the pool may
+        still write the destination's blocks; only then does the chunk fail."""
+        if self.config.protocol != "tcp" or not self.config.direct_reads:
+            raise DirectUnavailable(f"{self.name}: reads go through the registered slots")
+        name = self.object_name(key)
+        with self._lock:
+            if name in self._withdrawn:
+                raise ChunkMissing("invalidated here", key=key, tier=self.name)
+        self._check_up(key)
+        n = self._expected_len(key, name)
+        ptrs, sizes = _run_addresses(bufs, runs, n, f"{self.name}: chunk {key.short()}")
+        hdr = self._headers.take()
+        call = self._data.submit(
+            self.client.batch_get_into_multi_buffers,
+            [name],
+            [[hdr.ctypes.data, *ptrs]],
+            [[HEADER_BYTES, *sizes]],
+            hold=(hdr, tuple(bufs)),  # the destination's memory lives while the pool writes it
+        )
+        deadline = time.monotonic() + self.config.timeout_s
+        del hdr
+
+        def finish(timeout: float | None) -> None:
+            left = deadline - time.monotonic()
+            wait = left if timeout is None else min(timeout, left)
+            try:
+                out = call.wait(max(0.0, wait))
+            except CallTimeout:
+                if timeout is not None and timeout < left:
+                    raise TimeoutError(f"chunk {key.short()} still in flight") from None
+                raise self._stalled_direct(key, call) from None
+            except Exception as exc:  # noqa: BLE001 - the binding raised
+                self._headers.give(call.take()[0])
+                raise ChunkReadError("pool read raised", key=key, tier=self.name,
+                                     cause=exc) from exc  # fmt: skip
+            hdr_back, _ = call.take()
+            try:
+                header = self._checked_header(key, name, n, out, hdr_back)
+            finally:
+                self._headers.give(hdr_back)
+            direct.expected_xxh3 = header.payload_xxh3
+            self._read_done(key, n)
+
+        direct = DirectChunk(
+            key,
+            finish,
+            call.done.is_set,
+            expected_xxh3=-1,  # set from the header the read brings
+            reject=lambda why: self._corrupt(key, name, why),
+        )
+        return direct
+
+    def _stalled_direct(self, key: ChunkKey, call: _Call) -> ChunkReadError:
+        """A direct read past `timeout_s`: wait until the call returns (the pool may write
+        the destination until then), then fail the chunk; nothing is withdrawn."""
+        self._count(timeouts=1)
+        why = f"a read got no answer within {self.config.timeout_s} s"
+        self._mark_down(why)
+        try:
+            call.wait(None)
+        except Exception:  # noqa: BLE001, S110 - the chunk fails either way
+            pass
+        self._headers.give(call.take()[0])
+        return ChunkReadError(
+            f"{why} (storage node stalled?); waited for the transfer to end since it writes "
+            "the destination", key=key, tier=self.name,
+        )  # fmt: skip
 
     def _read_failure(
         self, key: ChunkKey, name: str, rc: int, expected: int | None = None
@@ -799,12 +953,14 @@ class MooncakeTier(Tier):
             self._withdrawn[name] = None
             self._snapshot.pop(name, None)
         self._forget(key)
-        if first:
-            self._count(quarantined=1)
         try:
             rc = self._remove_name(name)  # forced: a reader's lease must not keep a bad copy
         except TierDown:
             rc = RPC_FAIL
+        if first and rc != NOT_FOUND:
+            # Counted once per bad object: the window's invalidate after the read's own
+            # withdrawal finds it gone already.
+            self._count(quarantined=1)
         with self._lock:
             if rc in (0, NOT_FOUND):
                 self._withdrawn.pop(name, None)  # gone from the pool: nothing to remember

@@ -24,8 +24,17 @@ the same keys carry the prefix `bsr.mooncake.`, `MooncakeConfig.from_extra_confi
                       Mooncake's 30 s); a read past `timeout_s` keeps its slot until then
     replica_num       replicas per object (1)
     key_prefix        object names are "<key_prefix>/<namespace>/<chunk hash>" ("bsr-io")
-    io_threads        worker threads for data calls (1: on a 2-core loopback box more
-                      concurrent transfers were slower; raise it for multi-node or RDMA pools)
+    io_threads        worker threads for data calls, so that many pool reads in flight (2)
+    io_priority       CPU priority of those threads: "low" (nice 19, the default), "idle"
+                      (SCHED_IDLE) or "normal". Mooncake 0.3's client busy-polls for a
+                      transfer's end in the calling thread: at normal priority each call
+                      in flight takes a core from the transfer engine and the verification
+    direct_reads      read a chunk straight into a host destination's blocks (no slot, no
+                      copy) where the window offers it (true). Such a read is never
+                      abandoned at `timeout_s`: the pool may still write those blocks, so a
+                      stalled node costs Mooncake's own transfer timeout there
+                      (`transfer_timeout_s`). TCP only: an RDMA pool reads only into
+                      registered memory (the engine's slots)
     snapshot_s        how long one batched existence check answers a probe's per-chunk
                       questions (1.0)
     down_s            after a call past its deadline or a failed RPC, how long the tier
@@ -41,6 +50,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 EXTRA_PREFIX = "bsr.mooncake."
+IO_PRIORITIES = ("low", "idle", "normal")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _HOSTPORT = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
 
 
@@ -56,7 +67,9 @@ class MooncakeConfig:
     transfer_timeout_s: int | None = None
     replica_num: int = 1
     key_prefix: str = "bsr-io"
-    io_threads: int = 1
+    io_threads: int = 2
+    io_priority: str = "low"
+    direct_reads: bool = True
     snapshot_s: float = 1.0
     down_s: float = 5.0
 
@@ -80,6 +93,12 @@ class MooncakeConfig:
             raise ValueError(f"mooncake replica_num must be >= 1, got {self.replica_num}")
         if self.io_threads < 1:
             raise ValueError(f"mooncake io_threads must be >= 1, got {self.io_threads}")
+        if self.io_priority not in IO_PRIORITIES:
+            raise ValueError(
+                f"mooncake io_priority must be one of {IO_PRIORITIES}, got {self.io_priority!r}"
+            )
+        if not isinstance(self.direct_reads, bool):
+            raise ValueError(f"mooncake direct_reads must be a bool, got {self.direct_reads!r}")
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.key_prefix or ""):
             raise ValueError(
                 f"mooncake key_prefix must be [A-Za-z0-9_.-]+, got {self.key_prefix!r}"
@@ -108,6 +127,8 @@ class MooncakeConfig:
                     kw[k] = float(v)
                 elif k in ("transfer_timeout_s", "replica_num", "io_threads"):
                     kw[k] = int(v)
+                elif k == "direct_reads":
+                    kw[k] = _bool(k, v)
                 else:
                     kw[k] = str(v)
         except (TypeError, ValueError) as exc:
@@ -149,3 +170,12 @@ class MooncakeConfig:
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.bind_address or self.local_hostname)
         if self.transfer_timeout_s is not None:
             os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(self.transfer_timeout_s))
+
+
+def _bool(name: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    text = str(v).strip().lower()
+    if text in _TRUE or text in _FALSE:
+        return text in _TRUE
+    raise ValueError(f"mooncake {name} must be true or false, got {v!r}")
