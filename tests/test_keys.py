@@ -41,6 +41,29 @@ def test_list_numpy_torch_agree():
     assert prefix_hashes(torch.tensor(ids), 8) == h
 
 
+def _reference_chain(ids, chunk):
+    """The scheme as keys.py documents it, in hashlib: keys on disk depend on it."""
+    import hashlib
+
+    out, prev = [], b"\0" * 16
+    for i in range(0, len(ids) - chunk + 1, chunk):
+        h = hashlib.blake2b(digest_size=32, person=b"bsr-prefix")
+        h.update(b"bsr-io/prefix/v2" + prev + np.asarray(ids[i : i + chunk], "<i8").tobytes())
+        prev = h.digest()[:16]
+        out.append(int.from_bytes(prev, "little"))
+    return out
+
+
+def test_hashes_follow_the_documented_scheme():
+    rng = np.random.default_rng(3)
+    ids = rng.integers(-(2**40), 2**40, size=3 * 64 + 5).tolist()
+    want = _reference_chain(ids, 64)
+    assert len(want) == 3
+    assert prefix_hashes(ids, 64) == want  # a list goes to Rust as it is
+    assert prefix_hashes(np.asarray(ids), 64) == want  # an array as int64 bytes
+    assert extend_prefix_hashes(want[:1], ids, 64) == want
+
+
 def test_hash_is_stable_across_processes():
     code = "from bsr_io.keys import prefix_hashes; print(prefix_hashes(list(range(100)), 10))"
     outs = set()
@@ -54,7 +77,12 @@ def test_hash_is_stable_across_processes():
 
 @pytest.mark.parametrize(
     "bad, msg",
-    [(np.zeros((2, 8), dtype=np.int64), "one-dimensional"), ([1.5] * 8, "integers")],
+    [
+        (np.zeros((2, 8), dtype=np.int64), "one-dimensional"),
+        ([1.5] * 8, "integers"),
+        ([1] * 7 + ["x"], "integers"),
+        ([2**64] * 8, "integers"),
+    ],
 )
 def test_bad_token_ids(bad, msg):
     with pytest.raises(ValueError, match=msg):

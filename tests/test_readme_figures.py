@@ -195,6 +195,8 @@ FIGURES: list[Fig] = [
         "fast_profile_s.install_copy_s",
     ),  # fmt: skip
     Fig("then install) {} s;", "ttft.json", "naive_s"),
+    Fig("from the drive: {} CPU s/GiB", "ttft.json", "fast_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("CPU s/GiB (goal\n{}, not met", "ttft.json", "target_fast_cpu_s_per_gib"),
     Fig("(the control) {} s;", "ttft.json", "naive_engine_s"),
     Fig("BSR {} s; fio reading", "ttft.json", "fast_s"),
     Fig("record payloads {} s on 4 KiB pages", "ttft.json", "fio_s"),
@@ -611,20 +613,47 @@ VLLM_FIGURES: list[Fig] = [
         derive=lambda d: d["vllm-discovery.json"]["repeat_request_s_median"] * 1e6,
     ),
     Fig(
-        "once ({} ms for",
+        "own ({} ms)",
         "vllm-discovery.json",
         "prefix_hash_s_median x 1000",
         fmt="{:.0f}",
         derive=lambda d: d["vllm-discovery.json"]["prefix_hash_s_median"] * 1000,
     ),
     Fig(
-        "ms for {} tokens",
+        "prompt ({} tokens)",
         "vllm-discovery.json",
         "chunks x chunk_tokens",
         fmt="{:,.0f}",
         derive=lambda d: (
             d["vllm-discovery.json"]["chunks"] * d["vllm-discovery.json"]["chunk_tokens"]
         ),
+    ),
+    Fig(
+        "first ask returns in {} ms",
+        "vllm-discovery.json",
+        "new_request_s_median x 1000",
+        derive=lambda d: d["vllm-discovery.json"]["new_request_s_median"] * 1000,
+    ),
+    Fig(
+        "thread spends {} ms over",
+        "vllm-discovery.json",
+        "new_request_thread_s_median x 1000",
+        fmt="{:.1f}",
+        derive=lambda d: d["vllm-discovery.json"]["new_request_thread_s_median"] * 1000,
+    ),
+    Fig(
+        "answer, {} ms",
+        "vllm-discovery.json",
+        "new_request_answered_s_median x 1000",
+        fmt="{:.0f}",
+        derive=lambda d: d["vllm-discovery.json"]["new_request_answered_s_median"] * 1000,
+    ),
+    Fig(
+        "inline takes {} ms",
+        "vllm-discovery.json",
+        "inline_new_request_s_median x 1000",
+        fmt="{:.0f}",
+        derive=lambda d: d["vllm-discovery.json"]["inline_new_request_s_median"] * 1000,
     ),
     Fig("load average {} on", "vllm-discovery.json", "loadavg_1m_at_end", fmt="{:.1f}"),
 ]

@@ -42,6 +42,7 @@ __all__ = [
     "xxh3_64",
     "dio_alignment",
     "xxh3_runs",
+    "prefix_hashes",
 ]
 
 class BsrError(Exception):
@@ -294,6 +295,10 @@ class Engine:
 
 def xxh3_64(data: Buffer) -> int:
     """xxh3-64 of any contiguous buffer, GIL released."""
+
+def prefix_hashes(tokens: list[int] | bytes, chunk_tokens: int, prev: int = 0) -> list[int]:
+    """Chained 128-bit hashes of the full chunks of `tokens` (ints, or little-endian int64
+    bytes) after the chunk whose hash is `prev`; the hashing runs without the GIL."""
 
 def xxh3_runs(bufs: Sequence[Any], runs: Sequence[tuple[int, int, int, int]]) -> int:
     """xxh3-64 of the payload lying in `bufs` along `runs` (as for submit_read_into): the

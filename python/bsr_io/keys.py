@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from bsr_io import _core
+
 if TYPE_CHECKING:
     from bsr_io.layout import KVLayout
 
-_HASH_DOMAIN = b"bsr-io/prefix/v2"
 HASH_BITS = 128
 _FINGERPRINT_RE = re.compile(r"^[0-9a-f]{32}$")
 MAX_MODEL_BYTES = 1024
@@ -57,21 +58,28 @@ def extend_prefix_hashes(
     whole sequence; the result lists every full chunk's hash, `prev_hashes` first."""
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
-    tokens = _token_array(token_ids)
     done = len(prev_hashes)
-    if done * chunk_tokens > len(tokens):
+    tail: list[int] | bytes
+    if isinstance(token_ids, list):
+        # A list goes to Rust as it is: converting 512K ints to an array costs more than
+        # hashing them.
+        n = len(token_ids)
+        tail = token_ids[done * chunk_tokens :] if done else token_ids
+    else:
+        tokens = _token_array(token_ids)
+        n = len(tokens)
+        tail = tokens[done * chunk_tokens :].tobytes()
+    if done * chunk_tokens > n:
         raise ValueError(
-            f"{done} earlier chunk hashes but only {len(tokens)} tokens of {chunk_tokens} per chunk"
+            f"{done} earlier chunk hashes but only {n} tokens of {chunk_tokens} per chunk"
         )
     hashes = [int(h) for h in prev_hashes]
-    prev = hashes[-1].to_bytes(16, "little") if hashes else b"\0" * 16
-    for start in range(done * chunk_tokens, len(tokens) - chunk_tokens + 1, chunk_tokens):
-        h = hashlib.blake2b(digest_size=32, person=b"bsr-prefix")
-        h.update(_HASH_DOMAIN)
-        h.update(prev)
-        h.update(tokens[start : start + chunk_tokens].tobytes())
-        prev = h.digest()[:16]
-        hashes.append(int.from_bytes(prev, "little"))
+    try:
+        # Rust (bsr_io._core), the GIL released while it hashes: a scheduler thread can
+        # hash a 512K-token prompt without stalling the engine's other threads.
+        hashes += _core.prefix_hashes(tail, chunk_tokens, hashes[-1] if hashes else 0)
+    except (TypeError, OverflowError) as exc:
+        raise ValueError(f"token ids must be int64 integers: {exc}") from None
     return hashes
 
 

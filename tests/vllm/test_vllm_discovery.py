@@ -11,11 +11,14 @@ from __future__ import annotations
 import builtins
 import os
 import sys
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from bsr_io.integrations.vllm import kv_shapes
+from bsr_io.integrations.vllm import kv_shapes, scheduler
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.harness import tokens
 from bsr_io.integrations.vllm.identity import key_model
@@ -125,6 +128,38 @@ def test_no_file_system_call_once_the_catalog_is_built(setup):
         builtins.open = real_open
     assert got == [(10 * CHUNK, True)] * 3
     assert calls == []
+
+
+def test_a_long_prompt_is_hashed_off_the_scheduler_thread(setup):
+    """Past `hash_inline_tokens` the first ask hands the hash to the hasher thread and
+    answers None (vLLM asks again next pass); the answer then equals the inline one, and
+    the chain goes on from the hashes already made when the sequence grows."""
+    groups, cfg, toks, store = setup
+    inline = _side(cfg, groups).get_num_new_matched_tokens(_request("a", toks), 0)
+    side = _side(replace(cfg, hash_inline_tokens=0), groups)
+    req = _request("b", toks)
+    main = threading.get_ident()
+    seen: list[int] = []
+    real = scheduler.extend_prefix_hashes
+
+    def recording(*a, **k):
+        seen.append(threading.get_ident())
+        return real(*a, **k)
+
+    scheduler.extend_prefix_hashes = recording
+    try:
+        got = side.get_num_new_matched_tokens(req, 0)
+        assert got == (None, False)
+        deadline = time.monotonic() + 10
+        while got[0] is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+            got = side.get_num_new_matched_tokens(req, 0)
+    finally:
+        scheduler.extend_prefix_hashes = real
+        side.close()
+    assert got == inline == (10 * CHUNK, True)
+    assert seen and main not in seen  # hashed on the hasher thread only
+    assert side._reqs["b"].hashes == store.hashes
 
 
 def test_unhealthy_worker_and_failed_load_mean_no_hit(setup):

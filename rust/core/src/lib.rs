@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod file;
 pub mod install;
+pub mod prefix;
 
 pub use arena::{Arena, SlotLease};
 pub use backend::trace::TraceEvent;

@@ -13,10 +13,11 @@ mod slot;
 
 use std::path::PathBuf;
 
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
 
-use bsr_io_core::{align, checksum};
+use bsr_io_core::{align, checksum, prefix};
 
 use crate::errors::{exc_type, BsrError, Exc, Raise};
 use crate::slot::Exported;
@@ -46,6 +47,41 @@ fn xxh3_64(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u64> {
     Ok(h)
 }
 
+/// Chained prefix hashes (`bsr_io.keys.extend_prefix_hashes`): `tokens` is a list of ints
+/// or little-endian int64 bytes. The ints are read with the GIL held, the hashing runs
+/// without it, so a scheduler thread hashing a long prompt does not stall the others.
+#[pyfunction]
+#[pyo3(signature = (tokens, chunk_tokens, prev = 0))]
+fn prefix_hashes(
+    py: Python<'_>,
+    tokens: &Bound<'_, PyAny>,
+    chunk_tokens: i64,
+    prev: u128,
+) -> PyResult<Vec<u128>> {
+    let chunk = positive("chunk_tokens", chunk_tokens)? as usize;
+    let ids: Vec<i64> = if let Ok(list) = tokens.cast::<PyList>() {
+        list.iter()
+            .map(|t| t.extract::<i64>())
+            .collect::<PyResult<_>>()?
+    } else if let Ok(raw) = tokens.cast::<PyBytes>() {
+        let raw = raw.as_bytes();
+        if raw.len() % 8 != 0 {
+            return Err(PyValueError::new_err(format!(
+                "token bytes must be int64s, got {} bytes",
+                raw.len()
+            )));
+        }
+        raw.chunks_exact(8)
+            .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect()
+    } else {
+        return Err(PyTypeError::new_err(
+            "tokens must be a list of ints or little-endian int64 bytes",
+        ));
+    };
+    Ok(py.detach(move || prefix::chain(prev, &ids, chunk)))
+}
+
 #[pyfunction]
 fn dio_alignment(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u64)> {
     let path = path
@@ -70,6 +106,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
+    m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(direct::xxh3_runs, m)?)?;
     Ok(())
 }

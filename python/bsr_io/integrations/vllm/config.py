@@ -77,6 +77,10 @@ class ConnectorConfig:
     # most this long for a free save slot, then skips the record (a future miss).
     step_save_budget_s: float = 0.05
     rescan_s: float = 5.0  # the scheduler re-lists the store for records others wrote
+    # A new request with more tokens than this still to hash is hashed on a thread of its
+    # own, and vLLM is told to ask again next pass (a 512K-token prompt then costs the
+    # scheduler thread microseconds, not the hash's milliseconds); shorter ones inline.
+    hash_inline_tokens: int = 32768
     model: str | None = None  # identity of the weights; default: vLLM's model and revision
     events_path: str | None = None  # JSON lines, one per load and save outcome
     metrics_port: int | None = None  # Prometheus on 127.0.0.1:<port + TP rank>
@@ -147,6 +151,7 @@ class ConnectorConfig:
             save_timeout_s=_float(extra, "save_timeout_s", 120.0),
             step_save_budget_s=_float(extra, "step_save_budget_s", 0.05),
             rescan_s=_float(extra, "rescan_s", 5.0),
+            hash_inline_tokens=_int(extra, "hash_inline_tokens", 32768, minimum=0),
             save=save,
             model=model,
             events_path=events,

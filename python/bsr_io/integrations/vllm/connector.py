@@ -78,7 +78,7 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
     # -- scheduler side ---------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 

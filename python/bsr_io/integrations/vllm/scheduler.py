@@ -18,6 +18,7 @@ full groups; vLLM keeps its blocks until every worker reports the save done.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import request_key_model
 from bsr_io.integrations.vllm.layout import FULL, WINDOW, GroupLayout
 from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
-from bsr_io.keys import model_digest, prefix_hashes
+from bsr_io.keys import extend_prefix_hashes, model_digest
 
 log = logging.getLogger("bsr_io.vllm")
 
@@ -44,6 +45,7 @@ class _Request:
     memo: tuple[int, int, int, int] | None = None  # (catalog version, first, limit) -> hit
     local_seen: int = 0  # vLLM's own hit, as last offered to get_num_new_matched_tokens
     touched: bool = False  # its chunks' recency sent to the workers once
+    hashing: Future[list[int]] | None = None  # a long prompt being hashed off this thread
 
 
 class SchedulerSide:
@@ -65,12 +67,14 @@ class SchedulerSide:
         self._touches: dict[str, list[int]] = {}
         self.unhealthy: dict[int, str] = {}
         self.skipped_saves = 0
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bsr-io-hash")
 
     def start(self) -> None:
         self.catalog.start(self.cfg.rescan_s)
 
     def close(self) -> None:
         self.catalog.close()
+        self._hasher.shutdown(wait=False, cancel_futures=True)
 
     # -- names --------------------------------------------------------------------------
     def dirs(self, key_model: str, g: GroupLayout) -> list[str]:
@@ -93,12 +97,36 @@ class SchedulerSide:
         return st
 
     def _hashes(self, st: _Request, upto_tokens: int) -> list[int]:
-        """Chunk hashes of the request's first `upto_tokens` tokens (computed once)."""
+        """Chunk hashes of the request's first `upto_tokens` tokens (each hashed once:
+        the chain goes on from the last chunk hashed)."""
         n = upto_tokens // self.chunk
         if len(st.hashes) < n:
-            tokens = list(st.request.all_token_ids)[: n * self.chunk]
-            st.hashes = prefix_hashes(tokens, self.chunk)
+            tokens = list(st.request.all_token_ids[: n * self.chunk])
+            st.hashes = extend_prefix_hashes(st.hashes, tokens, self.chunk)
         return st.hashes[:n]
+
+    def _hashes_ready(self, st: _Request, upto_tokens: int) -> list[int] | None:
+        """`_hashes`, but a long stretch is hashed on the hasher thread: None until done."""
+        n = upto_tokens // self.chunk
+        if len(st.hashes) >= n:
+            return st.hashes[:n]
+        if st.hashing is None:
+            if (n - len(st.hashes)) * self.chunk <= self.cfg.hash_inline_tokens:
+                return self._hashes(st, upto_tokens)
+            # The request waits, so its token list does not grow meanwhile; the slice and
+            # the hash run on the hasher thread (the hash without the GIL).
+            prev, req, end = list(st.hashes), st.request, n * self.chunk
+            st.hashing = self._hasher.submit(
+                lambda: extend_prefix_hashes(prev, list(req.all_token_ids[:end]), self.chunk)
+            )
+            return None
+        if not st.hashing.done():
+            return None
+        done, st.hashing = st.hashing, None
+        got = done.result()
+        if len(got) > len(st.hashes):
+            st.hashes = got
+        return self._hashes_ready(st, upto_tokens)
 
     # -- discovery ------------------------------------------------------------------------
     def hit_chunks(self, key_model: str, hashes: list[int], first: int) -> int:
@@ -119,7 +147,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local_seen = num_computed_tokens
         if st.failed or st.key_model is None or self.unhealthy:
@@ -134,7 +162,14 @@ class SchedulerSide:
         if st.memo is not None and st.memo[:3] == (version, first, limit):
             n = st.memo[3]
         else:
-            hashes = self._hashes(st, limit * self.chunk)
+            try:
+                hashes = self._hashes_ready(st, limit * self.chunk)
+            except Exception:
+                log.exception("bsr-io: hashing request %s failed; it is a miss", request.request_id)
+                st.failed = True
+                return 0, False
+            if hashes is None:
+                return None, False  # still hashing: vLLM asks again in its next pass
             n = self.hit_chunks(st.key_model, hashes, first)
             st.memo = (version, first, limit, n)
         ext = n * self.chunk - num_computed_tokens
@@ -276,6 +311,8 @@ class SchedulerSide:
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.hashing is not None:
+            st.hashing.cancel()  # finished (aborted) while its prompt was being hashed
         if st is None or st.loading or not self.cfg.save or st.key_model is None:
             return False, None  # a load still owns these blocks: never read them
         n = int(request.num_computed_tokens) // self.chunk
