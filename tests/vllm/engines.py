@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-HARNESS = "bsr_io.integrations.vllm.harness"
+HARNESS = "bsr_io.testing.vllm_harness"
 
 
 def threads_env(tp: int) -> dict[str, str]:

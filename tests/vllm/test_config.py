@@ -56,7 +56,7 @@ def test_accepts_errors_only_when_asked():
 
 def test_real_engine_refuses_the_default_fail_policy(tmp_path):
     code = f"""
-from bsr_io.integrations.vllm import harness
+from bsr_io.testing import vllm_harness as harness
 model = harness.write_tiny_llama({str(tmp_path / "model")!r})
 harness.engine(model, 1, connector={{"store_dir": {str(tmp_path / "s")!r}}}, policy="fail")
 """

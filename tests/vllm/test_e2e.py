@@ -7,7 +7,7 @@ did, and vLLM's own `num_cached_tokens` for the hit it used.
 
 from __future__ import annotations
 
-from bsr_io.integrations.vllm.harness import CHUNK_TOKENS, WINDOW
+from bsr_io.testing.vllm_harness import CHUNK_TOKENS, WINDOW
 
 
 def _by_rank(events: list[dict]) -> dict[int, dict]:

@@ -20,7 +20,7 @@ from engines import threads_env
 
 CODE = """
 import json, sys
-from bsr_io.integrations.vllm import harness
+from bsr_io.testing import vllm_harness as harness
 model = harness.write_tiny_llama(sys.argv[1])
 try:
     harness.engine(model, 1, connector={"store_dir": sys.argv[2], "events_path": sys.argv[3]},

@@ -11,7 +11,7 @@ vLLM's own cached-token count.
 from __future__ import annotations
 
 import pytest
-from bsr_io.integrations.vllm.harness import G_CHUNK, WINDOW
+from bsr_io.testing.vllm_harness import G_CHUNK, WINDOW
 from engines import run_harness
 
 RECORD = 2 * 2 * 32768  # 2 layers x 2 pages of 32 KiB, every group at 256-token chunks

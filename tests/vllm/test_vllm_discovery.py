@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import pytest
 from bsr_io.integrations.vllm import kv_shapes, scheduler
 from bsr_io.integrations.vllm.config import ConnectorConfig
-from bsr_io.integrations.vllm.harness import tokens
 from bsr_io.integrations.vllm.identity import key_model
 from bsr_io.integrations.vllm.layout import group_layouts
 from bsr_io.integrations.vllm.metadata import BsrWorkerMeta
 from bsr_io.integrations.vllm.scheduler import SchedulerSide
 from bsr_io.keys import ChunkKey, prefix_hashes
+from bsr_io.testing.vllm_harness import tokens
 from bsr_io.tiers.files.records import record_path
 
 CHUNK = 256

@@ -25,7 +25,7 @@ from bsr_io.cli.report import write_json
 from bsr_io.sizes import KiB, MiB
 from bsr_io.testing.scratch import make_scratch, scratch_base
 
-HARNESS = "bsr_io.integrations.vllm.harness"
+HARNESS = "bsr_io.testing.vllm_harness"
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:
@@ -180,11 +180,11 @@ def run_discovery(args: argparse.Namespace) -> int:
 
     from bsr_io.integrations.vllm import kv_shapes
     from bsr_io.integrations.vllm.config import ConnectorConfig
-    from bsr_io.integrations.vllm.harness import FsCalls, tokens
     from bsr_io.integrations.vllm.identity import key_model
     from bsr_io.integrations.vllm.layout import group_layouts
     from bsr_io.integrations.vllm.scheduler import SchedulerSide
     from bsr_io.keys import prefix_hashes
+    from bsr_io.testing.vllm_harness import FsCalls, tokens
 
     chunk, tp = 256, args.tp
     base = scratch_base(Path(args.dir)) if args.dir else make_scratch(None, "bsr-vllm-disc-")

@@ -8,7 +8,8 @@ tier when `--extra` carries `bsr.mooncake.*` keys, the fault double from BSR_IO_
 as the caller set it) and runs, in order: a read that hangs, a long save beside a load,
 several corrupt records in one load, a restore served by the pool, and hot chunks kept
 by vLLM's local hits while new saves overflow the cap. `baseline` computes the same
-prompts without the connector. Engines come from the vLLM harness.
+prompts without the connector. Engines come from the vLLM harness
+(vllm_harness.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bsr_io.integrations.vllm import harness as h
+from bsr_io.testing import vllm_harness as h
 
 C = h.CHUNK_TOKENS
 HANG_S = 8.0  # the hung read's stall; the load timeout is 3 s

@@ -1,11 +1,12 @@
 """Real vLLM engines with bsr-io's connector, for the end-to-end tests and `bench vllm`.
 
-Test and benchmark support, not part of the connector: a tiny random-weight Llama
-written locally (no download), engines started with or without the connector, and
-helpers that read the connector's event log. Run as a script so that each engine
-lives in its own process (vLLM spawns its engine core and workers):
+Test and benchmark support, outside the connector (the integration never imports it):
+a tiny random-weight Llama written locally (no download), engines started with or
+without the connector, helpers that read the connector's event log, and test doubles
+that plant or corrupt records. Run as a script so that each engine lives in its own
+process (vLLM spawns its engine core and workers):
 
-    python -m bsr_io.integrations.vllm.harness suite --tp 2 --work DIR --out R.json
+    python -m bsr_io.testing.vllm_harness suite --tp 2 --work DIR --out R.json
 """
 
 from __future__ import annotations
@@ -633,7 +634,7 @@ def run_bench(model: str, tp: int, work: str, lengths: list[int], *, rounds: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bsr_io.integrations.vllm.harness")
+    ap = argparse.ArgumentParser(prog="python -m bsr_io.testing.vllm_harness")
     ap.add_argument(
         "what", choices=["suite", "baseline", "model", "bench", "hybrid", "hybrid-baseline"]
     )
