@@ -538,6 +538,9 @@ VLLM_FIGURES: list[Fig] = [
         )
         for i, k in ((1, 2), (2, 4), (3, 8), (4, 16))
     ],
+    Fig(
+        "and {}x at 32K", "vllm.json", "rows.5.ttft_ratio_recompute_over_restore", fmt="{:.0f}"
+    ),  # fmt: skip
     Fig("W=8, {}-token chunks", "vllm.json", "chunk_tokens", fmt="{:.0f}"),
     Fig("32K ({} s against", "vllm.json", "rows.5.ttft_restore_s", fmt="{:.3f}"),
     Fig("s against {} s);", "vllm.json", "rows.5.ttft_recompute_s"),

@@ -510,7 +510,10 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
     events = Events(os.path.join(work, "events.jsonl"))
     cfg = {"store_dir": store, "window": WINDOW, "chunk_tokens": G_CHUNK,
            "load_timeout_s": 60.0, "save_timeout_s": 600.0, "events_path": events.path,
-           "step_save_budget_s": 5.0}  # fmt: skip
+           "step_save_budget_s": 5.0,
+           # Every prompt hashed off the scheduler thread: vLLM is answered None (ask
+           # again) first, so every phase below runs through that path too.
+           "hash_inline_tokens": 0}  # fmt: skip
     llm = g_engine(model, tp, cfg)
     P = g_prompts()
     out: dict[str, Any] = {"tp": tp}

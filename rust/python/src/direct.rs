@@ -3,16 +3,16 @@
 //! where the read left it.
 
 use std::sync::Mutex;
-use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use bsr_io_core::install::{self, Run, Span};
+use bsr_io_core::install::{self, Run};
 use bsr_io_core::{Error, Pending};
 
 use crate::errors::Raise;
-use crate::slot::Exported;
+use crate::pending::timeout_arg;
+use crate::slot::{export_spans, to_runs, Exported};
 use bsr_io_core::claims::Claim;
 
 /// Buffer exports pinning the destination memory while the kernel may write it.
@@ -39,15 +39,7 @@ pub(crate) fn payload_runs(
     lens: &[usize],
     runs: Vec<(usize, usize, usize, usize)>,
 ) -> PyResult<(usize, Vec<Run>)> {
-    let runs: Vec<Run> = runs
-        .into_iter()
-        .map(|(dst, dst_offset, src_offset, len)| Run {
-            dst,
-            dst_offset,
-            src_offset,
-            len,
-        })
-        .collect();
+    let runs = to_runs(runs);
     let mut total = 0;
     for (i, r) in runs.iter().enumerate() {
         if r.src_offset != total {
@@ -84,15 +76,7 @@ impl PyDirectRead {
     /// Bytes read, once the read has ended; the buffers are then the caller's again.
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
-        let timeout = match timeout {
-            None => None,
-            Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
-            Some(t) => {
-                return Err(PyValueError::new_err(format!(
-                    "timeout must be a non-negative number of seconds, got {t}"
-                )))
-            }
-        };
+        let timeout = timeout_arg(timeout)?;
         let op = &self.op;
         let res = py.detach(|| op.wait(timeout));
         if !matches!(res, Err(Error::Timeout)) {
@@ -126,17 +110,7 @@ pub(crate) fn xxh3_runs(
     bufs: Vec<Bound<'_, PyAny>>,
     runs: Vec<(usize, usize, usize, usize)>,
 ) -> PyResult<u64> {
-    let exports = bufs
-        .iter()
-        .map(|b| Exported::get(b, false))
-        .collect::<PyResult<Vec<_>>>()?;
-    let spans: Vec<Span> = exports
-        .iter()
-        .map(|e| Span {
-            addr: e.addr(),
-            len: e.len(),
-        })
-        .collect();
+    let (exports, spans) = export_spans(&bufs, false)?;
     let lens: Vec<usize> = spans.iter().map(|s| s.len).collect();
     let (total, runs) = payload_runs(&lens, runs)?;
     // Only the runs' bytes are read, and no install on another thread may write them

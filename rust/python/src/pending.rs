@@ -25,6 +25,18 @@ pub(crate) enum Handoff {
     Busy,
 }
 
+/// A wait's `timeout` argument: None waits for good; a negative or non-finite number is
+/// the caller's error.
+pub(crate) fn timeout_arg(timeout: Option<f64>) -> PyResult<Option<Duration>> {
+    match timeout {
+        None => Ok(None),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
+        Some(t) => Err(PyValueError::new_err(format!(
+            "timeout must be a non-negative number of seconds, got {t}"
+        ))),
+    }
+}
+
 #[pyclass(name = "Pending", module = "bsr_io._core", frozen)]
 pub(crate) struct PyPending {
     pub(crate) op: Pending,
@@ -39,15 +51,7 @@ impl PyPending {
 
     #[pyo3(signature = (timeout = None))]
     pub(crate) fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PySlot>> {
-        let timeout = match timeout {
-            None => None,
-            Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
-            Some(t) => {
-                return Err(PyValueError::new_err(format!(
-                    "timeout must be a non-negative number of seconds, got {t}"
-                )))
-            }
-        };
+        let timeout = timeout_arg(timeout)?;
         let op = &self.op;
         py.detach(|| op.wait(timeout)).raise()?;
         let state = std::mem::replace(&mut *self.lock(), Handoff::Busy);

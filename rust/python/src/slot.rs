@@ -48,6 +48,38 @@ impl Exported {
     }
 }
 
+/// Exports of `bufs` (writable ones for destinations) and their spans, in order: the
+/// exports pin the memory for as long as the caller keeps them.
+pub(crate) fn export_spans(
+    bufs: &[Bound<'_, PyAny>],
+    writable: bool,
+) -> PyResult<(Vec<Exported>, Vec<Span>)> {
+    let exports = bufs
+        .iter()
+        .map(|b| Exported::get(b, writable))
+        .collect::<PyResult<Vec<_>>>()?;
+    let spans = exports
+        .iter()
+        .map(|e| Span {
+            addr: e.addr(),
+            len: e.len(),
+        })
+        .collect();
+    Ok((exports, spans))
+}
+
+/// (buffer index, offset in it, source offset, length) tuples as the core's runs.
+pub(crate) fn to_runs(runs: Vec<(usize, usize, usize, usize)>) -> Vec<Run> {
+    runs.into_iter()
+        .map(|(dst, dst_offset, src_offset, len)| Run {
+            dst,
+            dst_offset,
+            src_offset,
+            len,
+        })
+        .collect()
+}
+
 impl Drop for Exported {
     fn drop(&mut self) {
         // SAFETY: the view was filled by a successful PyObject_GetBuffer; `Exported` is
@@ -177,17 +209,7 @@ impl PySlot {
         dsts: Vec<Bound<'_, PyAny>>,
         runs: Vec<(usize, usize, usize, usize)>,
     ) -> PyResult<u64> {
-        let exports = dsts
-            .iter()
-            .map(|d| Exported::get(d, true))
-            .collect::<PyResult<Vec<_>>>()?;
-        let spans: Vec<Span> = exports
-            .iter()
-            .map(|e| Span {
-                addr: e.addr(),
-                len: e.len(),
-            })
-            .collect();
+        let (exports, spans) = export_spans(&dsts, true)?;
         let (slot_addr, slot_len) = (self.lease.addr(), self.lease.len());
         // A destination must not overlap the slot being read.
         if spans
@@ -199,15 +221,7 @@ impl PySlot {
             ))
             .raise();
         }
-        let runs: Vec<Run> = runs
-            .into_iter()
-            .map(|(dst, dst_offset, src_offset, len)| Run {
-                dst,
-                dst_offset,
-                src_offset,
-                len,
-            })
-            .collect();
+        let runs = to_runs(runs);
         let lens: Vec<usize> = spans.iter().map(|d| d.len).collect();
         install::check_runs(slot_len, &lens, &runs).raise()?;
         // Exactly the bytes this call writes, held until it returns: another thread's
