@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 # What LMCache calls back with once a put's record is stored.
 PutCallback = Callable[[CacheEngineKey], None]
+L1_WAIT_S = 2.0  # longest wait for L1 room to stage a chunk a get was asked for
 # A queued put: the key, its L1 object (one reference held by the plugin), the callback.
 Put = tuple[CacheEngineKey, MemoryObj, PutCallback | None]
 
@@ -122,6 +123,9 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
         self._pending: set[CacheEngineKey] = set()
         self._pending_lock = threading.Lock()
         self._read_lock = threading.Lock()  # the read engine's W slots serve one get at a time
+        # Why the last get delivered fewer chunks than asked (a retrieve that then falls
+        # short says so in its reason).
+        self.last_short_get = ""
         self._queue: queue.Queue[Put | None] = queue.Queue()  # None: stop the writer
         self._writer = threading.Thread(target=self._write_loop, name="bsr-io-put", daemon=True)
         self._writer.start()
@@ -187,17 +191,18 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
         tiers = self.tier.tiers if isinstance(self.tier, Store) else [self.tier]
         ckeys = [self.chunk_key(k) for k in keys]
         objs: list[MemoryObj] = []
+        self.last_short_get = ""
         try:
             for t in tiers:
                 t.prepare_probe(ckeys)
             # The leading chunks some tier holds (metadata only), each with L1 room.
-            while len(objs) < len(keys) and any(_holds(t, ckeys[len(objs)]) for t in tiers):
-                obj = self.local_cpu_backend.allocate(
-                    self._shapes, self._dtypes, self._fmt, eviction=True, busy_loop=False
-                )
+            while len(objs) < len(keys):
+                if not any(_holds(t, ckeys[len(objs)]) for t in tiers):
+                    self._short(f"chunk {len(objs)} of {len(keys)} is in no tier")
+                    break
+                obj = self._allocate()
                 if obj is None:
-                    logger.warning("bsr-io plugin: L1 has no room to stage chunk %d of %d",
-                                   len(objs), len(keys))  # fmt: skip
+                    self._short(f"L1 has no room to stage chunk {len(objs)} of {len(keys)}")
                     break
                 objs.append(obj)
             if objs:
@@ -214,20 +219,37 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
                     # LMCache takes that prefix (its retrieve then decides). Any other
                     # failure (a timeout) leaves nothing trustworthy.
                     good = min(res.failed_chunks) if res.failed_chunks else 0
-                    logger.warning("bsr-io plugin: get of %d chunks kept %d: %s",
-                                   len(objs), good, res.reason)  # fmt: skip
+                    self._short(f"load of {len(objs)} chunks kept {good}: {res.reason}")
                     for obj in objs[good:]:
                         obj.ref_count_down()
                     objs = objs[:good]
         except Exception as exc:
             if isinstance(exc, ChunkError):
-                logger.warning("bsr-io plugin: %s", exc)
+                self._short(str(exc))
             else:
                 logger.exception("bsr-io plugin: read failed")
+                self.last_short_get = f"read failed: {type(exc).__name__}: {exc}"
             for obj in objs:
                 obj.ref_count_down()
             objs = []
         return [*objs, *([None] * (len(keys) - len(objs)))]
+
+    def _allocate(self) -> MemoryObj | None:
+        """An L1 object for one chunk. L1 can be full for a moment of objects that puts
+        in flight still hold (they are released as their records land): wait for room
+        a little, bounded, rather than report a stored chunk as missing."""
+        deadline = time.monotonic() + min(L1_WAIT_S, self.settings.timeout_s)
+        while True:
+            obj = self.local_cpu_backend.allocate(
+                self._shapes, self._dtypes, self._fmt, eviction=True, busy_loop=False
+            )
+            if obj is not None or time.monotonic() >= deadline:
+                return obj
+            time.sleep(0.002)
+
+    def _short(self, why: str) -> None:
+        self.last_short_get = why
+        logger.warning("bsr-io plugin: %s", why)
 
     # -- writes -------------------------------------------------------------------------
     def batched_submit_put_task(

@@ -199,9 +199,11 @@ class BoundedRetriever:
                 held = [o for o in objs if o is not None]
                 try:
                     if len(held) != len(batch) or len(objs) != len(batch):
+                        backend = eng.storage_manager.storage_backends.get(location)
+                        why = getattr(backend, "last_short_get", "")
                         raise _Fail(
                             f"{location} returned {len(held)} of {len(batch)} chunks "
-                            f"in window {report.windows}"
+                            f"in window {report.windows}" + (f" ({why})" if why else "")
                         )
                     staged = sum(o.get_size() for o in held)
                     report.staging_peak_bytes = max(report.staging_peak_bytes, staged)
