@@ -25,6 +25,7 @@ import numpy as np
 if TYPE_CHECKING:
     from vllm import LLM
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     from bsr_io.keys import ChunkKey
     from bsr_io.layout import KVLayout
@@ -96,7 +97,8 @@ def tokens(seed: int, n: int) -> list[int]:
 
 def engine(model: str, tp: int, *, connector: dict[str, Any] | None,
            max_model_len: int = 8192, policy: Literal["recompute", "fail"] = "recompute",
-           block_size: int = BLOCK_SIZE, **extra: Any) -> LLM:  # fmt: skip
+           block_size: int = BLOCK_SIZE, skip_tokenizer_init: bool = True,
+           **extra: Any) -> LLM:  # fmt: skip
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -110,25 +112,29 @@ def engine(model: str, tp: int, *, connector: dict[str, Any] | None,
             kv_connector_extra_config=connector,
         )
     return LLM(
-        model=model, skip_tokenizer_init=True, enable_prefix_caching=True,
+        model=model, skip_tokenizer_init=skip_tokenizer_init, enable_prefix_caching=True,
         block_size=block_size, max_model_len=max_model_len, gpu_memory_utilization=0.08,
         tensor_parallel_size=tp, dtype="bfloat16", seed=0, **kw, **extra,
     )  # fmt: skip
 
 
 def generate(
-    llm: LLM, prompt: list[int], *, salt: str | None = None, max_tokens: int = 8
-) -> tuple[list[int], int | None, str, float]:
-    """(token ids, num_cached_tokens, request id, seconds to the first token)."""
+    llm: LLM, prompt: list[int], *, salt: str | None = None, max_tokens: int = 8,
+    lora: LoRARequest | None = None, images: list[Any] | None = None,
+) -> tuple[list[int], int | None, str, float]:  # fmt: skip
+    """(token ids, num_cached_tokens, request id, seconds to the first token). `lora`: the
+    adapter to run; `images`: PIL images for the prompt's image placeholder tokens."""
     from vllm import SamplingParams
 
     p: TokensPrompt = {"prompt_token_ids": prompt}
     if salt is not None:
         p["cache_salt"] = salt
+    if images:
+        p["multi_modal_data"] = {"image": images}
     t0 = time.perf_counter()
     # max_tokens=1 times the first token: prefill (or restore, then the last token).
     out = llm.generate([p], SamplingParams(temperature=0, max_tokens=max_tokens),
-                       use_tqdm=False)[0]  # fmt: skip
+                       use_tqdm=False, lora_request=lora)[0]  # fmt: skip
     dt = time.perf_counter() - t0
     return list(out.outputs[0].token_ids), out.num_cached_tokens, out.request_id, dt
 
