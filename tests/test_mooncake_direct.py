@@ -3,10 +3,12 @@ against a real pool (mooncake_master + a storage node on loopback)."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import signal
 import threading
 import time
+import traceback
 
 import mooncake_fixtures as mf
 import numpy as np
@@ -137,11 +139,42 @@ def test_a_bad_object_read_in_place_is_caught_and_never_committed(pool, tmp_path
 def test_a_direct_read_past_the_deadline_waits_for_the_transfer(fresh_pool):
     """The storage node stalls mid-read: past `timeout_s` the direct read is not given up
     while the pool may still write the destination; it fails once the call has returned,
-    and the object stays (a stall proves nothing against it)."""
-    tier = MooncakeTier(fresh_pool.config(timeout_s=1.5, down_s=0), layout=LAYOUT)
+    and the object stays (a stall proves nothing against it).
+
+    Runs in a process of its own: after a transfer that outlived its deadline, Mooncake
+    0.3.13's client leaves this process unable to join another pool (a later `setup()`
+    hangs), which would take down every Mooncake test after this one."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    cfg = fresh_pool.config(timeout_s=1.5, down_s=0)
+    proc = ctx.Process(target=_stalled_direct_read, args=(cfg, fresh_pool.node.pid, out))
+    proc.start()
+    try:
+        verdict = out.get(timeout=180)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert verdict == "ok", verdict
+
+
+def _stalled_direct_read(cfg: MooncakeConfig, node_pid: int, out) -> None:
+    try:
+        _stalled_direct_read_checks(cfg, node_pid)
+        out.put("ok")
+    except BaseException:  # noqa: BLE001 - the parent asserts on the text
+        out.put(traceback.format_exc())
+    finally:
+        out.close()
+        out.join_thread()
+        os._exit(0)  # before Mooncake's client aborts at exit (its pool is still up)
+
+
+def _stalled_direct_read_checks(cfg: MooncakeConfig, node_pid: int) -> None:
+    tier = MooncakeTier(cfg, layout=LAYOUT)
     tokens, seed, keys = saved(tier, 1)
     dest = np.zeros(N, dtype=np.uint8)
-    fresh_pool.signal_node(signal.SIGSTOP)
+    os.kill(node_pid, signal.SIGSTOP)
     outcome: list[BaseException | None] = []
     try:
         direct = tier.submit_read_into(keys[0], None, [dest], [(0, 0, 0, N)])
@@ -152,7 +185,7 @@ def test_a_direct_read_past_the_deadline_waits_for_the_transfer(fresh_pool):
         assert waiter.is_alive(), "a direct read was given up while the pool could still write"
         assert not outcome
     finally:
-        fresh_pool.signal_node(signal.SIGCONT)
+        os.kill(node_pid, signal.SIGCONT)
     waiter.join(60)
     assert not waiter.is_alive() and time.monotonic() - t0 >= 3.5
     assert isinstance(outcome[0], ChunkReadError) and "waited for the transfer" in str(outcome[0])
