@@ -501,23 +501,56 @@ FIGURES: list[Fig] = [
     ),
     Fig("bit-identical, RWS {} MiB", "model.json", "rows.2.rws_peak_bytes", scale=MIB),
     # Mooncake
-    Fig("restore {} GiB/s through 4 slots", "remote.json", "restore_gib_s"),
+    Fig("restore {} GiB/s with every chunk read", "remote.json", "restore_gib_s"),
+    Fig("into one {} MiB buffer", "remote.json", "bulk_buffer_bytes", fmt="{:.0f}", scale=MIB),
+    Fig("buffer {} GiB/s: ratio", "remote.json", "client_bulk_gib_s"),
+    Fig("GiB/s: ratio {} (median of the rounds'", "remote.json", "ratio"),
+    Fig("(median of the rounds' ratios {}, lowest", "remote.json", "ratio_median_of_rounds"),
+    Fig("lowest round {})", "remote.json", "ratio_min_of_rounds"),
+    Fig("`docs/results/remote-2.json`): ratio {},", "remote-2.json", "ratio"),
+    Fig("rounds' ratios {}. Through the 4 slots", "remote-2.json", "ratio_median_of_rounds"),
     Fig("(RWS {} MiB = W x chunk", "remote.json", "rws_peak_bytes", scale=MIB),
     Fig("W x chunk, state {} MiB)", "remote.json", "state_bytes", fmt="{:.0f}", scale=MIB),
-    Fig("into one {} MiB buffer", "remote.json", "bulk_buffer_bytes", fmt="{:.0f}", scale=MIB),
-    Fig("buffer {} GiB/s:", "remote.json", "client_bulk_gib_s"),
-    Fig("ratio {} (median of the rounds' ratios", "remote.json", "ratio"),
-    Fig("(median of the rounds' ratios {})", "remote.json", "ratio_median_of_rounds"),
+    Fig("the ratio is {}: the install copy", "remote.json", "ratio_slots"),
     Fig(
-        "What caps it: {}% of the",
+        "transfer ends, {} CPU s/GiB in the callers",
+        "remote-calls.json",
+        "shapes.1 per call, 1 in flight, normal priority.callers_cpu_s_per_gib",
+        derive=lambda d: d["remote-calls.json"]["shapes"][
+            "1 per call, 1 in flight, normal priority"
+        ]["callers_cpu_s_per_gib"],
+    ),  # fmt: skip
+    *[
+        Fig(
+            phrase,
+            "remote-calls.json",
+            f"shapes.{shape}.vs_bulk",
+            derive=lambda d, shape=shape: d["remote-calls.json"]["shapes"][shape]["vs_bulk"],
+        )
+        for phrase, shape in [
+            ("2 in flight: {} of the bulk read", "1 per call, 2 in flight, normal priority"),
+            ("the bulk read; 4 in flight: {})", "1 per call, 4 in flight, normal priority"),
+            ("they matched it (2 in flight: {};", "1 per call, 2 in flight, low priority"),
+            ("flight: 1.01; 4: {})", "1 per call, 4 in flight, low priority"),
+            ("one call at a time reached {} and", "1 per call, 1 in flight, normal priority"),
+            ("four objects per call {}. So", "4 per call, 1 in flight, normal priority"),
+        ]
+    ],  # fmt: skip
+    Fig("gains nothing on its own ({} GiB/s)", "remote.json", "client_bulk_low_gib_s"),
+    Fig(
+        "What is left: {}% of the restore",
         "remote.json",
         "restore_read_wait_share x 100",
         fmt="{:.1f}",
         derive=lambda d: 100 * d["remote.json"]["restore_read_wait_share"],
     ),
-    Fig("spends {} CPU s/GiB on it", "remote.json", "restore_cpu_s_per_gib"),
-    Fig("on it against {} for the bulk", "remote.json", "bulk_cpu_s_per_gib"),
-    Fig("read (1-minute load {} to", "remote.json", "load.loadavg_1m_min"),
+    Fig("together spend {} CPU s/GiB", "remote.json", "restore_total_cpu_s_per_gib"),
+    Fig("restore against {} on the bulk", "remote.json", "bulk_total_cpu_s_per_gib"),
+    Fig("(this process {} and", "remote.json", "restore_cpu_s_per_gib"),
+    Fig("this process 1.27 and {}, the storage", "remote.json", "bulk_cpu_s_per_gib"),
+    Fig("the storage node {} and", "remote.json", "restore_node_cpu_s_per_gib"),
+    Fig("node 0.70 and {};", "remote.json", "bulk_node_cpu_s_per_gib"),
+    Fig("1-minute load {} to", "remote.json", "load.loadavg_1m_min"),
     Fig("to {} while it ran)", "remote.json", "load.loadavg_1m_max"),
 ]
 
