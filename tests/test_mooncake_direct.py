@@ -1,11 +1,18 @@
 """Pool reads straight into the destination's blocks, and the data threads' priority,
-against a real pool (mooncake_master + a storage node on loopback)."""
+against a real pool (mooncake_master + a storage node on loopback).
+
+The tests run in an interpreter of their own (`test_in_its_own_interpreter`): Mooncake
+0.3.13's client cannot join a pool from a process whose earlier clients belonged to a
+pool that has since stopped (setup hangs, holding the GIL), so this module's pools must
+not share a process with test_mooncake_tier.py's."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -30,6 +37,21 @@ mf.require_mooncake()
 from bsr_io.tiers.mooncake import MooncakeTier  # noqa: E402
 
 _loopback_ns, netns, pool, fresh_pool = mf._loopback_ns, mf.netns, mf.pool, mf.fresh_pool
+INNER = "BSR_IO_TEST_INNER"
+# Skipped before any fixture starts a pool, unless this is the module's own interpreter.
+inner = pytest.mark.skipif(not os.environ.get(INNER), reason="runs in its own interpreter")
+
+
+@pytest.mark.skipif(bool(os.environ.get(INNER)), reason="the outer run")
+def test_in_its_own_interpreter():
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        env={**os.environ, INNER: "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    # Every test of the module ran there (the one skipped is this one).
+    assert proc.returncode == 0 and " passed" in last and "1 skipped" in last, proc.stdout[-4000:]
+
 
 LAYOUT = preset("tiny", chunk_tokens=256)
 N = LAYOUT.chunk_bytes
@@ -61,6 +83,7 @@ def record_bytes(tmp_path, key, seed: int, i: int) -> bytes:
     return lower.path_of(key).read_bytes()
 
 
+@inner
 @pytest.mark.parametrize("how", ["direct", "slots", "tier_off"])
 def test_a_restore_reads_the_pool_straight_into_the_destination(pool, how):
     """Direct: no slot is leased (RWS 0) and every chunk lands verified; the control is the
@@ -87,6 +110,7 @@ def test_a_restore_reads_the_pool_straight_into_the_destination(pool, how):
     tier.close()
 
 
+@inner
 @pytest.mark.parametrize("kind", ["flipped", "foreign_key", "short", "missing"])
 @pytest.mark.parametrize("fallback", [True, False])
 def test_a_bad_object_read_in_place_is_caught_and_never_committed(pool, tmp_path, kind,
@@ -136,6 +160,7 @@ def test_a_bad_object_read_in_place_is_caught_and_never_committed(pool, tmp_path
     tier.close()
 
 
+@inner
 def test_a_direct_read_past_the_deadline_waits_for_the_transfer(fresh_pool):
     """The storage node stalls mid-read: past `timeout_s` the direct read is not given up
     while the pool may still write the destination; it fails once the call has returned,
@@ -205,6 +230,7 @@ def _wait(direct) -> BaseException | None:
     return None
 
 
+@inner
 def test_direct_reads_off_or_runs_that_miss_the_payload(pool):
     tier = MooncakeTier(pool.config(direct_reads=False), layout=LAYOUT)
     tokens, seed, keys = saved(tier, 1)
@@ -229,6 +255,7 @@ def _policy(tid: int) -> int | None:
         return None  # ended meanwhile
 
 
+@inner
 @pytest.mark.parametrize("priority", ["idle", "normal"])
 def test_only_the_data_call_threads_are_lowered(pool, priority):
     """Mooncake's client busy-polls in the thread that calls it: the tier's data threads
