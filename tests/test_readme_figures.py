@@ -311,8 +311,26 @@ FIGURES: list[Fig] = [
         fmt="{:.3f}",
     ),  # fmt: skip
     Fig("(CPU goal {},", "ceiling-direct.json", "goal_cpu_s_per_gib"),
+    Fig(
+        "adds to the read is {} CPU s/GiB",
+        "ceiling-direct.json",
+        "restore_own_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),  # fmt: skip
+    Fig(
+        "no read at all, costs {} CPU s/GiB",
+        "ceiling-direct.json",
+        "hash_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),  # fmt: skip
+    Fig("s/GiB ({} GiB/s: one core's", "ceiling-direct.json", "hash_gib_s"),
+    Fig(
+        "by DMA, the restore cost {} CPU s/GiB", "ttft.json", "fast_cpu_s_per_gib", fmt="{:.3f}"
+    ),  # fmt: skip
     # several drives (stripe.json)
     Fig("of the {} on the disk", "stripe.json", "chunks", fmt="{:.0f}"),
+    Fig("by key: {} of the", "stripe.json", "chunks_per_drive.0", fmt="{:.0f}"),
+    Fig("on the disk, {} in tmpfs", "stripe.json", "chunks_per_drive.1", fmt="{:.0f}"),
     Fig("striped restore ran at {} GiB/s", "stripe.json", "restore_gib_s"),
     Fig(
         "GiB/s against {} GiB/s for fio reading the same record files", "stripe.json", "fio_gib_s"
@@ -339,7 +357,7 @@ FIGURES: list[Fig] = [
         fmt="{:.1f}",
         derive=lambda d: 100 * d["stripe.json"]["restore_install_share"],
     ),
-    Fig("shared cores (1-minute load {} to", "stripe.json", "load.loadavg_1m_min"),
+    Fig("on a quiet machine (1-minute load {} to", "stripe.json", "load.loadavg_1m_min"),
     Fig("to {}).", "stripe.json", "load.loadavg_1m_max"),
     # staging against state size
     Fig("cold cache, {}-byte chunks", "sweep.json", "rows.0.chunk_bytes", fmt="{:,.0f}"),
