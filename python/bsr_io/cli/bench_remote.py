@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import os
 import random
-import resource
 import statistics
 import threading
 import time
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from bsr_io._core import Engine
+from bsr_io.cli.host import process_cpu_s
 from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.engine import as_numpy
@@ -156,12 +156,6 @@ def run(args: argparse.Namespace) -> int:
     return 0 if doc["outcome"] == "complete" else 1
 
 
-def _cpu_s() -> float:
-    """This process's CPU time (the pool's storage node is another process)."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
 def _fill(tier, engine: Engine, layout, keys) -> None:
     slot = engine.lease()
     slot.set_length(layout.chunk_bytes)
@@ -244,7 +238,7 @@ def _measure(tier, engine, layout, keys, tokens, args, model, node) -> dict[str,
         rng.shuffle(order)
         row["order"] = order
         for which in order:
-            c0, n0 = _cpu_s(), _node_cpu_s(node)
+            c0, n0 = process_cpu_s(), _node_cpu_s(node)
             t0 = time.perf_counter()
             if which == "bulk":
                 bulk_read()
@@ -253,7 +247,7 @@ def _measure(tier, engine, layout, keys, tokens, args, model, node) -> dict[str,
             else:
                 results[which] = res = restore(direct_ok and which == "restore")
             row[f"{which}_s"] = time.perf_counter() - t0
-            row[f"{which}_cpu_s_per_gib"] = (_cpu_s() - c0) * GiB / state
+            row[f"{which}_cpu_s_per_gib"] = (process_cpu_s() - c0) * GiB / state
             if node is not None:
                 row[f"{which}_node_cpu_s_per_gib"] = (_node_cpu_s(node) - n0) * GiB / state
             if which.startswith("restore"):
