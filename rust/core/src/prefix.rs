@@ -11,21 +11,20 @@ use blake2b_simd::Params;
 /// Tag that versions the scheme (changing it changes every key).
 pub const DOMAIN: &[u8] = b"bsr-io/prefix/v2";
 
-/// Hashes of the full chunks of `tokens` after `prev` (the hash of the chunk before
-/// `tokens[0]`, zero for the start of a sequence), in order. A partial last chunk has
-/// no hash. `chunk_tokens` must be positive.
-pub fn chain(prev: u128, tokens: &[i64], chunk_tokens: usize) -> Vec<u128> {
+/// Hashes of the full chunks of `tokens` (token ids as little-endian int64, the form
+/// the hash covers) after `prev` (the hash of the chunk before the first token, zero
+/// for the start of a sequence), in order. A partial last chunk has no hash.
+/// `chunk_tokens` must be positive.
+pub fn chain(prev: u128, tokens: &[u8], chunk_tokens: usize) -> Vec<u128> {
     assert!(chunk_tokens > 0, "chunk_tokens must be positive");
     let mut params = Params::new();
     params.hash_length(32).personal(b"bsr-prefix");
     let mut link = prev.to_le_bytes();
-    let mut bytes = Vec::with_capacity(chunk_tokens * 8);
-    let mut out = Vec::with_capacity(tokens.len() / chunk_tokens);
-    for chunk in tokens.chunks_exact(chunk_tokens) {
-        bytes.clear();
-        bytes.extend(chunk.iter().flat_map(|t| t.to_le_bytes()));
+    let chunk_bytes = chunk_tokens * 8;
+    let mut out = Vec::with_capacity(tokens.len() / chunk_bytes);
+    for chunk in tokens.chunks_exact(chunk_bytes) {
         let mut st = params.to_state();
-        st.update(DOMAIN).update(&link).update(&bytes);
+        st.update(DOMAIN).update(&link).update(chunk);
         link.copy_from_slice(&st.finalize().as_bytes()[..16]);
         out.push(u128::from_le_bytes(link));
     }
@@ -34,7 +33,13 @@ pub fn chain(prev: u128, tokens: &[i64], chunk_tokens: usize) -> Vec<u128> {
 
 #[cfg(test)]
 mod tests {
-    use super::chain;
+    fn le(toks: &[i64]) -> Vec<u8> {
+        toks.iter().flat_map(|t| t.to_le_bytes()).collect()
+    }
+
+    fn chain(prev: u128, toks: &[i64], chunk: usize) -> Vec<u128> {
+        super::chain(prev, &le(toks), chunk)
+    }
 
     #[test]
     fn chains_and_continues() {

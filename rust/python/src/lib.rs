@@ -48,8 +48,8 @@ fn xxh3_64(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u64> {
 }
 
 /// Chained prefix hashes (`bsr_io.keys.extend_prefix_hashes`): `tokens` is a list of ints
-/// or little-endian int64 bytes. The ints are read with the GIL held, the hashing runs
-/// without it, so a scheduler thread hashing a long prompt does not stall the others.
+/// or little-endian int64 bytes. A list's ints are read with the GIL held, the hashing
+/// runs without it, so a scheduler thread hashing a long prompt does not stall the others.
 #[pyfunction]
 #[pyo3(signature = (tokens, chunk_tokens, prev = 0))]
 fn prefix_hashes(
@@ -59,11 +59,7 @@ fn prefix_hashes(
     prev: u128,
 ) -> PyResult<Vec<u128>> {
     let chunk = positive("chunk_tokens", chunk_tokens)? as usize;
-    let ids: Vec<i64> = if let Ok(list) = tokens.cast::<PyList>() {
-        list.iter()
-            .map(|t| t.extract::<i64>())
-            .collect::<PyResult<_>>()?
-    } else if let Ok(raw) = tokens.cast::<PyBytes>() {
+    if let Ok(raw) = tokens.cast::<PyBytes>() {
         let raw = raw.as_bytes();
         if raw.len() % 8 != 0 {
             return Err(PyValueError::new_err(format!(
@@ -71,15 +67,17 @@ fn prefix_hashes(
                 raw.len()
             )));
         }
-        raw.chunks_exact(8)
-            .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
-            .collect()
-    } else {
-        return Err(PyTypeError::new_err(
-            "tokens must be a list of ints or little-endian int64 bytes",
-        ));
-    };
-    Ok(py.detach(move || prefix::chain(prev, &ids, chunk)))
+        // bytes are immutable and `tokens` keeps them alive while the GIL is released.
+        return Ok(py.detach(|| prefix::chain(prev, raw, chunk)));
+    }
+    let list = tokens.cast::<PyList>().map_err(|_| {
+        PyTypeError::new_err("tokens must be a list of ints or little-endian int64 bytes")
+    })?;
+    let mut le = Vec::with_capacity(list.len() * 8);
+    for t in list.iter() {
+        le.extend_from_slice(&t.extract::<i64>()?.to_le_bytes());
+    }
+    Ok(py.detach(move || prefix::chain(prev, &le, chunk)))
 }
 
 #[pyfunction]

@@ -101,7 +101,8 @@ class SchedulerSide:
         the chain goes on from the last chunk hashed)."""
         n = upto_tokens // self.chunk
         if len(st.hashes) < n:
-            tokens = list(st.request.all_token_ids[: n * self.chunk])
+            # vLLM's ConstantList slices to a list, which goes to Rust without a copy.
+            tokens = st.request.all_token_ids[: n * self.chunk]
             st.hashes = extend_prefix_hashes(st.hashes, tokens, self.chunk)
         return st.hashes[:n]
 
@@ -117,7 +118,7 @@ class SchedulerSide:
             # the hash run on the hasher thread (the hash without the GIL).
             prev, req, end = list(st.hashes), st.request, n * self.chunk
             st.hashing = self._hasher.submit(
-                lambda: extend_prefix_hashes(prev, list(req.all_token_ids[:end]), self.chunk)
+                lambda: extend_prefix_hashes(prev, req.all_token_ids[:end], self.chunk)
             )
             return None
         if not st.hashing.done():
