@@ -153,6 +153,17 @@ class _Call:
             raise self.error
         return self.result
 
+    def wait_by(self, deadline: float, timeout: float | None, key: ChunkKey) -> Any:
+        """`wait` for a read due by `deadline`: TimeoutError (still in flight, ask again)
+        when the caller's own `timeout` ends first, CallTimeout once the deadline passes."""
+        left = deadline - time.monotonic()
+        try:
+            return self.wait(max(0.0, left if timeout is None else min(timeout, left)))
+        except CallTimeout:
+            if timeout is not None and timeout < left:
+                raise TimeoutError(f"chunk {key.short()} still in flight") from None
+            raise
+
     def take(self) -> tuple[Any, ...]:
         """The memory the call held (once it has returned); the waiter gives it back."""
         with self._lock:
@@ -617,13 +628,9 @@ class MooncakeTier(Tier):
         del slot, hdr  # from here the call owns them until it returns
 
         def finish(timeout: float | None) -> Slot:
-            left = deadline - time.monotonic()
-            wait = left if timeout is None else min(timeout, left)
             try:
-                out = call.wait(max(0.0, wait))
+                out = call.wait_by(deadline, timeout, key)
             except CallTimeout:
-                if timeout is not None and timeout < left:
-                    raise TimeoutError(f"chunk {key.short()} still in flight") from None
                 call.abandon()  # its slot stays leased until the call returns
                 self._count(timeouts=1)
                 self._mark_down(f"a read got no answer within {self.config.timeout_s} s")
@@ -731,13 +738,9 @@ class MooncakeTier(Tier):
         del hdr
 
         def finish(timeout: float | None) -> None:
-            left = deadline - time.monotonic()
-            wait = left if timeout is None else min(timeout, left)
             try:
-                out = call.wait(max(0.0, wait))
+                out = call.wait_by(deadline, timeout, key)
             except CallTimeout:
-                if timeout is not None and timeout < left:
-                    raise TimeoutError(f"chunk {key.short()} still in flight") from None
                 raise self._stalled_direct(key, call) from None
             except Exception as exc:  # noqa: BLE001 - the binding raised
                 self._headers.give(call.take()[0])
