@@ -161,10 +161,10 @@ def test_catalog_keeps_pool_records_across_rescans(tmp_path):
     cat.add("ns", [1, 2], keep=True)
     cat.add("ns", [3])
     cat.rescan()  # the directory holds none of them
-    assert [cat.holds("ns", h) for h in (1, 2, 3)] == [True, True, False]
+    assert [cat.holds(["ns"], h) for h in (1, 2, 3)] == [True, True, False]
     cat.drop("ns", [1])  # a failed load drops a pool record for good
     cat.rescan()
-    assert [cat.holds("ns", h) for h in (1, 2)] == [False, True]
+    assert [cat.holds(["ns"], h) for h in (1, 2)] == [False, True]
 
 
 # -- configuration --------------------------------------------------------------------------

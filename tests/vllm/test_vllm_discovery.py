@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 from bsr_io.integrations.vllm import kv_shapes, scheduler
+from bsr_io.integrations.vllm.catalog import RecordCatalog
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import key_model
 from bsr_io.integrations.vllm.layout import group_layouts
@@ -89,6 +90,25 @@ def test_hit_needs_every_full_chunk_and_the_window_record_at_the_end(setup):
     assert side.get_num_new_matched_tokens(_request("c", toks), 0)[0] == 3 * CHUNK
     # ...unless vLLM holds chunks 0-4 itself: then chunk 3 is not needed.
     assert side.get_num_new_matched_tokens(_request("d", toks), 5 * CHUNK) == (4 * CHUNK, True)
+
+
+def test_catalog_answers_for_every_rank_of_a_group(setup):
+    groups, _, _, store = setup
+    dirs = [store.path(2, r, 0).parent.name for r in range(TP)]  # the full group's ranks
+    h = store.hashes
+    cat = RecordCatalog([store.root])
+    assert cat.leading(dirs, h, 0, 10) == 10
+    # One rank's record gone (a failed load dropped it): the prefix stops there for the
+    # group, while the other rank alone still holds it.
+    cat.drop(dirs[1], [h[4]])
+    assert (cat.leading(dirs, h, 0, 10), cat.leading(dirs[:1], h, 0, 10)) == (4, 10)
+    assert (cat.holds(dirs, h[4]), cat.holds(dirs[:1], h[4])) == (False, True)
+    cat.add(dirs[1], [h[4]])  # a worker's save
+    assert cat.leading(dirs, h, 2, 10) == 10
+    # From the listing: rank 0's file removed by another process.
+    store.path(2, 0, 6).unlink()
+    cat.rescan()
+    assert (cat.leading(dirs, h, 0, 10), cat.leading(dirs[1:], h, 0, 10)) == (6, 10)
 
 
 def test_leaves_a_token_to_compute(setup):

@@ -1,13 +1,16 @@
 """The scheduler side's record catalog: which records exist, without I/O on vLLM's
 scheduler thread.
 
-An in-memory set of chunk hashes per record directory (a directory is one model and
-context, one group layout, one rank: `ChunkKey.namespace()`), built at start by one
-listing of the store's directories (file names only, no header read), fed by the saves
-the workers confirm and emptied of a request's records when its load fails. A
-background thread lists the directories again every few seconds and swaps the sets in,
-so records written or removed by other processes are seen. A stale entry costs one
-failed load (records are verified when read), never wrong data.
+A record directory is one model and context, one group layout and one rank
+(`ChunkKey.namespace()`, `...-w{world}r{rank}`). The catalog keeps, per directory name
+without its rank (a "base"), one map from chunk hash to a bitmask of the ranks that hold
+it, so asking whether a prefix is held on every rank is one dictionary look-up per chunk,
+not one per chunk and rank. It is built at start by one listing of the store's
+directories (file names only, no header read), fed by the saves the workers confirm and
+emptied of a request's records when its load fails. A background thread lists the
+directories again every few seconds and swaps the maps in, so records written or removed
+by other processes are seen. A stale entry costs one failed load (records are verified
+when read), never wrong data.
 
 A pool below the SSD tier (Mooncake) cannot be listed: saves written through to it are
 added with `keep=True` and survive rescans (an SSD record evicted or deleted is still
@@ -17,15 +20,25 @@ served from the pool) until a failed load drops them.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from bsr_io.tiers.files.records import NS_RE, STEM_RE, SUFFIX
 
+Masks = dict[str, dict[int, int]]  # base -> chunk hash -> bitmask of the ranks holding it
+_RANK_RE = re.compile(r"^(.*r)(\d+)$")
 
-def _list(chunks_dirs: Sequence[Path]) -> dict[str, set[int]]:
-    out: dict[str, set[int]] = {}
+
+def split(ns: str) -> tuple[str, int]:
+    """A directory name as (base, rank bit); a name without a rank is rank 0."""
+    m = _RANK_RE.match(ns)
+    return (m.group(1), 1 << int(m.group(2))) if m else (ns, 1)
+
+
+def _list(chunks_dirs: Sequence[Path]) -> Masks:
+    out: Masks = {}
     for d in chunks_dirs:
         try:
             namespaces = list(os.scandir(d))
@@ -38,50 +51,68 @@ def _list(chunks_dirs: Sequence[Path]) -> dict[str, set[int]]:
                 names = os.listdir(ns.path)
             except OSError:
                 continue
-            found = out.setdefault(ns.name, set())
+            base, bit = split(ns.name)
+            masks = out.setdefault(base, {})
             for name in names:
                 stem = name[: -len(SUFFIX)]
                 if name.endswith(SUFFIX) and STEM_RE.match(stem):
-                    found.add(int(stem, 16))
+                    h = int(stem, 16)
+                    masks[h] = masks.get(h, 0) | bit
     return out
+
+
+def _apply(masks: Masks, add: bool, ns: str, hashes: frozenset[int]) -> None:
+    base, bit = split(ns)
+    m = masks.setdefault(base, {})
+    for h in hashes:
+        if add:
+            m[h] = m.get(h, 0) | bit
+        elif (left := m.get(h, 0) & ~bit) != 0:
+            m[h] = left
+        else:
+            m.pop(h, None)
 
 
 class RecordCatalog:
     def __init__(self, roots: Iterable[str | os.PathLike[str]]) -> None:
         self._dirs = [Path(os.path.abspath(r)) / "chunks" for r in roots]
         self._lock = threading.Lock()
-        self._sets: dict[str, set[int]] = _list(self._dirs)
+        self._masks: Masks = _list(self._dirs)
         # Changes made while a rescan runs, replayed onto its result before the swap.
         self._journal: list[tuple[bool, str, frozenset[int]]] | None = None
-        self._kept: dict[str, set[int]] = {}  # written through to a pool: no listing sees them
+        self._kept: Masks = {}  # written through to a pool: no listing sees them
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rescans = 0
         self.version = 0  # bumped on every change: a memoized answer is stale after one
 
     # -- lookups (no system call; called on vLLM's scheduler thread) ---------------------
-    def holds(self, ns: str, chunk_hash: int) -> bool:
-        got = self._sets.get(ns)
-        return got is not None and chunk_hash in got
+    # Changes mutate the maps in place under the lock; a lookup reads without it: single
+    # dictionary reads are atomic, and a lookup racing a change sees it or not (a stale
+    # answer costs a miss on the worker, never wrong data).
+    def _need(self, dirs: Sequence[str]) -> list[tuple[dict[int, int], int]]:
+        """Per base of `dirs`: its map and the mask of the ranks asked for."""
+        need: dict[str, int] = {}
+        for ns in dirs:
+            base, bit = split(ns)
+            need[base] = need.get(base, 0) | bit
+        return [(self._masks.get(base, {}), mask) for base, mask in need.items()]
 
-    def leading(self, ns: str, hashes: Sequence[int], start: int, end: int,
-                whole: frozenset[int] | None = None) -> int:  # fmt: skip
-        """The largest m in [start, end] with hashes[start:m] all held in `ns`.
-        `whole`: frozenset(hashes[start:end]), when the caller checks several
-        directories (a set against a set reuses the stored hashes)."""
-        got = self._sets.get(ns)
-        if got is None or start >= end:
+    def holds(self, dirs: Sequence[str], chunk_hash: int) -> bool:
+        """Whether every directory of `dirs` holds the chunk."""
+        return all(m.get(chunk_hash, 0) & need == need for m, need in self._need(dirs))
+
+    def leading(self, dirs: Sequence[str], hashes: Sequence[int], start: int, end: int) -> int:
+        """The largest m in [start, end] with hashes[start:m] all held in every directory
+        of `dirs`."""
+        if start >= end:
             return start
-        if (whole if whole is not None else frozenset(hashes[start:end])) <= got:
-            return end
-        lo, hi = start, end - 1  # hashes[start:lo] held; hashes[start:hi+1] not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if got.issuperset(hashes[start:mid]):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        for masks, need in self._need(dirs):
+            get, n = masks.get, start
+            while n < end and get(hashes[n], 0) & need == need:
+                n += 1
+            end = n
+        return end
 
     # -- feeding ---------------------------------------------------------------------
     def add(self, ns: str, hashes: Iterable[int], keep: bool = False) -> None:
@@ -89,45 +120,40 @@ class RecordCatalog:
         got = frozenset(hashes)
         if keep and got:
             with self._lock:
-                self._apply(self._kept, True, ns, got)
+                _apply(self._kept, True, ns, got)
         self._change(True, ns, got)
 
     def drop(self, ns: str, hashes: Iterable[int]) -> None:
         got = frozenset(hashes)
         if got:
             with self._lock:
-                if ns in self._kept:
-                    self._apply(self._kept, False, ns, got)
+                _apply(self._kept, False, ns, got)
         self._change(False, ns, got)
 
     def _change(self, add: bool, ns: str, hashes: frozenset[int]) -> None:
         if not hashes:
             return
         with self._lock:
-            self._apply(self._sets, add, ns, hashes)
+            _apply(self._masks, add, ns, hashes)
             self.version += 1
             if self._journal is not None:
                 self._journal.append((add, ns, hashes))
-
-    @staticmethod
-    def _apply(sets: dict[str, set[int]], add: bool, ns: str, hashes: frozenset[int]) -> None:
-        # Copy-on-write: a lookup on another thread keeps iterating its own set.
-        cur = sets.get(ns, set())
-        sets[ns] = (cur | hashes) if add else (cur - hashes)
 
     def rescan(self) -> None:
         with self._lock:
             self._journal = []
         fresh = _list(self._dirs)
         with self._lock:
-            for ns, kept in self._kept.items():
-                self._apply(fresh, True, ns, frozenset(kept))
+            for base, kept in self._kept.items():
+                masks = fresh.setdefault(base, {})
+                for h, bits in kept.items():
+                    masks[h] = masks.get(h, 0) | bits
             for add, ns, hashes in self._journal or []:
-                self._apply(fresh, add, ns, hashes)
+                _apply(fresh, add, ns, hashes)
             self._journal = None
-            if fresh != self._sets:
+            if fresh != self._masks:
                 self.version += 1
-            self._sets = fresh
+            self._masks = fresh
             self.rescans += 1
 
     def start(self, interval_s: float) -> None:

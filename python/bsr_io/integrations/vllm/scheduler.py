@@ -133,15 +133,11 @@ class SchedulerSide:
     def hit_chunks(self, key_model: str, hashes: list[int], first: int) -> int:
         """Largest n <= len(hashes) such that every full group holds [first, n) and
         every window group its record at n - 1, on every rank; `first` if none."""
-        total = n = len(hashes)
-        whole = frozenset(hashes[first:n]) if self.full else None
+        n = len(hashes)
         for g in self.full:
-            for ns in self.dirs(key_model, g):
-                # The whole range's set is built once, while no directory has cut it.
-                n = self.catalog.leading(ns, hashes, first, n, whole if n == total else None)
+            n = self.catalog.leading(self.dirs(key_model, g), hashes, first, n)
         while n > first:
-            if all(self.catalog.holds(ns, hashes[n - 1])
-                   for g in self.window for ns in self.dirs(key_model, g)):  # fmt: skip
+            if all(self.catalog.holds(self.dirs(key_model, g), hashes[n - 1]) for g in self.window):
                 return n
             n -= 1
         return first
@@ -260,7 +256,7 @@ class SchedulerSide:
                 if (c + 1) * self.chunk <= computed:
                     continue
                 for g in self.window:
-                    if all(self.catalog.holds(ns, hashes[c]) for ns in self.dirs(st.key_model, g)):
+                    if self.catalog.holds(self.dirs(st.key_model, g), hashes[c]):
                         continue  # stored already (every rank)
                     order = self._order(g, c, st, ids[g.index], 0)
                     live = [p for p in g.span(c) if p >= 0]
@@ -322,8 +318,7 @@ class SchedulerSide:
         hashes = self._hashes(st, n * self.chunk)
         first = n
         for g in self.full:
-            for ns in self.dirs(st.key_model, g):
-                first = min(first, self.catalog.leading(ns, hashes, 0, n))
+            first = min(first, self.catalog.leading(self.dirs(st.key_model, g), hashes, 0, n))
         records = []
         for c in range(first, n):
             orders = [self._order(g, c, st, block_ids[g.index], 0) for g in self.full]
