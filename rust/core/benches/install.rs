@@ -2,9 +2,11 @@
 //! (`copy_runs_xxh3`: copy with streaming stores, hash each piece while in cache)
 //! against the two passes it replaces (xxh3 over the slot, then a plain copy). Sources
 //! rotate over 32 chunk-sized buffers (a W=32 ring, larger than the cache), as in a
-//! restore, where the slot being installed was filled W chunks ago.
+//! restore, where the slot being installed was filled W chunks ago. The hash alone over
+//! such a cold slot is measured both ways: twox-hash's one-shot and `checksum::xxh3_64`,
+//! which prefetches a page ahead.
 
-use bsr_io_core::checksum::xxh3_64;
+use bsr_io_core::checksum::{xxh3_64, Xxh3};
 use bsr_io_core::install::{copy_runs_xxh3, Run};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
@@ -53,6 +55,20 @@ fn bench(c: &mut Criterion) {
             b[slot * n..(slot + 1) * n].copy_from_slice(&src[split..]);
             k += 1;
             h
+        })
+    });
+    // The hash alone over a cold slot (filled RING chunks ago), as a direct read leaves
+    // it: twox-hash's one-shot hash against the page-at-a-time prefetching one.
+    g.bench_function("xxh3_cold_oneshot", |bench| {
+        bench.iter(|| {
+            k += 1;
+            Xxh3::oneshot(&srcs[k % RING])
+        })
+    });
+    g.bench_function("xxh3_cold_prefetch", |bench| {
+        bench.iter(|| {
+            k += 1;
+            xxh3_64(&srcs[k % RING])
         })
     });
     g.finish();

@@ -16,7 +16,7 @@
 
 use std::hash::Hasher;
 
-use crate::checksum::Xxh3;
+use crate::checksum::{prefetch_l2, Xxh3, Xxh3Prefetch};
 
 use crate::error::{Error, Result};
 
@@ -149,8 +149,8 @@ pub unsafe fn copy_runs_xxh3_raw(src: &[u8], dsts: &[Span], runs: &[Run]) -> Res
         // do not overlap `src` (checked above). The slice ends with this iteration.
         let dst = unsafe { std::slice::from_raw_parts_mut(start, r.len) };
         let src = &src[r.src_offset..r.src_offset + r.len];
-        for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
-            copy_streaming(d, s);
+        for (i, (d, s)) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)).enumerate() {
+            copy_prefetching(d, src, i * PIECE);
             // The copy just pulled this piece of the slot into cache: hash it there.
             h.write(s);
         }
@@ -182,7 +182,7 @@ pub fn xxh3_runs(len: usize, bufs: &[&[u8]], runs: &[Run]) -> Result<u64> {
 pub unsafe fn xxh3_runs_raw(len: usize, bufs: &[Span], runs: &[Run]) -> Result<u64> {
     let lens: Vec<usize> = bufs.iter().map(|d| d.len).collect();
     check_runs(len, &lens, runs)?;
-    let mut h = Xxh3::new();
+    let mut h = Xxh3Prefetch::new();
     let mut pos = 0usize;
     for (i, r) in runs.iter().enumerate() {
         if r.src_offset != pos {
@@ -204,6 +204,18 @@ pub unsafe fn xxh3_runs_raw(len: usize, bufs: &[Span], runs: &[Run]) -> Result<u
         )));
     }
     Ok(h.finish())
+}
+
+/// `copy_streaming` of `src[at..at + dst.len()]` into `dst`, a page at a time, asking
+/// for the source lines two pages ahead first (the slot is cold: a device wrote it).
+fn copy_prefetching(dst: &mut [u8], src: &[u8], at: usize) {
+    const STEP: usize = 4096;
+    const AHEAD: usize = 8192;
+    for (k, d) in dst.chunks_mut(STEP).enumerate() {
+        let from = at + k * STEP;
+        prefetch_l2(src, from + AHEAD, from + AHEAD + d.len());
+        copy_streaming(d, &src[from..from + d.len()]);
+    }
 }
 
 /// Copy with non-temporal stores: the destination (KV blocks, written once, read much
