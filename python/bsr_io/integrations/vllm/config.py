@@ -91,7 +91,9 @@ class ConnectorConfig:
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
         """Read and check the settings; ConfigError when vLLM is set up in a way the
-        connector cannot honour."""
+        connector cannot honour. Everything that can be refused from the VllmConfig
+        alone is refused here, so it runs at the connector's earliest hook
+        (`BsrIoConnector.get_required_kvcache_layout`) as well as in its constructor."""
         kv = vllm_config.kv_transfer_config
         extra = dict(kv.kv_connector_extra_config or {})
         known = (set(cls.__dataclass_fields__) - {"mooncake"}) | {"accept_load_errors"}
@@ -124,9 +126,13 @@ class ConnectorConfig:
                 f"chunk_tokens {chunk_tokens} is not a whole number of vLLM blocks "
                 f"(block_size {block}): choose a multiple of {block}"
             )
-        if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
             raise ConfigError("bsr-io's connector supports tensor parallelism only "
                               "(pipeline_parallel_size must be 1)")  # fmt: skip
+        if parallel.decode_context_parallel_size != 1:
+            raise ConfigError("bsr-io's connector does not support decode context "
+                              "parallelism (decode_context_parallel_size must be 1)")  # fmt: skip
         try:
             mooncake = MooncakeConfig.from_extra_config(extra)
         except ValueError as exc:

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from bsr_io.integrations.vllm.config import ConfigError, ConnectorConfig
+from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import model_identity
 from bsr_io.integrations.vllm.layout import REQUIRED_LAYOUT, group_layouts
 from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta
@@ -36,9 +36,6 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
-        if vllm_config.parallel_config.decode_context_parallel_size != 1:
-            raise ConfigError("bsr-io's connector does not support decode context "
-                              "parallelism (decode_context_parallel_size must be 1)")  # fmt: skip
         self.groups = group_layouts(kv_cache_config, self.cfg.chunk_tokens)
         world_size = vllm_config.parallel_config.tensor_parallel_size
         model = model_identity(vllm_config, self.cfg.model)
@@ -61,12 +58,16 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
     # -- layout -----------------------------------------------------------------------
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        # The earliest hook vLLM 0.32 gives a connector: the engine core asks it right
-        # after the weights load, before memory profiling and the KV cache (the
-        # connector itself is built after both). A configuration it cannot honour is
-        # refused here. With the engine core in the caller's process
+        # The earliest hook vLLM 0.32 gives a connector with its configuration: the
+        # engine core asks it after the weights load, before memory profiling and the
+        # KV cache (the connector itself is built after both). The caller's process only
+        # imports this module (VllmConfig's HMA check), so the configuration is refused
+        # here. With the engine core in the caller's process
         # (VLLM_ENABLE_V1_MULTIPROCESSING=0) the caller gets this ConfigError itself;
-        # otherwise vLLM logs it and raises its generic start-up error.
+        # otherwise the engine core's traceback ending in it reaches the caller's
+        # stderr and the caller gets vLLM's "Engine core initialization failed".
+        # vLLM skips this hook when the layout is forced (VLLM_KV_CACHE_LAYOUT or
+        # cache_config.kv_cache_layout); the constructor's check refuses it then.
         ConnectorConfig.from_vllm(vllm_config)
         # Layer and block outermost: each (layer, block) page is one run of bytes.
         return REQUIRED_LAYOUT
