@@ -24,10 +24,10 @@ BSR_IO_BACKEND=pread python -m pytest -q tests/test_tiers.py tests/test_store.py
 deactivate
 bash scripts/install_vllm.sh
 # The vLLM integration's types, strict, checked against vLLM's own (it ships them), and
-# its test harness (testing/vllm_harness.py, vllm_contexts.py). Their files are named
-# here because pyproject's exclude keeps them out of the plain `mypy` run above, in a
-# venv without vLLM; the cache sits in .venv-vllm, apart from that run's.
+# its test harness (testing/vllm_harness.py, vllm_contexts.py, vllm_phases.py). Their
+# files are named here because pyproject's exclude keeps them out of the plain `mypy` run
+# above, in a venv without vLLM; the cache sits in .venv-vllm, apart from that run's.
 .venv-vllm/bin/python -m mypy --strict --cache-dir .venv-vllm/mypy-cache \
     $(find python/bsr_io/integrations/vllm -name '*.py') python/bsr_io/testing/vllm_harness.py \
-    python/bsr_io/testing/vllm_contexts.py
+    python/bsr_io/testing/vllm_contexts.py python/bsr_io/testing/vllm_phases.py
 .venv-vllm/bin/python -m pytest -q tests/vllm

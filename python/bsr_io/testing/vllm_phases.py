@@ -1,14 +1,17 @@
 """Issue 19's remaining vLLM tests as phases of one real engine (test support).
 
-    python -m bsr_io.testing.vllm_phases run --work DIR --out R.json [--extra JSON]
-    python -m bsr_io.testing.vllm_phases baseline --work DIR --out R.json
+    python -m bsr_io.testing.vllm_phases run --tp N --work DIR --out R.json [--extra JSON]
+    python -m bsr_io.testing.vllm_phases baseline --tp N --work DIR --out R.json
 
-`run` starts one engine with the connector (per-rank cap, Mooncake pool below the SSD
-tier when `--extra` carries `bsr.mooncake.*` keys, the fault double from BSR_IO_FAULTS
-as the caller set it) and runs, in order: a read that hangs, a long save beside a load,
-several corrupt records in one load, a restore served by the pool, and hot chunks kept
-by vLLM's local hits while new saves overflow the cap. `baseline` computes the same
-prompts without the connector. Engines come from the vLLM harness
+`run` starts one engine with the connector at tensor-parallel size N (per-rank cap,
+Mooncake pool below the SSD tier when `--extra` carries `bsr.mooncake.*` keys, the fault
+double from BSR_IO_FAULTS as the caller set it, `faults(N)`) and runs, in order: a read
+that hangs, a long save beside a load, several corrupt records in one load, a restore
+served by the pool, and hot chunks kept by vLLM's local hits while new saves overflow
+the cap. Faults and damaged records are on the last rank only: at TP > 1 the other
+ranks' loads succeed and vLLM must still recompute the request on every rank. Every
+result is per rank (the connector's event log). `baseline` computes the same prompts
+without the connector at the same TP. Engines come from the vLLM harness
 (vllm_harness.py).
 """
 
@@ -19,6 +22,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +51,18 @@ def prompts() -> dict[str, list[int]]:
 CORRUPT = (2, 5, 7)  # E's records corrupted on disk
 
 
-def faults() -> list[dict[str, Any]]:
-    """TEST DOUBLE (BSR_IO_FAULTS): the first read of request chunk 11 (prompt H, the only
-    one that long) on the SSD tier hangs; the pool's first reads at E's corrupt chunks
-    fail with EIO, so E's load fails (no good copy anywhere) instead of falling back."""
+def faults(tp: int) -> list[dict[str, Any]]:
+    """TEST DOUBLE (BSR_IO_FAULTS), on the last rank only: the first read of request chunk
+    11 (prompt H, the first request that long) on the SSD tier hangs; the pool's first
+    reads at E's corrupt chunks fail with EIO, so E's load fails on that rank (no good copy
+    anywhere) instead of falling back."""
+    last = [tp - 1]
     return [
-        {"kind": "hang", "tier": "L2", "chunks": [11], "times": 1, "delay_s": HANG_S},
-        {"kind": "error", "tier": "L3", "chunks": list(CORRUPT), "times": len(CORRUPT)},
-    ]
+        {"kind": "hang", "tier": "L2", "chunks": [11], "ranks": last, "times": 1,
+         "delay_s": HANG_S},
+        {"kind": "error", "tier": "L3", "chunks": list(CORRUPT), "ranks": last,
+         "times": len(CORRUPT)},
+    ]  # fmt: skip
 
 
 def record_size(events: h.Events) -> int:
@@ -66,127 +74,152 @@ def record_size(events: h.Events) -> int:
 PHASES = ("hang", "save", "corrupt", "pool", "hot")
 
 
-def run_phases(model: str, work: str, extra: dict[str, Any],
+@dataclass
+class Phases:
+    """One engine with the connector at TP `tp`, and what its phases found (`out`)."""
+
+    llm: Any
+    tp: int
+    model: str
+    store: str
+    events: h.Events
+    P: dict[str, list[int]] = field(default_factory=prompts)
+    out: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, name: str, save: bool = False, wait_save: bool = True) -> dict[str, Any]:
+        """One request: its tokens, vLLM's cached-token count and every rank's load and
+        save events (a computed request's saves waited for on every rank)."""
+        toks, cached, rid, dt = h.generate(self.llm, self.P[name])
+        if save and wait_save:
+            done = self.events.wait(rid, "save", self.tp)
+            bad = [e for e in done if e["outcome"] != "complete"]
+            if bad:
+                raise RuntimeError(f"the save of {name} failed: {bad}")
+        return {"tokens": toks, "cached": cached, "loads": self.events.of(rid, "load"),
+                "saves": self.events.of(rid, "save"), "seconds": dt, "request_id": rid}  # fmt: skip
+
+    def path(self, name: str, rank: int, chunk: int) -> str:
+        return h.record_path(self.events, self.store, self.tp, self.model, self.P[name], rank,
+                             chunk)  # fmt: skip
+
+
+def run_phases(model: str, tp: int, work: str, extra: dict[str, Any],
                phases: tuple[str, ...] = PHASES) -> dict[str, Any]:  # fmt: skip
     store = os.path.join(work, "store")
     events = h.Events(os.path.join(work, "events.jsonl"))
     from bsr_io.record import HEADER_BYTES
 
-    # One record of the tiny Llama: 2 layers x K and V x 64 tokens x 2 heads x 64 x bf16.
-    rec = HEADER_BYTES + 2 * 2 * C * 2 * 64 * 2
+    # One record of the tiny Llama on one rank: 2 layers x K and V x 64 tokens x 2 heads
+    # x 64 x bf16, its KV heads split across the TP ranks.
+    rec = HEADER_BYTES + 2 * 2 * C * (2 // tp) * 64 * 2
     cfg = {"store_dir": store, "window": h.WINDOW, "chunk_tokens": C,
            "load_timeout_s": LOAD_TIMEOUT_S, "save_timeout_s": 600.0,
            "events_path": events.path, "store_bytes": CAP_RECORDS * rec, **extra}  # fmt: skip
-    llm = h.engine(model, 1, connector=cfg)
+    llm = h.engine(model, tp, connector=cfg)
     assert record_size(events) == rec, (record_size(events), rec)
-    P = prompts()
-    out: dict[str, Any] = {"record_bytes": rec}
-
-    def run(name: str, save: bool = False, wait_save: bool = True) -> dict[str, Any]:
-        toks, cached, rid, dt = h.generate(llm, P[name])
-        if save and wait_save:
-            done = events.wait(rid, "save", 1)
-            bad = [e for e in done if e["outcome"] != "complete"]
-            if bad:
-                raise RuntimeError(f"the save of {name} failed: {bad}")
-        return {"tokens": toks, "cached": cached, "loads": events.of(rid, "load"),
-                "saves": events.of(rid, "save"), "seconds": dt, "request_id": rid}  # fmt: skip
-
-    # 1. A read that hangs: the request recomputes within the timeout; once the read
-    #    returns, saves resume and the next load runs at the speed of a control load.
+    ph = Phases(llm, tp, model, store, events)
+    ph.out.update({"tp": tp, "record_bytes": rec})
     if "hang" in phases:
-        hang(run, llm, out)
+        hang(ph)
     if "save" in phases:
-        beside(run, llm, out, events)
+        beside(ph)
     if "corrupt" in phases:
-        corrupt(run, llm, out, events, store, model, P)
+        corrupt(ph)
     if "pool" in phases and any(k.startswith("bsr.mooncake.") for k in extra):
-        pool(run, llm, out, events, store, model, P)
+        pool(ph)
     if "hot" in phases:
-        hot(run, llm, out, events, store, model, P)
-    out["events"] = events.all()
-    return out
+        hot(ph)
+    ph.out["events"] = events.all()
+    return ph.out
 
 
-def hang(run: Any, llm: Any, out: dict[str, Any]) -> None:
+def hang(ph: Phases) -> None:
+    # 1. A read that hangs on the last rank: the request recomputes (on every rank)
+    #    within the timeout; once the read returns, saves resume and the next load runs
+    #    at the speed of a control load.
+    run, out = ph.run, ph.out
     run("J", save=True)
-    h.reset(llm)
+    h.reset(ph.llm)
     out["J"] = run("J")  # a control load
     run("H", save=True)
-    h.reset(llm)
+    h.reset(ph.llm)
     t0 = time.monotonic()
     out["H"] = run("H")
     out["H_wall_s"] = time.monotonic() - t0
     time.sleep(max(0.0, HANG_S + 1.0 - (time.monotonic() - t0)))
     out["K_first"] = run("K", save=True)
-    h.reset(llm)
+    h.reset(ph.llm)
     out["K"] = run("K")
 
 
-def beside(run: Any, llm: Any, out: dict[str, Any], events: h.Events) -> None:
+def beside(ph: Phases) -> None:
     # 2. A long save in flight beside a load: L saved, BIG computed (its 30-record save
-    #    starts on the save lane), L restored at once, while BIG's save runs.
+    #    starts on every rank's save lane), L restored at once, while BIG's save runs.
+    run, out = ph.run, ph.out
     run("L", save=True)
-    h.reset(llm)
+    h.reset(ph.llm)
     out["L_control"] = run("L")
-    h.reset(llm)
+    h.reset(ph.llm)
     out["BIG"] = run("BIG", save=True, wait_save=False)
     out["L_beside"] = run("L")
-    out["BIG_save"] = events.wait(out["BIG"]["request_id"], "save", 1)
+    out["BIG_save"] = ph.events.wait(out["BIG"]["request_id"], "save", ph.tp)
     out["L_beside_end"] = time.time()
 
 
-def corrupt(run: Any, llm: Any, out: dict[str, Any], events: h.Events, store: str, model: str,
-            P: dict[str, list[int]]) -> None:  # fmt: skip
-    # 3. Three corrupt records in one load (and the pool's copies failing, fault double):
-    #    the load fails, every corrupt record is quarantined by it, and the next request
-    #    succeeds (the three from the pool).
-    run("E", save=True)
-    out["E_corrupted"] = [
-        h.corrupt_record(events, store, 1, model, P["E"], 0, c) for c in CORRUPT
+def corrupt(ph: Phases) -> None:
+    # 3. Three corrupt records in one load on the last rank (and that rank's pool copies
+    #    failing, fault double): the load fails there, every corrupt record is
+    #    quarantined by it, vLLM recomputes on every rank, and the next request succeeds
+    #    (the three from the pool).
+    last = ph.tp - 1
+    ph.run("E", save=True)
+    ph.out["E_corrupted"] = [
+        h.corrupt_record(ph.events, ph.store, ph.tp, ph.model, ph.P["E"], last, c)
+        for c in CORRUPT
     ]  # fmt: skip
-    h.reset(llm)
-    out["E"] = run("E")
-    out["E_quarantine"] = sorted(os.listdir(os.path.join(store, "quarantine")))
-    h.reset(llm)
-    out["E_again"] = run("E")
+    h.reset(ph.llm)
+    ph.out["E"] = ph.run("E")
+    ph.out["E_quarantine"] = sorted(os.listdir(os.path.join(ph.store, "quarantine")))
+    h.reset(ph.llm)
+    ph.out["E_again"] = ph.run("E")
 
 
-def pool(run: Any, llm: Any, out: dict[str, Any], events: h.Events, store: str, model: str,
-         P: dict[str, list[int]]) -> None:  # fmt: skip
-    # 4. The pool serves a restore when the SSD tier misses: M's SSD records deleted.
-    run("M", save=True)
-    gone = [h.record_path(events, store, 1, model, P["M"], 0, c) for c in range(10)]
+def pool(ph: Phases) -> None:
+    # 4. The pool serves a restore when the SSD tier misses: M's SSD records deleted on
+    #    every rank.
+    ph.run("M", save=True)
+    gone = [ph.path("M", r, c) for r in range(ph.tp) for c in range(10)]
     for p in gone:
         os.unlink(p)
-    out["M_deleted"] = len(gone)
-    h.reset(llm)
-    out["M"] = run("M")
+    ph.out["M_deleted"] = len(gone)
+    h.reset(ph.llm)
+    ph.out["M"] = ph.run("M")
 
 
-def hot(run: Any, llm: Any, out: dict[str, Any], events: h.Events, store: str, model: str,
-        P: dict[str, list[int]]) -> None:  # fmt: skip
+def hot(ph: Phases) -> None:
     # 5. Hot chunks: HOT and COLD saved together; HOT's prefix then served by vLLM's
-    #    own cache (local hits) between saves that overflow the cap several times.
+    #    own cache (local hits) between saves that overflow every rank's cap several times.
+    run, out = ph.run, ph.out
     run("HOT", save=True)
     run("COLD", save=True)
     out["hot_local"] = []
     for i in range(6):
         out["hot_local"].append(run(f"HOT{i}")["cached"])
         run(f"FILL{i}", save=True)
-    held = {}
-    for name in ("HOT", "COLD"):
-        held[name] = [os.path.exists(h.record_path(events, store, 1, model, P[name], 0, c))
-                      for c in range(10)]  # fmt: skip
-    out["held"] = held
-    out["rank_records"] = sum(
-        len(os.listdir(os.path.join(store, "chunks", d)))
-        for d in os.listdir(os.path.join(store, "chunks"))
-    )
+    out["held"] = {
+        name: [[os.path.exists(ph.path(name, r, c)) for c in range(10)] for r in range(ph.tp)]
+        for name in ("HOT", "COLD")
+    }  # per rank, per chunk
+    chunks = os.path.join(ph.store, "chunks")
+    by_rank = [0] * ph.tp
+    for d in os.listdir(chunks):
+        rank = int(d.rsplit("r", 1)[1])  # the namespace ends in -w<W>r<R>
+        by_rank[rank] += len(os.listdir(os.path.join(chunks, d)))
+    out["rank_records"] = by_rank
 
 
-def run_baseline(model: str) -> dict[str, list[int]]:
-    llm = h.engine(model, 1, connector=None)
+def run_baseline(model: str, tp: int) -> dict[str, list[int]]:
+    llm = h.engine(model, tp, connector=None)
     P = prompts()
     return {name: h.generate(llm, P[name])[0] for name in COMPARED}
 
@@ -194,6 +227,7 @@ def run_baseline(model: str) -> dict[str, list[int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bsr_io.testing.vllm_phases")
     ap.add_argument("what", choices=["run", "baseline"])
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--extra", default="{}")
@@ -202,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.work, exist_ok=True)
     model = os.path.abspath(h.write_tiny_llama(os.path.join(args.work, "..", "model-l2")))
     if args.what == "run":
+        phases = tuple(args.phases.split(","))
         result: Any = {
             "model": model,
-            **run_phases(model, args.work, json.loads(args.extra), tuple(args.phases.split(","))),
+            **run_phases(model, args.tp, args.work, json.loads(args.extra), phases),
         }
     else:
-        result = {"model": model, "outputs": run_baseline(model)}
+        result = {"model": model, "outputs": run_baseline(model, args.tp)}
     Path(args.out).write_text(json.dumps(result, default=str))
     return 0
 
