@@ -535,6 +535,13 @@ class MooncakeTier(Tier):
             n += 1
         return n
 
+    def register_engine(self, engine: Engine) -> None:
+        """Register `engine`'s staging arena with the pool now (reads do it on first use).
+        Puts from its slots then register nothing: a payload outside a registered arena
+        is registered and unregistered around its put, and each registration is a round
+        trip to the metadata server, which, slow under load, fails the put."""
+        self._register_arena(engine)
+
     # -- reads --------------------------------------------------------------------------
     def _register_arena(self, engine: Engine) -> None:
         self._sweep_arenas()

@@ -51,7 +51,7 @@ import torch
 
 from bsr_io._core import Engine, Slot
 from bsr_io.engine import as_tensor, give_back, lease
-from bsr_io.errors import EngineBusy
+from bsr_io.errors import EngineBusy, TierDown
 from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.layout import GroupLayout
@@ -140,6 +140,13 @@ class WorkerSide:
             self.pool = MooncakeTier(cfg.mooncake)
             load_tiers.append(self.pool)
             self.save_tier = Store([self.ssd, self.pool])
+            # The save slots registered once: otherwise every put registers its slot
+            # with the metadata server and back (a TP=2 run lost a save to a timeout).
+            try:
+                self.pool.register_engine(self.save_engine)
+            except TierDown as exc:
+                log.warning("bsr-io: rank %d: save slots not registered with the pool "
+                            "(%s); each put registers its own", rank, exc)  # fmt: skip
         self.load_tiers = _fault_double(load_tiers, rank)
         self.metrics = RestoreMetrics()
         if cfg.metrics_port is not None:
