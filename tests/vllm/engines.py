@@ -34,3 +34,10 @@ def run_harness(what: str, tp: int, work: Path, timeout: float) -> dict:
     if proc.returncode != 0:
         raise AssertionError(f"{what} tp={tp} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
+
+
+def per_rank(events: list[dict], tp: int) -> dict[int, dict]:
+    """A phase's events of one kind (its loads, its saves) by rank: exactly one per rank."""
+    out = {e["rank"]: e for e in events}
+    assert sorted(out) == list(range(tp)) and len(events) == tp, events
+    return out

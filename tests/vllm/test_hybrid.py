@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 from bsr_io.testing.vllm_harness import G_CHUNK, WINDOW
-from engines import run_harness
+from engines import per_rank, run_harness
 
 RECORD = 2 * 2 * 32768  # 2 layers x 2 pages of 32 KiB, every group at 256-token chunks
 
@@ -28,9 +28,7 @@ def hy(request, vllm_root) -> dict:
 
 
 def _loads(phase: dict, tp: int) -> dict[int, dict]:
-    out = {e["rank"]: e for e in phase["loads"]}
-    assert sorted(out) == list(range(tp)) and len(phase["loads"]) == tp, phase["loads"]
-    return out
+    return per_rank(phase["loads"], tp)
 
 
 def _complete(phase: dict, tp: int) -> dict[int, dict]:

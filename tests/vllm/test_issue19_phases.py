@@ -20,7 +20,7 @@ from pathlib import Path
 
 import mooncake.store  # noqa: F401  - like vLLM, Mooncake must fail loudly here, never skip
 import pytest
-from engines import threads_env
+from engines import per_rank, threads_env
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mooncake_fixtures as mf  # noqa: E402
@@ -62,16 +62,11 @@ def ph_run(request, vllm_root, netns):  # noqa: F811
 
 
 def _loads(phase: dict, tp: int) -> dict[int, dict]:
-    """The request's load event of every rank, by rank (exactly one each)."""
-    out = {e["rank"]: e for e in phase["loads"]}
-    assert sorted(out) == list(range(tp)) and len(phase["loads"]) == tp, phase["loads"]
-    return out
+    return per_rank(phase["loads"], tp)
 
 
 def _saves(phase: dict, tp: int) -> dict[int, dict]:
-    out = {e["rank"]: e for e in phase["saves"]}
-    assert sorted(out) == list(range(tp)) and len(phase["saves"]) == tp, phase["saves"]
-    return out
+    return per_rank(phase["saves"], tp)
 
 
 def _record(tp: int) -> int:

@@ -15,11 +15,22 @@ use std::hash::Hasher;
 
 pub use twox_hash::XxHash3_64 as Xxh3;
 
-/// Bytes hashed per step: one page.
-const STEP: usize = 4096;
+/// Bytes walked per step: one page (what `prefetched_pages` yields).
+pub const PAGE: usize = 4096;
 /// How far ahead of the step its lines are prefetched.
 const AHEAD: usize = 8192;
 const LINE: usize = 64;
+
+/// The pages of `bytes[from..to]` in order, each yielded once the lines `AHEAD` bytes
+/// past it (anywhere in `bytes`, so also past `to`) have been asked for into L2: the
+/// walk every pass over a cold payload (hash, copy) takes.
+pub fn prefetched_pages(bytes: &[u8], from: usize, to: usize) -> impl Iterator<Item = &[u8]> {
+    (from..to).step_by(PAGE).map(move |pos| {
+        let end = (pos + PAGE).min(to);
+        prefetch_l2(bytes, pos + AHEAD, end + AHEAD);
+        &bytes[pos..end]
+    })
+}
 
 /// Streaming xxh3-64 that prefetches what it will hash next. Same values as `Xxh3`.
 #[derive(Default)]
@@ -31,12 +42,8 @@ impl Xxh3Prefetch {
     }
 
     pub fn write(&mut self, bytes: &[u8]) {
-        let mut pos = 0;
-        while pos < bytes.len() {
-            let end = (pos + STEP).min(bytes.len());
-            prefetch_l2(bytes, pos + AHEAD, end + AHEAD);
-            self.0.write(&bytes[pos..end]);
-            pos = end;
+        for page in prefetched_pages(bytes, 0, bytes.len()) {
+            self.0.write(page);
         }
     }
 
@@ -46,7 +53,7 @@ impl Xxh3Prefetch {
 }
 
 /// Ask for the lines of `bytes[from..to]` (clipped to `bytes`) into L2; a hint only.
-pub fn prefetch_l2(bytes: &[u8], from: usize, to: usize) {
+fn prefetch_l2(bytes: &[u8], from: usize, to: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};

@@ -16,7 +16,7 @@
 
 use std::hash::Hasher;
 
-use crate::checksum::{prefetch_l2, Xxh3, Xxh3Prefetch};
+use crate::checksum::{prefetched_pages, Xxh3, Xxh3Prefetch, PAGE};
 
 use crate::error::{Error, Result};
 
@@ -150,7 +150,14 @@ pub unsafe fn copy_runs_xxh3_raw(src: &[u8], dsts: &[Span], runs: &[Run]) -> Res
         let dst = unsafe { std::slice::from_raw_parts_mut(start, r.len) };
         let src = &src[r.src_offset..r.src_offset + r.len];
         for (i, (d, s)) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)).enumerate() {
-            copy_prefetching(d, src, i * PIECE);
+            // The slot is cold (a device wrote it): its lines are prefetched ahead.
+            let from = i * PIECE;
+            for (dp, sp) in d
+                .chunks_mut(PAGE)
+                .zip(prefetched_pages(src, from, from + s.len()))
+            {
+                copy_streaming(dp, sp);
+            }
             // The copy just pulled this piece of the slot into cache: hash it there.
             h.write(s);
         }
@@ -204,18 +211,6 @@ pub unsafe fn xxh3_runs_raw(len: usize, bufs: &[Span], runs: &[Run]) -> Result<u
         )));
     }
     Ok(h.finish())
-}
-
-/// `copy_streaming` of `src[at..at + dst.len()]` into `dst`, a page at a time, asking
-/// for the source lines two pages ahead first (the slot is cold: a device wrote it).
-fn copy_prefetching(dst: &mut [u8], src: &[u8], at: usize) {
-    const STEP: usize = 4096;
-    const AHEAD: usize = 8192;
-    for (k, d) in dst.chunks_mut(STEP).enumerate() {
-        let from = at + k * STEP;
-        prefetch_l2(src, from + AHEAD, from + AHEAD + d.len());
-        copy_streaming(d, &src[from..from + d.len()]);
-    }
 }
 
 /// Copy with non-temporal stores: the destination (KV blocks, written once, read much

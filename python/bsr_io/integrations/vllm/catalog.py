@@ -31,7 +31,7 @@ Masks = dict[str, dict[int, int]]  # base -> chunk hash -> bitmask of the ranks 
 _RANK_RE = re.compile(r"^(.*r)(\d+)$")
 
 
-def split(ns: str) -> tuple[str, int]:
+def _split(ns: str) -> tuple[str, int]:
     """A directory name as (base, rank bit); a name without a rank is rank 0."""
     m = _RANK_RE.match(ns)
     return (m.group(1), 1 << int(m.group(2))) if m else (ns, 1)
@@ -51,7 +51,7 @@ def _list(chunks_dirs: Sequence[Path]) -> Masks:
                 names = os.listdir(ns.path)
             except OSError:
                 continue
-            base, bit = split(ns.name)
+            base, bit = _split(ns.name)
             masks = out.setdefault(base, {})
             for name in names:
                 stem = name[: -len(SUFFIX)]
@@ -62,15 +62,20 @@ def _list(chunks_dirs: Sequence[Path]) -> Masks:
 
 
 def _apply(masks: Masks, add: bool, ns: str, hashes: frozenset[int]) -> None:
-    base, bit = split(ns)
-    m = masks.setdefault(base, {})
-    for h in hashes:
-        if add:
+    base, bit = _split(ns)
+    if add:
+        m = masks.setdefault(base, {})
+        for h in hashes:
             m[h] = m.get(h, 0) | bit
-        elif (left := m.get(h, 0) & ~bit) != 0:
-            m[h] = left
+        return
+    held = masks.get(base)
+    if held is None:
+        return  # a drop never makes an entry
+    for h in hashes:
+        if left := held.get(h, 0) & ~bit:
+            held[h] = left
         else:
-            m.pop(h, None)
+            held.pop(h, None)
 
 
 class RecordCatalog:
@@ -94,7 +99,7 @@ class RecordCatalog:
         """Per base of `dirs`: its map and the mask of the ranks asked for."""
         need: dict[str, int] = {}
         for ns in dirs:
-            base, bit = split(ns)
+            base, bit = _split(ns)
             need[base] = need.get(base, 0) | bit
         return [(self._masks.get(base, {}), mask) for base, mask in need.items()]
 
