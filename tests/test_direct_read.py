@@ -3,7 +3,9 @@ hashed there (no slot, no copy), where the memory and lengths allow; slots other
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from bsr_io.restore import Restorer
 from bsr_io.store import Store
 from bsr_io.testing.synthetic import fill_state, synthetic_chunk
 from bsr_io.tiers import LowerTier, SSDTier, StripedSSDTier
+from bsr_io.window import _REGISTERED
 
 # Blocks of 4 KiB (16 tokens x 256 bytes), two groups: every run suits O_DIRECT.
 LAYOUT = KVLayout(
@@ -159,3 +162,69 @@ def test_hash_in_place_sees_every_byte() -> None:
     h = xxh3_runs([a], [(0, 0, 0, 8192)])
     a[8191] ^= 1
     assert xxh3_runs([a], [(0, 0, 0, 8192)]) != h
+
+
+def _ring_buffers() -> str:
+    """The buffer-table lines of this process's io_uring rings (their fdinfo). The kernel
+    leaves them out while an I/O thread holds a ring's lock: callers poll."""
+    out = []
+    for fd in os.listdir("/proc/self/fdinfo"):
+        try:
+            info = Path(f"/proc/self/fdinfo/{fd}").read_text()
+        except OSError:
+            continue
+        if "UserBufs" in info:
+            out.append(info)
+    return "\n".join(out)
+
+
+def _ring_holds(addr: int, nbytes: int, want: bool) -> bool:
+    line = f": 0x{addr:x}/{nbytes}\n"
+    for _ in range(500):
+        if (line in _ring_buffers()) == want:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_lasting_cache_is_registered_with_the_ring_once_for_its_life(tmp_path: Path) -> None:
+    engine = Engine(4, LAYOUT.chunk_bytes, backend="io_uring")
+    if not engine.features["registered_memory"]:
+        pytest.fail(f"this kernel takes no caller memory: {engine.features['notes']}")
+    store, _, tokens, _ = _store(tmp_path, engine, lower=False)
+    dest = PagedKVCache.allocate(LAYOUT, TOKENS)
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in dest.tensors]
+    assert all(_ring_holds(a, n, False) for a, n in spans), "nothing registered yet"
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete" and res.timings["direct_chunks"] == CHUNKS and _ok(dest)
+    reg = _REGISTERED[engine][dest]
+    assert reg is not None and reg.entries == len(spans)
+    assert all(_ring_holds(a, n, True) for a, n in spans), "the kernel holds each tensor"
+    # A second restore reads into the same registration; a fresh window does not redo it.
+    for t in dest.tensors:
+        t.zero_()
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete" and _ok(dest) and _REGISTERED[engine][dest] is reg
+    # Control: a cache that does not last (a per-request view) is never registered.
+    short = PagedKVCache.allocate(LAYOUT, TOKENS)
+    short.lasting = False
+    assert _restore(store, engine, tokens, short).outcome == "complete" and _ok(short)
+    assert short not in _REGISTERED[engine]
+    # The cache gone, its registration goes: the ring lets go of the memory.
+    del dest, reg
+    gc.collect()
+    assert len(_REGISTERED[engine]) == 0
+    assert all(_ring_holds(a, n, False) for a, n in spans), "unregistered with the cache"
+
+
+def test_a_backend_without_registration_reads_the_cache_plainly(tmp_path: Path) -> None:
+    engine = Engine(4, LAYOUT.chunk_bytes, backend="pread")
+    assert not engine.features["registered_memory"]
+    store, _, tokens, _ = _store(tmp_path, engine, lower=False)
+    dest = PagedKVCache.allocate(LAYOUT, TOKENS)
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete" and _ok(dest)
+    reg = _REGISTERED[engine][dest]
+    assert reg is not None and reg.entries == 0
+    with pytest.raises(ValueError, match="empty"):
+        Engine(1, 4096).register_memory([np.zeros(0, dtype=np.uint8)])

@@ -189,6 +189,22 @@ class DirectRead:
     def length(self) -> int: ...
 
 @final
+class MemoryRegistration:
+    """Buffers registered with an engine's I/O ring (`Engine.register_memory`): direct
+    reads into them skip pinning their pages per request. Holds the buffers (exported:
+    never freed or resized) until `close()` or collection, which unregisters them."""
+
+    def close(self) -> None: ...
+    @property
+    def entries(self) -> int:
+        """Ring buffer entries taken (one per GiB); 0 where the backend registers
+        nothing (pread, io_uring_plain): reads into the buffers then work unregistered."""
+    @property
+    def closed(self) -> bool: ...
+    def __enter__(self) -> MemoryRegistration: ...
+    def __exit__(self, *exc: object) -> None: ...
+
+@final
 class Engine:
     def __new__(
         cls,
@@ -196,7 +212,7 @@ class Engine:
         slot_bytes: int,
         *,
         queue_depth: int = 32,
-        request_bytes: int = 1 << 20,
+        request_bytes: int = 4 << 20,
         backend: str | None = None,
     ) -> Self:
         """`backend`: None/"auto" (or env BSR_IO_BACKEND), "io_uring" (fixed buffers
@@ -210,7 +226,8 @@ class Engine:
         """The path actually taken: "io_uring" or "pread"."""
     @property
     def features(self) -> dict[str, bool | int | str]:
-        """What the probe found: fixed_buffers, registered_files, mlock, hugepages,
+        """What the probe found: fixed_buffers, registered_files, registered_memory
+        (`register_memory` can take caller memory), mlock, hugepages,
         queue_depth, request_bytes, and `notes` (why something was skipped)."""
     @property
     def window(self) -> int: ...
@@ -267,6 +284,10 @@ class Engine:
         `runs` ((buffer index, offset in it, payload offset, length), covering the payload
         in order without gaps or overlap): no slot is taken. AlignmentError when a run's
         address or length does not suit O_DIRECT on this file (read through a slot)."""
+    def register_memory(self, bufs: Sequence[Buffer]) -> MemoryRegistration:
+        """Register the writable buffers `bufs` (a host KV cache's tensors) with the I/O
+        ring for `submit_read_into`. Costs a pass over their pages once; OSError (ENOMEM:
+        RLIMIT_MEMLOCK) when the kernel will not pin them, ValueError for an empty one."""
     def free_slots(self) -> int: ...
     def live_bytes(self) -> int:
         """Staging bytes now leased or in flight (slot_bytes per such slot)."""

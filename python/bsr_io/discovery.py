@@ -52,6 +52,13 @@ def holds(tier: Tier, key: ChunkKey, group: str | None = None) -> bool:
         return False  # a tier that is down holds nothing for discovery
 
 
+def holds_all(tier: Tier, key: ChunkKey, groups: Sequence[str]) -> bool:
+    """Whether `tier` holds every group of `key`: one question unless it answers per group."""
+    if tier.per_group:
+        return all(holds(tier, key, g) for g in groups)
+    return holds(tier, key)
+
+
 def sources_of(tiers: Sequence[Tier], keys: Sequence[ChunkKey]) -> list[int]:
     """Source tier per leading key: the first tier whose index holds the whole record.
     Stops at the first key no tier holds. Metadata only."""
@@ -78,7 +85,7 @@ def discover(
     # A chunk is restorable from the first tier whose record holds every group.
     sources: list[int] = []
     for key in keys:
-        src = next((i for i, t in enumerate(tiers) if all(holds(t, key, g) for g in names)), None)
+        src = next((i for i, t in enumerate(tiers) if holds_all(t, key, names)), None)
         if src is None:
             break
         sources.append(src)

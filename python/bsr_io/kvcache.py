@@ -65,9 +65,12 @@ class PagedKVCache:
     `direct_reads`: a host cache owns its memory for as long as a restore runs, so the
     window may read records straight into its blocks (window.py); off on a GPU, where
     chunks share blocks, and for a cache whose owner may hand its blocks elsewhere
-    mid-restore."""
+    mid-restore. `lasting`: the cache outlives a restore (it is the serving engine's KV
+    cache), so its buffers are worth registering with the engine's ring once (window.py).
+    """
 
     direct_reads = True
+    lasting = True
 
     def __init__(
         self,

@@ -24,12 +24,16 @@ refuses (AlignmentError: torch's 64-byte-aligned tensors, a 512-byte drive's odd
 run) send the rest of the run through slots; a hash that differs is a chunk failure
 like any other (the record is withdrawn, a lower tier re-reads the chunk into the same
 blocks through a slot). A direct read is never abandoned: its memory is the
-destination's, so even past the deadline the run waits for it to end.
+destination's, so even past the deadline the run waits for it to end. A destination
+that lasts across restores (`lasting`) has its host buffers registered with the
+engine's ring at its first direct read, for as long as it lives, so the kernel pins its
+pages once instead of per request.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,11 +41,18 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from bsr_io._core import AlignmentError, Engine, NoFreeSlot, Slot, xxh3_runs
+from bsr_io._core import (
+    AlignmentError,
+    Engine,
+    MemoryRegistration,
+    NoFreeSlot,
+    Slot,
+    xxh3_runs,
+)
 from bsr_io.discovery import holds
 from bsr_io.engine import give_back, wait_for_slot
 from bsr_io.errors import ChunkError, LayoutError, Unproven
-from bsr_io.install import fused_runs, install_chunk, scoped
+from bsr_io.install import HostRuns, fused_runs, install_chunk, scoped
 from bsr_io.keys import ChunkKey
 from bsr_io.kvcache import Destination, Fence
 from bsr_io.tiers.base import ENGINE_ERRORS, DirectChunk, DirectUnavailable, PendingChunk, Tier
@@ -101,6 +112,28 @@ class ChunkUnavailable(Exception):
         super().__init__(f"chunk {index} unavailable in every tier: {'; '.join(causes)}")
 
 
+# Per engine, the lasting destinations whose buffers are registered with its ring (None:
+# the kernel would not take them), each for as long as both live: windows come and go
+# with restores, a KV cache and its engine stay.
+_REGISTERED: weakref.WeakKeyDictionary[
+    Engine, weakref.WeakKeyDictionary[Destination, MemoryRegistration | None]
+] = weakref.WeakKeyDictionary()
+
+
+def register_once(engine: Engine, dest: Destination, bufs: Sequence[Any]) -> None:
+    """Register a lasting destination's buffers with `engine`'s ring unless done; where
+    the kernel refuses (RLIMIT_MEMLOCK, a full table), its reads stay unregistered."""
+    done = _REGISTERED.setdefault(engine, weakref.WeakKeyDictionary())
+    if dest in done:
+        return
+    try:
+        done[dest] = engine.register_memory(bufs)
+    except ENGINE_ERRORS:
+        raise
+    except (OSError, ValueError):
+        done[dest] = None
+
+
 @dataclass
 class InstallReport:
     installed: int = 0
@@ -142,6 +175,7 @@ class Window:
         self.install_threads = install_threads
         self.direct = direct  # read straight into destinations that allow it
         self._direct_now = False  # ... and this run's destination does, so far
+        self._direct_runs: dict[int, HostRuns] = {}  # chunk -> the memory its read fills
         self._pool: ThreadPoolExecutor | None = None
         self._install_s = 0.0
         self._sizes: Sequence[int] | None = None
@@ -181,8 +215,11 @@ class Window:
         if self._direct_now and into is not None and dest is not None:
             where = fused_runs(dest, index)
             if where is not None and all(b is not None for b in where[0]):
+                if getattr(dest, "lasting", False):
+                    register_once(self.engine, dest, where[0])
                 try:
                     direct: DirectChunk = into(key, self.engine, *where)
+                    self._direct_runs[index] = where  # hashed there once the read ends
                     return direct
                 except ENGINE_ERRORS:
                     raise
@@ -263,7 +300,7 @@ class Window:
             record = getattr(pending, "record", None)
         elif isinstance(pending, DirectChunk):
             try:
-                self._verify_in_place(dest, index, pending)
+                self._verify_in_place(index, pending)
                 return None, None, source, causes
             except ChunkError as exc:
                 causes.append(f"{self.tiers[source].name}: {exc}")
@@ -276,9 +313,10 @@ class Window:
             del pending  # the failed read's slot must be free for the fallback read
         return self._fallback(index, key, source, causes, record, dest)
 
-    def _verify_in_place(self, dest: Destination, index: int, pending: DirectChunk) -> None:
+    def _verify_in_place(self, index: int, pending: DirectChunk) -> None:
         """Wait for a direct read (ReadTimedOut at the deadline) and hash its bytes where
         they lie; the tier's ChunkCorrupt when the hash is not the header's."""
+        where = self._direct_runs.pop(index)
         try:
             pending.wait(self._remaining())
         except TimeoutError:
@@ -289,8 +327,6 @@ class Window:
                 pass
             raise ReadTimedOut(index, pending.key) from None
         t0 = time.perf_counter()
-        where = fused_runs(dest, index)
-        assert where is not None  # it had runs when the read started
         got = xxh3_runs(*where)
         self._install_s += time.perf_counter() - t0
         self._direct_done += 1
@@ -499,6 +535,7 @@ class Window:
                     pass
                 del p
             report.direct = self._direct_done
+            self._direct_runs.clear()  # the destination's memory is not the window's to keep
         if report.failed_chunks and not report.error:
             report.error = f"chunks {report.failed_chunks[:8]} unavailable in every tier"
         return report

@@ -214,6 +214,11 @@ class FaultyTier(Tier):
         self._index: dict[ChunkKey, int] = {}
         self.injected: list[tuple[str, int | None]] = []  # (kind, chunk index) per firing
 
+    @property
+    def per_group(self) -> bool:  # type: ignore[override]
+        # A missing group is injected group by group: discovery must ask for each.
+        return self.inner.per_group or any(f.kind == "group_missing" for f in self.faults)
+
     def bind(self, keys: Sequence[ChunkKey]) -> None:
         """Learn the request's chunk positions."""
         self._index = {k: i for i, k in enumerate(keys)}

@@ -124,6 +124,9 @@ class Tier(ABC):
     # Whether `submit_read(..., verify=False)` is supported: the payload check is then
     # left to the caller (see PendingChunk), which can fuse it with the install copy.
     defers_verify: bool = False
+    # Whether `contains(key, group)` can differ between groups of one record. False for
+    # tiers that keep a chunk's groups in one record: discovery asks them once per chunk.
+    per_group: bool = False
 
     def __init__(self, name: str) -> None:
         self.name = name

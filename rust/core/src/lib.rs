@@ -18,6 +18,6 @@ pub mod prefix;
 pub use arena::{Arena, SlotLease};
 pub use backend::trace::TraceEvent;
 pub use backend::{OpState, Pending};
-pub use engine::{BackendChoice, Engine, EngineConfig, Features};
+pub use engine::{BackendChoice, Engine, EngineConfig, Features, MemoryRegistration};
 pub use error::{Error, Result};
 pub use file::{EngineFile, OpenOptions};

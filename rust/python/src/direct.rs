@@ -8,7 +8,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use bsr_io_core::install::{self, Run};
-use bsr_io_core::{Error, Pending};
+use bsr_io_core::{Error, MemoryRegistration, Pending};
 
 use crate::errors::Raise;
 use crate::pending::timeout_arg;
@@ -27,8 +27,8 @@ impl Held {
 }
 
 // SAFETY: the exports are never used after construction except to be released, which
-// happens only where the GIL is held (a wait's return, or the DirectRead's
-// deallocation): PyBuffer_Release needs the GIL, not the thread that took the export.
+// happens only where the GIL is held (a wait's return, a registration's close, or the
+// owner's deallocation): PyBuffer_Release needs the GIL, not the thread that took them.
 unsafe impl Send for Held {}
 // SAFETY: as above; shared references give no access to the exports.
 unsafe impl Sync for Held {}
@@ -53,6 +53,57 @@ pub(crate) fn payload_runs(
     }
     install::check_runs(total, lens, &runs).raise()?;
     Ok((total, runs))
+}
+
+/// Buffers registered with an engine's ring (`Engine.register_memory`). `close()`, or
+/// collection, unregisters them, then releases the exports that kept them alive.
+#[pyclass(name = "MemoryRegistration", module = "bsr_io._core", frozen)]
+pub(crate) struct PyMemoryRegistration {
+    // A tuple drops in order: the registration goes before the memory it names.
+    state: Mutex<Option<(MemoryRegistration, Held)>>,
+    entries: usize,
+}
+
+impl PyMemoryRegistration {
+    pub(crate) fn new(reg: MemoryRegistration, held: Held) -> Self {
+        PyMemoryRegistration {
+            entries: reg.entries(),
+            state: Mutex::new(Some((reg, held))),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, Option<(MemoryRegistration, Held)>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyMemoryRegistration {
+    /// Unregister the buffers (again: nothing).
+    fn close(&self) {
+        let state = self.state().take();
+        drop(state);
+    }
+
+    /// The ring's buffer entries it took (0: the backend registers nothing; reads into
+    /// the buffers work, unregistered).
+    #[getter]
+    fn entries(&self) -> usize {
+        self.entries
+    }
+
+    #[getter]
+    fn closed(&self) -> bool {
+        self.state().is_none()
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, _exc: &Bound<'_, PyAny>, _val: &Bound<'_, PyAny>, _tb: &Bound<'_, PyAny>) {
+        self.close();
+    }
 }
 
 #[pyclass(name = "DirectRead", module = "bsr_io._core", frozen)]

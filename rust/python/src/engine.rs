@@ -11,7 +11,7 @@ use pyo3::types::{PyDict, PyTuple};
 
 use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
 
-use crate::direct::{payload_runs, Held, PyDirectRead};
+use crate::direct::{payload_runs, Held, PyDirectRead, PyMemoryRegistration};
 use crate::errors::Raise;
 use crate::file::PyFile;
 use crate::pending::{Handoff, PyPending};
@@ -21,7 +21,7 @@ use crate::{non_negative, positive};
 /// One traced request as Python sees it (see `trace_take`).
 type TraceTuple = (u64, u64, u64, u64, u64, u32, u32);
 
-#[pyclass(name = "Engine", module = "bsr_io._core", frozen)]
+#[pyclass(name = "Engine", module = "bsr_io._core", frozen, weakref)]
 pub(crate) struct PyEngine {
     inner: Engine,
 }
@@ -77,7 +77,7 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (window, slot_bytes, *, queue_depth = 32, request_bytes = 1 << 20, backend = None))]
+    #[pyo3(signature = (window, slot_bytes, *, queue_depth = 32, request_bytes = 4 << 20, backend = None))]
     fn new(
         py: Python<'_>,
         window: i64,
@@ -118,6 +118,7 @@ impl PyEngine {
         d.set_item("backend", f.backend)?;
         d.set_item("fixed_buffers", f.fixed_buffers)?;
         d.set_item("registered_files", f.registered_files)?;
+        d.set_item("registered_memory", f.registered_memory)?;
         d.set_item("mlock", f.mlock)?;
         d.set_item("hugepages", f.hugepages)?;
         d.set_item("queue_depth", f.queue_depth)?;
@@ -247,6 +248,29 @@ impl PyEngine {
             op,
             held: Mutex::new(Some(Held::new(exports))),
         })
+    }
+
+    /// Register the writable buffers `bufs` with the I/O ring: direct reads into them
+    /// then skip pinning their pages per request. The registration holds the buffers
+    /// (they can be neither freed nor resized) until it is closed or collected.
+    fn register_memory(
+        &self,
+        py: Python<'_>,
+        bufs: Vec<Bound<'_, PyAny>>,
+    ) -> PyResult<PyMemoryRegistration> {
+        let exports = bufs
+            .iter()
+            .map(|b| Exported::get(b, true))
+            .collect::<PyResult<Vec<_>>>()?;
+        let regions: Vec<(usize, u64)> =
+            exports.iter().map(|e| (e.addr(), e.len() as u64)).collect();
+        let engine = &self.inner;
+        // SAFETY: the exports keep every region's memory alive and its size fixed; the
+        // returned object drops the registration before it releases them.
+        let reg = py
+            .detach(|| unsafe { engine.register_memory(&regions) })
+            .raise()?;
+        Ok(PyMemoryRegistration::new(reg, Held::new(exports)))
     }
 
     #[pyo3(signature = (slot, file, offset, length = None))]

@@ -98,6 +98,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<slot::PySlot>()?;
     m.add_class::<pending::PyPending>()?;
     m.add_class::<direct::PyDirectRead>()?;
+    m.add_class::<direct::PyMemoryRegistration>()?;
     m.add("BsrError", py.get_type::<BsrError>())?;
     for exc in Exc::ALL {
         m.add(exc.spec().0, exc_type(py, exc)?)?;

@@ -47,6 +47,8 @@ from bsr_io.tiers.files.records import (
     record_path,
 )
 
+PATHS_KEPT = 1 << 16  # record paths remembered per tier (a few MiB at most)
+
 
 class FileTier(Tier):
     """A tier of record files under `root`; subclasses supply the payload I/O."""
@@ -68,6 +70,7 @@ class FileTier(Tier):
         self.quarantine_dir = self.root / "quarantine"
         self.evict_to = evict_to
         self._index = RecordIndex(self._lock)
+        self._paths: dict[ChunkKey, Path] = {}
         self._room = Room(self._lock, capacity_bytes, self._index)
         self._quarantine = Quarantine(self.quarantine_dir)
         self.problems: list[Problem] = []
@@ -81,7 +84,14 @@ class FileTier(Tier):
         self.scan()
 
     def path_of(self, key: ChunkKey) -> Path:
-        return record_path(self.chunks_dir, key)
+        # A restore asks for each chunk's path several times (probe, open, touch); the
+        # name is a pure function of the key, so it is built (and checked) once.
+        path = self._paths.get(key)
+        if path is None:
+            if len(self._paths) >= PATHS_KEPT:
+                self._paths.clear()
+            path = self._paths[key] = record_path(self.chunks_dir, key)
+        return path
 
     # -- index --------------------------------------------------------------------------
     def scan(self) -> None:

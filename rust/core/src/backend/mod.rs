@@ -4,6 +4,7 @@
 //! its operation, so no waiter is left hanging. `Health` is how an I/O thread that can
 //! no longer work tells the engine.
 
+pub mod memory;
 pub mod pread;
 pub mod trace;
 pub mod uring;

@@ -1,7 +1,8 @@
 //! io_uring backend. One dedicated thread owns the ring: it takes operations from a
 //! channel, splits them into requests, keeps at most `queue_depth` in flight, reaps
 //! completions and resubmits short transfers. Setup degrades step by step: fixed buffers
-//! and registered files, then plain reads and writes on raw descriptors.
+//! (the slots, with room for caller memory: memory.rs) and registered files, then plain
+//! reads and writes on raw descriptors.
 //!
 //! An error the thread cannot retry (io_uring_enter failing with anything but
 //! EINTR/EAGAIN/EBUSY, a completion no request owns) or a panic breaks the engine: every
@@ -21,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 
+use super::memory::{MemoryTable, Piece, MEMORY_ENTRIES};
 use super::trace::{Trace, TraceEvent};
 use super::{panic_message, Health, Request};
 use crate::arena::{Arena, SlotLease};
@@ -47,6 +49,8 @@ pub struct UringConfig {
 pub struct UringInfo {
     pub fixed_buffers: bool,
     pub registered_files: bool,
+    /// Buffer-table entries for caller memory (0: it cannot be registered).
+    pub memory_entries: usize,
     pub notes: Vec<String>,
     /// The ring's descriptor, for tests to watch the kernel's side (its fdinfo).
     pub ring_fd: i32,
@@ -56,6 +60,9 @@ enum Command {
     /// An operation's requests, split by the submitter.
     Op(Vec<Request>),
     Unregister(u32),
+    /// Register caller memory ((address, length) regions) and say with which entries.
+    RegisterMemory(Vec<(usize, usize)>, mpsc::SyncSender<Result<Vec<u16>>>),
+    UnregisterMemory(Vec<u16>),
     /// Start recording request timings (at most this many events), dropping any earlier.
     TraceStart(usize),
     /// Stop recording and hand over what was recorded.
@@ -173,6 +180,22 @@ impl UringDriver {
         self.request_bytes
     }
 
+    /// Register caller memory with the ring (memory.rs): the entries it took.
+    pub fn register_memory(&self, regions: Vec<(usize, usize)>) -> Result<Vec<u16>> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(Command::RegisterMemory(regions, tx))?;
+        rx.recv().map_err(|_| self.gone())?
+    }
+
+    /// What unregisters memory registered here, queued behind the operations sent
+    /// before it (a ring already gone took its table with it).
+    pub fn memory_release(&self) -> Box<dyn Fn(Vec<u16>) + Send + Sync> {
+        let tx = self.tx.clone();
+        Box::new(move |indices| {
+            let _ = tx.send(Command::UnregisterMemory(indices));
+        })
+    }
+
     /// Start tracing requests (see trace.rs); a trace already running starts over.
     pub fn trace_start(&self, max_events: usize) -> Result<()> {
         self.send(Command::TraceStart(max_events))
@@ -239,6 +262,8 @@ struct RingLoop {
     unsubmitted: VecDeque<usize>,
     queue_depth: usize,
     fixed_buffers: bool,
+    /// Caller memory in the buffer table (direct reads into it go READ_FIXED).
+    memory: MemoryTable,
     file_table: Vec<bool>,
     reaped: Vec<(u64, i32)>,
     trace: Option<Trace>,
@@ -278,7 +303,8 @@ impl RingLoop {
         };
         info.ring_fd = ring.as_raw_fd();
         if cfg.register {
-            info.fixed_buffers = register_slots(&ring, &arena, &mut info.notes);
+            (info.fixed_buffers, info.memory_entries) =
+                register_buffers(&ring, &arena, &mut info.notes);
             match ring.submitter().register_files_sparse(FILE_TABLE) {
                 Ok(()) => info.registered_files = true,
                 Err(e) => info.notes.push(format!(
@@ -296,6 +322,7 @@ impl RingLoop {
             unsubmitted: VecDeque::new(),
             queue_depth: cfg.queue_depth as usize,
             fixed_buffers: info.fixed_buffers,
+            memory: MemoryTable::new(arena.window(), info.memory_entries),
             file_table: vec![
                 false;
                 if info.registered_files {
@@ -364,6 +391,13 @@ impl RingLoop {
                     *used = false;
                 }
             }
+            Command::RegisterMemory(regions, reply) => {
+                let _ = reply.send(self.register_memory(&regions));
+            }
+            Command::UnregisterMemory(indices) => {
+                self.clear_entries(&indices);
+                self.memory.remove(&indices);
+            }
             Command::Shutdown => return true,
             #[cfg(test)]
             Command::Inject(fault) => self.fault = Some(fault),
@@ -395,6 +429,55 @@ impl RingLoop {
                 let _ = tx.send(Command::Unregister(i));
             }),
         });
+    }
+
+    /// Put caller memory in the buffer table: every piece, or none (an error, undone).
+    fn register_memory(&mut self, regions: &[(usize, usize)]) -> Result<Vec<u16>> {
+        let Some(pieces) = self.memory.plan(regions) else {
+            return Err(Error::invalid(format!(
+                "no room to register this memory: the ring keeps {MEMORY_ENTRIES} entries \
+                 of at most 1 GiB for caller memory"
+            )));
+        };
+        for (n, p) in pieces.iter().enumerate() {
+            let iov = libc::iovec {
+                iov_base: p.start as *mut libc::c_void,
+                iov_len: p.end - p.start,
+            };
+            // SAFETY: whoever registers keeps the memory mapped, at the same pages, until
+            // it unregisters (Engine::register_memory); the kernel pins it meanwhile.
+            let res = unsafe {
+                self.ring
+                    .submitter()
+                    .register_buffers_update(p.index.into(), &[iov], None)
+            };
+            if let Err(e) = res {
+                self.clear_entries(&pieces[..n].iter().map(|p| p.index).collect::<Vec<_>>());
+                return Err(Error::os(
+                    "register memory with io_uring",
+                    None,
+                    errno_of(&e),
+                ));
+            }
+        }
+        self.memory.insert(&pieces);
+        Ok(pieces.iter().map(|p: &Piece| p.index).collect())
+    }
+
+    /// Empty these buffer-table entries; requests already in the kernel keep theirs.
+    fn clear_entries(&self, indices: &[u16]) {
+        let empty = libc::iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        };
+        for &i in indices {
+            // SAFETY: an empty entry names no memory.
+            let _ = unsafe {
+                self.ring
+                    .submitter()
+                    .register_buffers_update(i.into(), &[empty], None)
+            };
+        }
     }
 
     /// Queue requests up to the queue depth.
@@ -433,9 +516,13 @@ impl RingLoop {
         let len = req.remaining() as u32;
         let off = req.file_offset();
         let read = req.is_read();
-        // Caller memory (a direct read) is not among the registered buffers.
-        let fixed = self.fixed_buffers && req.op.fixed_index.is_some();
-        let buf_index = req.op.fixed_index.unwrap_or(0) as u16;
+        // A slot's own entry, or for caller memory (a direct read) the entry of memory
+        // registered around it, if any.
+        let buffer = match req.op.fixed_index {
+            Some(i) => self.fixed_buffers.then_some(i as u16),
+            None => self.memory.lookup(ptr as usize, len as usize),
+        };
+        let (fixed, buf_index) = (buffer.is_some(), buffer.unwrap_or(0));
         macro_rules! build {
             ($fd:expr) => {
                 match (read, fixed) {
@@ -598,6 +685,62 @@ impl RingLoop {
     }
 }
 
+/// Register the slots as fixed buffers in a sparse table with entries for caller memory
+/// after them; else the slots alone (an older kernel). Returns (slots registered, entries
+/// for caller memory); says why not.
+fn register_buffers(ring: &IoUring, arena: &Arena, notes: &mut Vec<String>) -> (bool, usize) {
+    let entries = MEMORY_ENTRIES.min(MAX_FIXED_BUFFERS.saturating_sub(arena.window()));
+    if entries > 0 && arena.slot_bytes() <= MAX_FIXED_BUFFER_BYTES {
+        let table = (arena.window() + entries) as u32;
+        match ring.submitter().register_buffers_sparse(table) {
+            Ok(()) => {
+                // SAFETY: the iovecs cover the arena's mapping, which the I/O thread keeps
+                // alive (it holds an Arc<Arena>) for longer than the ring that pins it.
+                let res = unsafe {
+                    ring.submitter()
+                        .register_buffers_update(0, &slot_iovecs(arena), None)
+                };
+                match res {
+                    Ok(()) => return (true, entries),
+                    Err(e) => {
+                        let _ = ring.submitter().unregister_buffers();
+                        if errno_of(&e) == libc::ENOMEM {
+                            notes.push(memlock_note(errno_of(&e)));
+                            return (false, 0);
+                        }
+                    }
+                }
+            }
+            Err(e) => notes.push(format!(
+                "sparse buffer table refused ({}): caller memory is not registered",
+                describe_errno(errno_of(&e))
+            )),
+        }
+    }
+    (register_slots(ring, arena, notes), 0)
+}
+
+fn slot_iovecs(arena: &Arena) -> Vec<libc::iovec> {
+    (0..arena.window())
+        .map(|i| libc::iovec {
+            iov_base: arena.slot_addr(i) as *mut libc::c_void,
+            iov_len: arena.slot_bytes(),
+        })
+        .collect()
+}
+
+fn memlock_note(errno: i32) -> String {
+    let why = if errno == libc::ENOMEM {
+        " (RLIMIT_MEMLOCK too low to pin the arena)"
+    } else {
+        ""
+    };
+    format!(
+        "fixed buffers refused: {}{why}; plain reads and writes",
+        describe_errno(errno)
+    )
+}
+
 /// Register each slot as one fixed buffer. Returns whether it worked; says why not.
 fn register_slots(ring: &IoUring, arena: &Arena, notes: &mut Vec<String>) -> bool {
     if arena.window() > MAX_FIXED_BUFFERS || arena.slot_bytes() > MAX_FIXED_BUFFER_BYTES {
@@ -606,27 +749,12 @@ fn register_slots(ring: &IoUring, arena: &Arena, notes: &mut Vec<String>) -> boo
         ));
         return false;
     }
-    let iovecs: Vec<libc::iovec> = (0..arena.window())
-        .map(|i| libc::iovec {
-            iov_base: arena.slot_addr(i) as *mut libc::c_void,
-            iov_len: arena.slot_bytes(),
-        })
-        .collect();
     // SAFETY: the iovecs cover the arena's mapping, which the I/O thread keeps alive
     // (it holds an Arc<Arena>) for longer than the ring that pins it.
-    match unsafe { ring.submitter().register_buffers(&iovecs) } {
+    match unsafe { ring.submitter().register_buffers(&slot_iovecs(arena)) } {
         Ok(()) => true,
         Err(e) => {
-            let errno = errno_of(&e);
-            let why = if errno == libc::ENOMEM {
-                " (RLIMIT_MEMLOCK too low to pin the arena)"
-            } else {
-                ""
-            };
-            notes.push(format!(
-                "fixed buffers refused: {}{why}; plain reads and writes",
-                describe_errno(errno)
-            ));
+            notes.push(memlock_note(errno_of(&e)));
             false
         }
     }
