@@ -54,7 +54,11 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds (median is reported)")
     p.add_argument("--queue-depth", type=int, default=32, help="engine queue depth")
     p.add_argument(
-        "--request", type=parse_size, default=parse_size("1MiB"), help="engine request size"
+        "--request",
+        type=parse_size,
+        default=parse_size("1MiB"),
+        help="engine request size (default fio's block size, so both queue the same bytes; "
+        "the engine's own default is 4MiB)",
     )
     p.add_argument("--backend", default=None, help="engine backend (default: auto)")
     p.add_argument("--keep", action="store_true", help="keep the test file afterwards")

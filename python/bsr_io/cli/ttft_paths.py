@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bsr_io._core import Engine
+from bsr_io._core import Engine, xxh3_runs
 from bsr_io.cli.fio import HugeMem, fio_read, fio_read_payloads
 from bsr_io.cli.host import process_cpu_s
 from bsr_io.keys import chunk_keys
@@ -113,11 +113,13 @@ class TtftPaths:
         self.metrics.observe(res)
         if not res.complete:
             raise RuntimeError(f"fast restore failed: {res.reason}")
+        floor = self.hash_floor()
         return {
             "seconds": seconds,
             # This process's user + system CPU: from a drive (DMA, no kernel copy) that is
             # the restore's own cost, the figure that carries over to a faster drive.
             "cpu_s_per_gib": cpu * GiB / self.state,
+            "hash_floor_cpu_s_per_gib": floor,
             "direct_chunks": int(res.timings.get("direct_chunks", 0)),
             "rws_bytes": res.rws_peak_bytes,
             "vmhwm_growth_bytes": growth,
@@ -125,6 +127,17 @@ class TtftPaths:
             "install_copy_s": res.timings["install_copy_s"],
             "commit_s": res.timings["commit_s"],
         }
+
+    def hash_floor(self) -> float:
+        """CPU s/GiB of hashing the restored bytes where they lie, chunk by chunk, with
+        no read: the least a restore that verifies every byte costs on this core."""
+        assert self.dest is not None
+        where = [self.dest.host_runs(i) for i in range(self.chunks)]
+        t0 = time.thread_time()
+        for w in where:
+            assert w is not None
+            xxh3_runs(*w)
+        return (time.thread_time() - t0) * GiB / self.state
 
     def check(self) -> bool:
         """The first and last chunk in the destination are the bytes that were written."""
