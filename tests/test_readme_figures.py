@@ -196,7 +196,39 @@ FIGURES: list[Fig] = [
     ),  # fmt: skip
     Fig("then install) {} s;", "ttft.json", "naive_s"),
     Fig("from the drive: {} CPU s/GiB", "ttft.json", "fast_cpu_s_per_gib", fmt="{:.3f}"),
-    Fig("CPU s/GiB (goal\n{}, not met", "ttft.json", "target_fast_cpu_s_per_gib"),
+    Fig("(goal {}, met in this run", "ttft.json", "target_fast_cpu_s_per_gib"),
+    Fig(
+        "its rounds {} to",
+        "ttft.json",
+        "per_round.fast min cpu",
+        fmt="{:.3f}",
+        derive=lambda d: min(x["cpu_s_per_gib"] for x in d["ttft.json"]["per_round"]["fast"]),
+    ),
+    Fig(
+        "to {}). Most of it",
+        "ttft.json",
+        "per_round.fast max cpu",
+        fmt="{:.3f}",
+        derive=lambda d: max(x["cpu_s_per_gib"] for x in d["ttft.json"]["per_round"]["fast"]),
+    ),
+    Fig(
+        "no read, cost {} CPU s/GiB in the same",
+        "ttft.json",
+        "hash_floor_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),  # fmt: skip
+    Fig(
+        "The restore adds {} CPU s/GiB to that floor",
+        "ttft.json",
+        "fast_cpu_beyond_hash_s_per_gib",
+        fmt="{:.3f}",
+    ),  # fmt: skip
+    Fig("measured {} and", "ttft-2.json", "fast_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("and {} CPU\ns/GiB over floors", "ttft-3.json", "fast_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("over floors of {} and", "ttft-2.json", "hash_floor_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("and {}: 0.031", "ttft-3.json", "hash_floor_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig(": {} and 0.035", "ttft-2.json", "fast_cpu_beyond_hash_s_per_gib", fmt="{:.3f}"),
+    Fig("and {} above them", "ttft-3.json", "fast_cpu_beyond_hash_s_per_gib", fmt="{:.3f}"),
     Fig("(the control) {} s;", "ttft.json", "naive_engine_s"),
     Fig("BSR {} s; fio reading", "ttft.json", "fast_s"),
     Fig("record payloads {} s on 4 KiB pages", "ttft.json", "fio_s"),
