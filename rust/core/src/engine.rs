@@ -861,21 +861,41 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_direct_read_fills_the_callers_memory_and_refuses_misalignment() {
+    /// A 1 MiB file of `pattern` bytes (the directory, its path, the bytes) and, per
+    /// backend, an engine of `window` 4 KiB slots making 64 KiB requests.
+    fn direct_setup(
+        window: usize,
+    ) -> (
+        tempfile::TempDir,
+        String,
+        Vec<u8>,
+        Vec<(BackendChoice, Engine)>,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("data");
         let data = pattern(1 << 20);
         std::fs::write(&path, &data).unwrap();
-        let path = path.to_str().unwrap();
-        for b in backends() {
-            let e = Engine::new(EngineConfig {
-                backend: b,
-                request_bytes: 64 << 10,
-                queue_depth: 4,
-                ..EngineConfig::new(1, 4096)
+        let engines = backends()
+            .into_iter()
+            .map(|b| {
+                let cfg = EngineConfig {
+                    backend: b,
+                    request_bytes: 64 << 10,
+                    queue_depth: 4,
+                    ..EngineConfig::new(window, 4096)
+                };
+                (b, Engine::new(cfg).unwrap())
             })
-            .unwrap();
+            .collect();
+        let path = path.to_str().unwrap().to_owned();
+        (dir, path, data, engines)
+    }
+
+    #[test]
+    fn a_direct_read_fills_the_callers_memory_and_refuses_misalignment() {
+        let (_dir, path, data, engines) = direct_setup(1);
+        let path = path.as_str();
+        for (b, e) in engines {
             let opts = OpenOptions {
                 direct: true,
                 ..Default::default()
@@ -917,40 +937,35 @@ mod tests {
         }
     }
 
-    /// The ring's buffer-table line for `index` in its fdinfo ("<none>" when empty). The
-    /// kernel leaves the lines out while the I/O thread holds the ring's lock: poll.
-    fn buffer_entry(e: &Engine, index: usize) -> String {
+    /// Wait (2 s at most) for the ring's buffer-table line for `index` in its fdinfo to
+    /// read `want` ("<none>" when empty); the last line seen. The kernel leaves the lines
+    /// out while the I/O thread holds the ring's lock, and an unregistration is queued to
+    /// that thread: poll.
+    fn buffer_entry(e: &Engine, index: usize, want: &str) -> String {
         let fd = match e.driver().as_ref() {
             Some(Driver::Uring(d)) => d.info.ring_fd,
             _ => unreachable!("io_uring only"),
         };
         let prefix = format!("{index:5}: ");
+        let mut seen = String::from("(no line)");
         for _ in 0..1000 {
             let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).unwrap();
             if let Some(line) = info.lines().find_map(|l| l.strip_prefix(&prefix)) {
-                return line.to_owned();
+                seen = line.to_owned();
+                if seen == want {
+                    break;
+                }
             }
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
-        panic!("no buffer-table line {index} in the ring's fdinfo");
+        seen
     }
 
     #[test]
     fn registered_memory_takes_direct_reads_until_dropped() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("data");
-        let data = pattern(1 << 20);
-        std::fs::write(&path, &data).unwrap();
-        let path = path.to_str().unwrap();
-        for b in backends() {
-            let e = Engine::new(EngineConfig {
-                backend: b,
-                request_bytes: 64 << 10,
-                queue_depth: 4,
-                ..EngineConfig::new(2, 4096)
-            })
-            .unwrap();
-            let f = e.open(path, OpenOptions::default()).unwrap();
+        let (_dir, path, data, engines) = direct_setup(2);
+        for (b, e) in engines {
+            let f = e.open(&path, OpenOptions::default()).unwrap();
             let block = AlignedBlock::new(512 << 10).unwrap();
             let addr = block.ptr as usize;
             // The first 256 KiB only: requests in it read into the registered buffer,
@@ -964,7 +979,8 @@ mod tests {
             assert_eq!(reg.entries(), usize::from(table > 0), "{b:?}");
             if table > 0 {
                 // The entry after the two slots holds exactly the region.
-                assert_eq!(buffer_entry(&e, 2), format!("0x{addr:x}/{}", 256 << 10));
+                let want = format!("0x{addr:x}/{}", 256 << 10);
+                assert_eq!(buffer_entry(&e, 2, &want), want);
             }
             // SAFETY: `block` is ours, alive and untouched until after the wait.
             let op = unsafe { e.submit_read_into(&f, 4096, &[(addr, 512 << 10)]) }.unwrap();
@@ -974,7 +990,8 @@ mod tests {
             assert!(got == &data[4096..4096 + (512 << 10)], "{b:?}");
             drop(reg);
             if table > 0 {
-                assert_eq!(buffer_entry(&e, 2), "<none>", "dropped: the entry is empty");
+                let now = buffer_entry(&e, 2, "<none>");
+                assert_eq!(now, "<none>", "dropped: the entry is empty");
             }
             // SAFETY: as above; `block` is still ours.
             let op = unsafe { e.submit_read_into(&f, 8192, &[(addr, 256 << 10)]) }.unwrap();
