@@ -49,9 +49,9 @@ impl BackendChoice {
 }
 
 /// Default request size. Each request costs the I/O thread a submission, a bio, a
-/// device kick and an interrupt whatever its length: at 4 MiB that thread used 0.007 CPU
-/// s/GiB on the development VM against 0.012 at 1 MiB, at the same read rate. A device
-/// with a smaller limit gets the request split by the block layer, not by us.
+/// device kick and an interrupt whatever its length, so fewer, larger requests move the
+/// same bytes for less CPU. A device with a smaller limit gets the request split by the
+/// block layer, not by us.
 pub const DEFAULT_REQUEST_BYTES: usize = 4 << 20;
 
 #[derive(Debug, Clone)]
