@@ -123,8 +123,10 @@ _REGISTERED: weakref.WeakKeyDictionary[
 def register_once(engine: Engine, dest: Destination, bufs: Sequence[Any]) -> None:
     """Register a lasting destination's buffers with `engine`'s ring unless done; where
     the kernel refuses (RLIMIT_MEMLOCK, a full table), its reads stay unregistered."""
-    done = _REGISTERED.setdefault(engine, weakref.WeakKeyDictionary())
-    if dest in done:
+    done = _REGISTERED.get(engine)
+    if done is None:
+        done = _REGISTERED[engine] = weakref.WeakKeyDictionary()
+    elif dest in done:
         return
     try:
         done[dest] = engine.register_memory(bufs)
