@@ -26,6 +26,7 @@ __all__ = [
     "Slot",
     "Pending",
     "DirectRead",
+    "MemoryRegistration",
     "BsrError",
     "BsrIoError",
     "AlignmentError",

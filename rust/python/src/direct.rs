@@ -6,6 +6,7 @@ use std::sync::Mutex;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
 use bsr_io_core::install::{self, Run};
 use bsr_io_core::{Error, MemoryRegistration, Pending};
@@ -101,7 +102,8 @@ impl PyMemoryRegistration {
         slf
     }
 
-    fn __exit__(&self, _exc: &Bound<'_, PyAny>, _val: &Bound<'_, PyAny>, _tb: &Bound<'_, PyAny>) {
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) {
         self.close();
     }
 }
