@@ -177,6 +177,7 @@ class Window:
         self.install_threads = install_threads
         self.direct = direct  # read straight into destinations that allow it
         self._direct_now = False  # ... and this run's destination does, so far
+        self._register = False  # ... and lasts: register it before its first direct read
         self._direct_runs: dict[int, HostRuns] = {}  # chunk -> the memory its read fills
         self._pool: ThreadPoolExecutor | None = None
         self._install_s = 0.0
@@ -217,8 +218,9 @@ class Window:
         if self._direct_now and into is not None and dest is not None:
             where = fused_runs(dest, index)
             if where is not None and all(b is not None for b in where[0]):
-                if getattr(dest, "lasting", False):
+                if self._register:
                     register_once(self.engine, dest, where[0])
+                    self._register = False
                 try:
                     direct: DirectChunk = into(key, self.engine, *where)
                     self._direct_runs[index] = where  # hashed there once the read ends
@@ -436,6 +438,7 @@ class Window:
                 )
         self._sizes = sizes
         self._direct_now = self.direct and bool(getattr(dest, "direct_reads", False))
+        self._register = self._direct_now and bool(getattr(dest, "lasting", False))
         self._direct_done = 0
         report = InstallReport()
         stop_every = stop_every or self.width

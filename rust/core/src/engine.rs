@@ -395,14 +395,12 @@ impl Engine {
         self.check_open()?;
         let mut spans = Vec::with_capacity(regions.len());
         for (i, &(addr, len)) in regions.iter().enumerate() {
-            let len = usize::try_from(len)
-                .ok()
-                .filter(|&l| l > 0 && addr.checked_add(l).is_some());
-            let Some(len) = len.filter(|_| addr != 0) else {
+            let len = usize::try_from(len).unwrap_or(0);
+            if addr == 0 || len == 0 || addr.checked_add(len).is_none() {
                 return Err(Error::invalid(format!(
                     "region {i} to register is empty or outside the address space"
                 )));
-            };
+            }
             spans.push((addr, len));
         }
         match self.driver().as_ref() {

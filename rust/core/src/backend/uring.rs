@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 
-use super::memory::{MemoryTable, Piece, MEMORY_ENTRIES};
+use super::memory::{MemoryTable, MEMORY_ENTRIES};
 use super::trace::{Trace, TraceEvent};
 use super::{panic_message, Health, Request};
 use crate::arena::{Arena, SlotLease};
@@ -461,7 +461,7 @@ impl RingLoop {
             }
         }
         self.memory.insert(&pieces);
-        Ok(pieces.iter().map(|p: &Piece| p.index).collect())
+        Ok(pieces.iter().map(|p| p.index).collect())
     }
 
     /// Empty these buffer-table entries; requests already in the kernel keep theirs.
