@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from bsr_io.cli.load import snapshot, summary
+from bsr_io.cli.loopback_pool import LoopbackPool, loopback_netns
 from bsr_io.cli.report import write_json
-from bsr_io.layout import preset
-from bsr_io.record import HEADER_BYTES
-from bsr_io.sizes import GiB, parse_size
-from bsr_io.testing.mooncake_pool import LoopbackPool, loopback_netns
+from bsr_io.model.layout import preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, parse_size
 from bsr_io.tiers.mooncake import lower_thread_priority, open_client
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -110,9 +111,11 @@ def main() -> None:
                 tids.append(threading.get_native_id())
                 lower_thread_priority(priority)
 
-            calls = [list(range(n))] if per_call == 0 else [
-                list(range(i, min(n, i + per_call))) for i in range(0, n, per_call)
-            ]  # fmt: skip
+            calls = (
+                [list(range(n))]
+                if per_call == 0
+                else [list(range(i, min(n, i + per_call))) for i in range(0, n, per_call)]
+            )
             with ThreadPoolExecutor(in_flight, initializer=init) as ex:
                 t0 = time.perf_counter()
                 for f in [ex.submit(read, c, per_call == 0) for c in calls]:
@@ -131,16 +134,23 @@ def main() -> None:
             for (name, per_call, k), p in cases:
                 c0, n0 = self_cpu_s(), proc_cpu_s(node)
                 took, callers = run(per_call, k, p)
-                rows.setdefault(f"{name}, {p} priority", []).append({
-                    "s": took,
-                    "cpu_s_per_gib": (self_cpu_s() - c0) * GiB / state,
-                    "callers_cpu_s_per_gib": callers * GiB / state,
-                    "node_cpu_s_per_gib": (proc_cpu_s(node) - n0) * GiB / state,
-                })  # fmt: skip
+                rows.setdefault(f"{name}, {p} priority", []).append(
+                    {
+                        "s": took,
+                        "cpu_s_per_gib": (self_cpu_s() - c0) * GiB / state,
+                        "callers_cpu_s_per_gib": callers * GiB / state,
+                        "node_cpu_s_per_gib": (proc_cpu_s(node) - n0) * GiB / state,
+                    }
+                )
             loads.append(snapshot())
         client.remove_all(True)
-    out: dict[str, Any] = {"objects": n, "object_bytes": record, "state_bytes": state,
-                           "rounds": args.rounds, "shapes": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "objects": n,
+        "object_bytes": record,
+        "state_bytes": state,
+        "rounds": args.rounds,
+        "shapes": {},
+    }
     ref = statistics.median(r["s"] for r in rows["bulk, normal priority"])
     for key, rs in rows.items():
         med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
@@ -150,9 +160,11 @@ def main() -> None:
             **{k: v for k, v in med.items() if k != "s"},
             "rounds_s": [r["s"] for r in rs],
         }
-        print(f"{key:42s} {state / med['s'] / GiB:5.2f} GiB/s ({ref / med['s']:.2f} of bulk), "
-              f"CPU {med['cpu_s_per_gib']:.2f} s/GiB (callers {med['callers_cpu_s_per_gib']:.2f}),"
-              f" node {med['node_cpu_s_per_gib']:.2f}")  # fmt: skip
+        print(
+            f"{key:42s} {state / med['s'] / GiB:5.2f} GiB/s ({ref / med['s']:.2f} of bulk), "
+            f"CPU {med['cpu_s_per_gib']:.2f} s/GiB (callers {med['callers_cpu_s_per_gib']:.2f}),"
+            f" node {med['node_cpu_s_per_gib']:.2f}"
+        )
     out["load"] = summary(loads)
     out["load_snapshots"] = loads
     out["note"] = "loopback TCP on a shared 2-core machine, Mooncake 0.3.13 (non-CUDA build)"

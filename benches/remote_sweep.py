@@ -39,23 +39,54 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for threads, priority in SETTINGS:
             out = Path(tmp) / f"{threads}-{priority}.json"
-            cmd = [sys.executable, "-m", "bsr_io.cli", "bench", "remote", "--size", args.size,
-                   "--window", args.window, "--rounds", args.rounds, "--io-threads",
-                   str(threads), "--io-priority", priority, "--json", str(out)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "bsr_io.cli",
+                "bench",
+                "remote",
+                "--size",
+                args.size,
+                "--window",
+                args.window,
+                "--rounds",
+                args.rounds,
+                "--io-threads",
+                str(threads),
+                "--io-priority",
+                priority,
+                "--json",
+                str(out),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
             doc = json.loads(out.read_text())
             runs.append(doc)
-            print(f"io_threads {threads}, {priority:6s}: restore {doc['restore_gib_s']:.2f} "
-                  f"GiB/s, bulk {doc['client_bulk_gib_s']:.2f}: ratio {doc['ratio']:.3f} "
-                  f"(rounds' median {doc['ratio_median_of_rounds']:.3f}); through the slots "
-                  f"{doc['ratio_slots']:.3f}; vs bulk from a low-priority thread "
-                  f"{doc['ratio_vs_bulk_low_median_of_rounds']:.3f}", flush=True)  # fmt: skip
-    keys = ("io_threads", "io_priority", "ratio", "ratio_median_of_rounds",
-            "ratio_min_of_rounds", "ratio_slots", "restore_gib_s", "restore_slots_gib_s",
-            "client_bulk_gib_s", "client_bulk_low_gib_s", "ratio_vs_bulk_low_median_of_rounds",
-            "restore_cpu_s_per_gib", "bulk_cpu_s_per_gib", "restore_read_wait_share")  # fmt: skip
+            print(
+                f"io_threads {threads}, {priority:6s}: restore {doc['restore_gib_s']:.2f} "
+                f"GiB/s, bulk {doc['client_bulk_gib_s']:.2f}: ratio {doc['ratio']:.3f} "
+                f"(rounds' median {doc['ratio_median_of_rounds']:.3f}); through the slots "
+                f"{doc['ratio_slots']:.3f}; vs bulk from a low-priority thread "
+                f"{doc['ratio_vs_bulk_low_median_of_rounds']:.3f}",
+                flush=True,
+            )
+    keys = (
+        "io_threads",
+        "io_priority",
+        "ratio",
+        "ratio_median_of_rounds",
+        "ratio_min_of_rounds",
+        "ratio_slots",
+        "restore_gib_s",
+        "restore_slots_gib_s",
+        "client_bulk_gib_s",
+        "client_bulk_low_gib_s",
+        "ratio_vs_bulk_low_median_of_rounds",
+        "restore_cpu_s_per_gib",
+        "bulk_cpu_s_per_gib",
+        "restore_read_wait_share",
+    )
     summary = [{k: d[k] for k in keys} for d in runs]
     write_json(args.json, {"settings": summary, "runs": runs})
 

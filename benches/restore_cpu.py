@@ -21,13 +21,13 @@ from pathlib import Path
 from bsr_io import Engine
 from bsr_io.cli.bench_state import write_state
 from bsr_io.cli.fio import drop_caches
-from bsr_io.keys import chunk_keys
-from bsr_io.kvcache import PagedKVCache
-from bsr_io.layout import preset
+from bsr_io.cli.synthetic import synthetic_tokens
+from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.model.keys import chunk_keys
+from bsr_io.model.layout import preset
+from bsr_io.model.sizes import GiB
 from bsr_io.restore import Restorer
-from bsr_io.sizes import GiB
 from bsr_io.store import Store
-from bsr_io.testing.synthetic import synthetic_tokens
 from bsr_io.tiers import SSDTier
 
 MODEL = "bsr-io-bench-restore-cpu"
@@ -54,8 +54,10 @@ def main() -> None:
     state = len(keys) * lay.chunk_bytes
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
         if args.compare == "request":
-            engines = {"1MiB": Engine(32, lay.chunk_bytes, request_bytes=1 << 20),
-                       "4MiB": Engine(32, lay.chunk_bytes, request_bytes=4 << 20)}  # fmt: skip
+            engines = {
+                "1MiB": Engine(32, lay.chunk_bytes, request_bytes=1 << 20),
+                "4MiB": Engine(32, lay.chunk_bytes, request_bytes=4 << 20),
+            }
         else:
             engine = Engine(32, lay.chunk_bytes)
             engines = {"registered": engine, "plain": engine}
@@ -84,8 +86,10 @@ def main() -> None:
                 rows[name].append((io, caller, res.timings["install_copy_s"] * GiB / state))
     for name, v in rows.items():
         io, caller, hashed = (statistics.median(x[j] for x in v) for j in range(3))
-        print(f"{name:10s} CPU s/GiB: I/O thread {io:.4f}, caller {caller:.4f} "
-              f"(of which the in-place hash {hashed:.4f}), median of {len(v)} rounds")  # fmt: skip
+        print(
+            f"{name:10s} CPU s/GiB: I/O thread {io:.4f}, caller {caller:.4f} "
+            f"(of which the in-place hash {hashed:.4f}), median of {len(v)} rounds"
+        )
 
 
 if __name__ == "__main__":

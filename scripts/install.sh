@@ -14,3 +14,5 @@ fi
 python -m pip install -q -U pip
 python -m pip install -q -r requirements-dev.txt
 maturin develop --release -q
+# The lab (tests' and lab benchmarks' support, `bsr-lab`): editable, never in the wheel.
+python -m pip install -q --no-deps -e lab

@@ -27,7 +27,7 @@ PY
     python -m pip install -q -r "$VENV/vllm-rest.txt"
 fi
 # bsr-io itself, built into this venv (abi3 extension), with the test tools (mypy: the vLLM
-# integration is type-checked here, against vLLM's own types) and Mooncake (tests/vllm
+# integration is type-checked here, against vLLM's own types) and Mooncake (tests/integrations/vllm
 # restore from a real loopback pool below the SSD tier; they never skip).
 python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "psutil>=5.9" "prometheus-client>=0.19" \
     "matplotlib>=3.8" "mypy>=1.11" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
@@ -38,4 +38,5 @@ for attempt in 1 2 3; do
     [ "$attempt" = 3 ] && exit 1
     sleep 10
 done
-python -c "import vllm, bsr_io._core; print('vllm', vllm.__version__)"
+python -m pip install -q --no-deps -e lab
+python -c "import vllm, bsr_io._core, bsr_lab; print('vllm', vllm.__version__)"

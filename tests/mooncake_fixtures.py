@@ -14,7 +14,8 @@ import os
 import sys
 
 import pytest
-from bsr_io.testing.mooncake_pool import (
+
+from bsr_io.cli.loopback_pool import (
     LoopbackNetns,
     LoopbackPool,
     loopback_netns,

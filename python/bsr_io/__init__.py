@@ -75,8 +75,8 @@ from bsr_io.errors import (  # noqa: E402
     RecordFormatError,
     TierDown,
 )
-from bsr_io.keys import ChunkKey, chunk_keys, extend_prefix_hashes, prefix_hashes  # noqa: E402
-from bsr_io.layout import AllocatorGroup, KVLayout, preset  # noqa: E402
+from bsr_io.model.keys import ChunkKey, chunk_keys, extend_prefix_hashes, prefix_hashes  # noqa: E402
+from bsr_io.model.layout import AllocatorGroup, KVLayout, preset  # noqa: E402
 from bsr_io.store import Store, open_store  # noqa: E402
 from bsr_io.tiers import LowerTier, MemoryTier, SSDTier, Tier  # noqa: E402
 
@@ -109,8 +109,8 @@ __all__ += [
 # Restoration: discovery, windowed install, commit. (The whole-plan baseline and the
 # synthetic data of tests and benchmarks are not part of the API.)
 from bsr_io.commit import Agreement  # noqa: E402
-from bsr_io.discovery import Plan  # noqa: E402
-from bsr_io.kvcache import Destination, PagedKVCache  # noqa: E402
+from bsr_io.load.discovery import Plan  # noqa: E402
+from bsr_io.load.kvcache import Destination, PagedKVCache  # noqa: E402
 from bsr_io.metrics import RestoreMetrics  # noqa: E402
 from bsr_io.restore import Restorer, RestoreResult  # noqa: E402
 

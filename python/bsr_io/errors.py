@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 from bsr_io._core import BsrError
 
 if TYPE_CHECKING:
-    from bsr_io.keys import ChunkKey
+    from bsr_io.model.keys import ChunkKey
 
 
 @dataclass(frozen=True, slots=True)

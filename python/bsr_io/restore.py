@@ -4,70 +4,43 @@ A `Restorer` belongs to one rank. `probe` finds the reusable prefix from
 metadata and agrees on it with the other ranks (minimum over groups and ranks);
 `restore` streams it through W staging slots into the destination and then
 votes; the prefix is committed on every rank or on none. `save` stores a
-prefix through the same bounded staging.
-
-`load_records` and `save_records` are the one load and save path under all of it:
-the Restorer, and every integration whose host makes the commit decision itself
-(vLLM's output aggregator), call them; none keeps a read, install or write loop
-of its own.
+prefix through the same bounded staging. The load and save themselves are the
+one path every integration uses (`bsr_io.load.records`, `bsr_io.save.records`).
 """
 
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import TYPE_CHECKING
 
-from bsr_io._core import Engine, Slot
+from bsr_io._core import Engine
 from bsr_io.commit import Agreement
-from bsr_io.discovery import Plan, discover, sources_of
-from bsr_io.engine import as_tensor, give_back, lease, register_cuda
-from bsr_io.errors import EngineBusy, LayoutError
-from bsr_io.keys import chunk_keys
-from bsr_io.kvcache import Destination
-from bsr_io.layout import KVLayout
-from bsr_io.window import InstallReport, Window
+from bsr_io.errors import LayoutError
+from bsr_io.load.discovery import Plan, discover
+from bsr_io.load.kvcache import Destination
+from bsr_io.load.records import (
+    COMPLETE,
+    ZERO,
+    LoadOptions,
+    RestoreResult,
+    load_result,
+    windowed_install,
+)
+from bsr_io.load.window import InstallReport
+from bsr_io.model.keys import chunk_keys
+from bsr_io.model.layout import KVLayout
+from bsr_io.save.records import save_records
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from bsr_io.commit import Vote
-    from bsr_io.keys import ChunkKey
+    from bsr_io.model.keys import ChunkKey
     from bsr_io.store import Store
     from bsr_io.tiers.base import Tier
 
-# How a restore ends: every hit chunk committed on every rank, or nothing (the caller
-# recomputes the prefix).
-Outcome = Literal["complete", "zero"]
-COMPLETE: Final = "complete"
-ZERO: Final = "zero"
-
-
-@dataclass
-class RestoreResult:
-    outcome: Outcome  # zero: no external reuse, the caller recomputes
-    committed_tokens: int
-    committed_chunks: int
-    hit_chunks: int
-    source_tiers: list[str] = field(default_factory=list)
-    fallbacks: list[dict[str, Any]] = field(default_factory=list)
-    reason: str = ""
-    rws_peak_bytes: int = 0
-    bytes_read: dict[str, int] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    l1_required_bytes: int | None = None  # whole-plan only: L1 it needs to stage the hit
-    failed_chunks: list[int] = field(default_factory=list)  # no tier had a good copy
-    timed_out: bool = False  # a read was still in flight at the deadline
-
-    @property
-    def complete(self) -> bool:
-        return self.outcome == COMPLETE
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+__all__ = ["COMPLETE", "ZERO", "RestoreResult", "Restorer"]
 
 
 def _content_tag(keys: Sequence[ChunkKey]) -> str:
@@ -89,245 +62,6 @@ def _layout_mismatch(layout: KVLayout, dest: object) -> str:
         f"chunks as {layout.name!r} ({layout.fingerprint()}); installing would scramble the "
         "groups' bytes. Build the destination from the restorer's layout."
     )
-
-
-def _extract(dest: Destination, index: int, slot: Slot, nbytes: int) -> None:
-    """`dest.extract` into `slot`. If it raises, its frames (which hold a view of the
-    slot) are dropped from the traceback, their text kept as a note: a caller keeping
-    the exception must not keep the view, or the slot could not be released."""
-    try:
-        dest.extract(index, as_tensor(slot, length=nbytes))
-    except BaseException as exc:
-        exc.add_note("extract failed at:\n" + "".join(traceback.format_tb(exc.__traceback__)))
-        raise exc.with_traceback(None) from None
-
-
-def _windowed(
-    engine: Engine,
-    tiers: Sequence[Tier],
-    keys: Sequence[ChunkKey],
-    sources: Sequence[int],
-    dest: Destination,
-    *,
-    chunk_bytes: int,
-    sizes: Sequence[int] | None,
-    width: int,
-    deadline: float,
-    should_stop: Callable[[], bool],
-    install_threads: int,
-    keep_going: bool = False,
-) -> tuple[InstallReport | None, str]:
-    """The windowed, verified install of `keys` from `sources`: (report, error)."""
-    device = getattr(dest, "device", None)
-    if device is not None and device.type == "cuda":
-        # Page-locked slots make each install an asynchronous DMA copy.
-        register_cuda(engine)
-    engine.reset_peak()
-    window = Window(engine, tiers, chunk_bytes, width, install_threads=install_threads)
-    try:
-        report = window.run(
-            keys, sources, dest, should_stop=should_stop, slot_deadline=deadline,
-            sizes=sizes, read_deadline=deadline, keep_going=keep_going,
-        )  # fmt: skip
-    except EngineBusy as exc:
-        # Back-pressure, not a bad chunk: nothing was invalidated.
-        return None, str(exc)
-    return report, report.error
-
-
-def _result(
-    ok: bool,
-    report: InstallReport | None,
-    reason: str,
-    *,
-    hit_chunks: int,
-    committed_tokens: int,
-    engine: Engine,
-    timings: dict[str, float],
-) -> RestoreResult:
-    return RestoreResult(
-        outcome=COMPLETE if ok else ZERO,
-        committed_tokens=committed_tokens if ok else 0,
-        committed_chunks=hit_chunks if ok else 0,
-        hit_chunks=hit_chunks,
-        source_tiers=report.sources if report else [],
-        fallbacks=report.fallbacks if report else [],
-        reason="" if ok else reason,
-        rws_peak_bytes=engine.peak_bytes(),
-        bytes_read=report.bytes_read if report else {},
-        timings={
-            **timings,
-            "read_wait_s": report.read_wait_s if report else 0.0,
-            "install_copy_s": report.install_s if report else 0.0,
-            # Chunks read straight into the destination (no slot, hashed in place).
-            "direct_chunks": float(report.direct) if report else 0.0,
-        },
-        failed_chunks=report.failed_chunks if report else [],
-        timed_out=report.timed_out if report else False,
-    )
-
-
-def load_records(
-    engine: Engine,
-    tiers: Sequence[Tier],
-    keys: Sequence[ChunkKey],
-    dest: Destination,
-    *,
-    deadline: float,
-    sizes: Sequence[int] | None = None,
-    chunk_bytes: int | None = None,
-    width: int | None = None,
-    should_stop: Callable[[], bool] = lambda: False,
-    committed_tokens: int = 0,
-    install_threads: int = 1,
-    keep_going: bool = False,
-) -> RestoreResult:
-    """Load records `keys` into `dest` (record i into `dest`'s index i) through at most
-    `width` of `engine`'s slots: metadata-only discovery of each record's tier, then the
-    windowed install, verified (fused copy-and-hash where `dest` has `host_runs`).
-
-    For a host that makes the commit decision itself (vLLM fails a request on every
-    rank when one rank reports it failed): the result is this rank's `complete` or
-    `zero`, with why. Chunk failures, timeouts (`deadline`, time.monotonic, bounds
-    slot waits and reads) and a destination too small end `zero`; nothing raises for
-    them. A closed or broken engine raises."""
-    t0 = time.perf_counter()
-    n = len(keys)
-    if sizes is not None and len(sizes) != n:
-        raise ValueError(f"{len(sizes)} record sizes for {n} keys")
-    if chunk_bytes is None:
-        chunk_bytes = max(sizes, default=0) if sizes is not None else engine.slot_bytes
-    width = engine.window if width is None else width
-    timings: dict[str, float] = {}
-    sources = sources_of(tiers, keys)
-    timings["discover_s"] = time.perf_counter() - t0
-    report: InstallReport | None = None
-    if len(sources) < n:
-        reason = f"record {len(sources)} of {n} ({keys[len(sources)].short()}) is in no tier"
-    elif should_stop():
-        reason = "stopped before the load started"
-    else:
-        report, reason = _windowed(
-            engine, tiers, keys, sources, dest, chunk_bytes=chunk_bytes, sizes=sizes,
-            width=width, deadline=deadline, should_stop=should_stop,
-            install_threads=install_threads, keep_going=keep_going,
-        )  # fmt: skip
-        if not reason and report is not None and report.installed < n:
-            reason = "stopped before every record was installed"
-    timings["total_s"] = time.perf_counter() - t0
-    return _result(
-        not reason, report, reason, hit_chunks=n, committed_tokens=committed_tokens,
-        engine=engine, timings=timings,
-    )  # fmt: skip
-
-
-def save_records(
-    engine: Engine,
-    tier: Tier | Store,
-    keys: Sequence[ChunkKey],
-    layouts: Sequence[KVLayout],
-    dest: Destination,
-    *,
-    deadline: float,
-    skip_existing: bool = True,
-    width: int | None = None,
-    progress: Callable[[int], object] | None = None,
-    on_done: Callable[[int, BaseException | None], object] | None = None,
-) -> int:
-    """Store record i of `dest` (`dest.extract(i, ...)`, `layouts[i].chunk_bytes` bytes)
-    as `keys[i]` in `tier`; returns records written. `width` writers each lease one slot,
-    gather a record into it and write it (checksummed, crash-safe), so at most `width`
-    records are staged and in flight at once; a slot returns to the ring as soon as its
-    write is done, failed or not. Slot waits end at `deadline` with EngineBusy.
-
-    `on_done(i, error)`: called once per record (error None when it is stored or was
-    already held); with it, one record's failure is reported there and the others go
-    on; without it, the first failure raises."""
-    if len(layouts) != len(keys):
-        raise ValueError(f"{len(layouts)} layouts for {len(keys)} keys")
-    width = engine.window if width is None else width
-
-    def write(i: int) -> int:
-        if skip_existing and tier.probe([keys[i]]) == 1:
-            return 0
-        nbytes = layouts[i].chunk_bytes
-        slot = lease(engine, deadline)
-        try:
-            _extract(dest, i, slot, nbytes)
-            slot.set_length(nbytes)
-            tier.write(keys[i], slot, layouts[i])
-        finally:
-            # A put abandoned at its timeout (a pool tier) may still read the slot: it
-            # keeps a view, and the slot returns to the ring when that put returns.
-            give_back(slot)
-            del slot
-        return 1
-
-    written = _each(write, len(keys), width, on_done, progress)
-    dest.synchronize()
-    return written
-
-
-def write_staged(
-    tier: Tier | Store,
-    keys: Sequence[ChunkKey],
-    layouts: Sequence[KVLayout],
-    slots: Sequence[Slot],
-    *,
-    width: int,
-    on_done: Callable[[int, BaseException | None], object] | None = None,
-) -> int:
-    """Write records already gathered into engine slots (`slots[i]` holds record i, its
-    length set): for a host whose blocks must be copied out at once (vLLM's sliding-
-    window blocks are reused from the next step on) and written later. `width` writes
-    in flight; each slot goes back to the ring as soon as its own write ends, failed or
-    not. Returns records written; failures as in `save_records`."""
-    if not len(keys) == len(layouts) == len(slots):
-        raise ValueError(f"{len(keys)} keys, {len(layouts)} layouts, {len(slots)} slots")
-    held: list[Slot | None] = list(slots)
-
-    def write(i: int) -> int:
-        slot, held[i] = held[i], None  # this thread's slot now, and only its
-        assert slot is not None
-        try:
-            return 1 if tier.write(keys[i], slot, layouts[i]) else 0
-        finally:
-            give_back(slot)
-            del slot
-
-    return _each(write, len(keys), width, on_done)
-
-
-def _each(
-    write: Callable[[int], int],
-    n: int,
-    width: int,
-    on_done: Callable[[int, BaseException | None], object] | None,
-    progress: Callable[[int], object] | None = None,
-) -> int:
-    """`write(i)` for i < n on `width` threads; the records written. With `on_done`, a
-    record's failure goes there and the rest go on; without, the first one raises."""
-
-    def one(i: int) -> int:
-        if on_done is None:
-            return write(i)
-        try:
-            w = write(i)
-        except Exception as exc:  # noqa: BLE001 - handed to the caller's callback
-            on_done(i, exc)
-            return 0
-        on_done(i, None)
-        return w
-
-    written = 0
-    if n == 0:
-        return 0
-    with ThreadPoolExecutor(max_workers=min(width, n), thread_name_prefix="bsr-save") as pool:
-        for w in pool.map(one, range(n)):
-            written += w
-            if progress is not None:
-                progress(1)
-    return written
 
 
 class Restorer:
@@ -465,10 +199,15 @@ class Restorer:
             "commit_s": t_done - t_installed,
             "total_s": t_done - t_start,
         }
-        return _result(
-            decision.commit, report, decision.reason, hit_chunks=n,
-            committed_tokens=plan.hit_tokens, engine=self.engine, timings=timings,
-        )  # fmt: skip
+        return load_result(
+            decision.commit,
+            report,
+            decision.reason,
+            hit_chunks=n,
+            committed_tokens=plan.hit_tokens,
+            engine=self.engine,
+            timings=timings,
+        )
 
     def _install(
         self, plan: Plan, dest: Destination, vote: Vote, mismatch: str
@@ -484,12 +223,16 @@ class Restorer:
         if vote.aborted():
             # A late rank: the others decided already; do not read a byte.
             return None, "a peer rank aborted the restore"
-        return _windowed(
-            self.engine, self.tiers[: len(plan.tier_names)], plan.keys[:n], plan.sources[:n],
-            dest, chunk_bytes=self.layout.chunk_bytes, sizes=None, width=self.window,
-            deadline=time.monotonic() + self.timeout_s, should_stop=vote.aborted,
+        options = LoadOptions(
+            deadline=time.monotonic() + self.timeout_s,
+            should_stop=vote.aborted,
             install_threads=self.install_threads,
-        )  # fmt: skip
+        )
+        tiers = self.tiers[: len(plan.tier_names)]
+        keys, sources = plan.keys[:n], plan.sources[:n]
+        return windowed_install(
+            self.engine, tiers, keys, sources, dest, options, self.layout.chunk_bytes, self.window
+        )
 
     def save(
         self,
@@ -509,7 +252,13 @@ class Restorer:
         keys = self.keys(token_ids)
         n = min(len(keys), getattr(dest, "capacity_chunks", len(keys)))
         return save_records(
-            self.engine, self.store, keys[:n], [self.layout] * n, dest,
-            deadline=time.monotonic() + self.timeout_s, skip_existing=skip_existing,
-            width=self.window, progress=progress,
-        )  # fmt: skip
+            self.engine,
+            self.store,
+            keys[:n],
+            [self.layout] * n,
+            dest,
+            deadline=time.monotonic() + self.timeout_s,
+            skip_existing=skip_existing,
+            width=self.window,
+            progress=progress,
+        )

@@ -14,8 +14,8 @@ from typing import Any
 
 from bsr_io._core import Engine, Slot
 from bsr_io.errors import ChunkError, ChunkMissing, TierDown, Unproven
-from bsr_io.keys import ChunkKey
-from bsr_io.layout import KVLayout
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import KVLayout
 from bsr_io.tiers.base import Payload, PendingChunk, Tier
 from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.memory import MemoryTier

@@ -19,13 +19,15 @@ import traceback
 from pathlib import Path
 
 import torch
+
 from bsr_io import Engine
 from bsr_io.engine import _cuda_registered
-from bsr_io.keys import chunk_keys
-from bsr_io.kvcache import PagedKVCache
-from bsr_io.layout import preset
-from bsr_io.restore import load_records, save_records
-from bsr_io.testing.faults import Fault, FaultPlan
+from bsr_io.faults import Fault, FaultPlan
+from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.load.records import LoadOptions, load_records
+from bsr_io.model.keys import chunk_keys
+from bsr_io.model.layout import preset
+from bsr_io.save.records import save_records
 from bsr_io.tiers.ssd import SSDTier
 
 LAYOUT = preset("tiny")
@@ -39,8 +41,9 @@ def _state(root: Path, engine: Engine):
     src = PagedKVCache.allocate(LAYOUT, len(tokens), device="cuda", zero=False)
     for t in src.tensors:
         t.copy_(torch.randint(-100, 100, t.shape, device="cuda").to(t.dtype))
-    written = save_records(engine, tier, keys, [LAYOUT] * CHUNKS, src,
-                           deadline=time.monotonic() + 60)  # fmt: skip
+    written = save_records(
+        engine, tier, keys, [LAYOUT] * CHUNKS, src, deadline=time.monotonic() + 60
+    )
     assert written == CHUNKS, written
     return tier, keys, src
 
@@ -49,8 +52,13 @@ def check_restore_is_exact_and_arena_registered(root: Path) -> None:
     engine = Engine(4, LAYOUT.chunk_bytes)
     tier, keys, src = _state(root, engine)
     dst = PagedKVCache.allocate(LAYOUT, CHUNKS * LAYOUT.chunk_tokens, device="cuda", spare_blocks=3)
-    res = load_records(engine, [tier], keys, dst, deadline=time.monotonic() + 60,
-                       chunk_bytes=LAYOUT.chunk_bytes)  # fmt: skip
+    res = load_records(
+        engine,
+        [tier],
+        keys,
+        dst,
+        LoadOptions(deadline=time.monotonic() + 60, chunk_bytes=LAYOUT.chunk_bytes),
+    )
     assert res.complete, res.reason
     assert engine.arena_address in _cuda_registered, "arena not registered with CUDA"
     for i in range(CHUNKS):
@@ -76,8 +84,13 @@ def check_failed_restore_waits_for_copies(root: Path) -> None:
     failing = FaultPlan([Fault("error", chunks=[9])]).wrap(tier, keys=keys)
     dst = _Watched.allocate(LAYOUT, CHUNKS * LAYOUT.chunk_tokens, device="cuda")
     dst.events = []
-    res = load_records(engine, [failing], keys, dst, deadline=time.monotonic() + 60,
-                       chunk_bytes=LAYOUT.chunk_bytes)  # fmt: skip
+    res = load_records(
+        engine,
+        [failing],
+        keys,
+        dst,
+        LoadOptions(deadline=time.monotonic() + 60, chunk_bytes=LAYOUT.chunk_bytes),
+    )
     assert not res.complete and res.failed_chunks == [9], res
     # When load_records returns every slot is back; every copy out of them must be done.
     assert engine.live_bytes() == 0

@@ -11,54 +11,44 @@ import argparse
 import importlib
 import sys
 
-# Modules that add top-level subcommands, and modules that add `bench` subcommands.
-COMMANDS = ("demo", "store")
+# Modules that add top-level subcommands, and modules that add `bench` subcommands: the
+# drive-level benchmarks a user sizes a deployment with. Benchmarks that need a serving
+# stack, a model or the fault scenarios are the lab's (`bsr-lab bench`, not installed).
+COMMANDS = ("bsr_io.cli.demo", "bsr_io.cli.store")
 BENCHES = (
-    "bench_ssd",
-    "bench_store",
-    "bench_sweep",
-    "bench_faults",
-    "bench_ttft",
-    "bench_model",
-    "bench_lmcache",
-    "bench_ceiling",
-    "bench_paper",
-    "bench_remote",
-    "bench_stripe",
-    "bench_vllm",
+    "bsr_io.cli.bench_ssd",
+    "bsr_io.cli.bench_store",
+    "bsr_io.cli.bench_sweep",
+    "bsr_io.cli.bench_ttft",
+    "bsr_io.cli.bench_ceiling",
+    "bsr_io.cli.bench_paper",
+    "bsr_io.cli.bench_remote",
+    "bsr_io.cli.bench_stripe",
 )
 
 
-def _load(name: str):
-    try:
-        return importlib.import_module(f"bsr_io.cli.{name}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"bsr_io.cli.{name}":
-            return None  # not built yet in this checkout
-        raise
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(
+    prog: str = "bsr-io",
+    commands: tuple[str, ...] = COMMANDS,
+    benches: tuple[str, ...] = BENCHES,
+) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="bsr-io",
+        prog=prog,
         description="Bounded-State Restoration of long KV-cache prefixes.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
-        mod = _load(name)
-        if mod is not None:
-            mod.register(sub)
+    for name in commands:
+        importlib.import_module(name).register(sub)
     bench = sub.add_parser("bench", help="benchmarks (each reports ratios against a reference)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    for name in BENCHES:
-        mod = _load(name)
-        if mod is not None:
-            mod.register(bench_sub)
+    for name in benches:
+        importlib.import_module(name).register(bench_sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse `argv` and run the chosen command: its exit status, 2 on a bad argument."""
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -66,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"bsr-io: error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -43,15 +43,15 @@ from bsr_io.cli.bench_state import write_state
 from bsr_io.cli.host import mem_available, process_cpu_s
 from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
-from bsr_io.keys import chunk_keys
-from bsr_io.kvcache import PagedKVCache
-from bsr_io.layout import PRESETS, KVLayout, preset
-from bsr_io.record import HEADER_BYTES
+from bsr_io.cli.scratch import fs_type, scratch_base, scratch_dir
+from bsr_io.cli.synthetic import synthetic_tokens
+from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.model.keys import chunk_keys
+from bsr_io.model.layout import PRESETS, KVLayout, preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.restore import Restorer
-from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.store import Store
-from bsr_io.testing.scratch import fs_type, scratch_base, scratch_dir
-from bsr_io.testing.synthetic import synthetic_tokens
 from bsr_io.tiers import SSDTier
 
 MODEL = "bsr-io-bench-ceiling"
@@ -203,8 +203,14 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     probe = eng.open(paths[0])
     direct = probe.direct
     probe.close()
-    restorer = Restorer(Store([l2]), lay, window=args.window, engine=eng, model=MODEL,
-                        install_threads=args.install_threads)  # fmt: skip
+    restorer = Restorer(
+        Store([l2]),
+        lay,
+        window=args.window,
+        engine=eng,
+        model=MODEL,
+        install_threads=args.install_threads,
+    )
     dest = _destination(lay, tokens, args.dest_cap)
     unfused = _Unfused(dest)
     direct_ok = dest.direct_reads
@@ -330,10 +336,13 @@ def print_table(doc: dict[str, Any]) -> None:
         f"engine {doc['backend']}, source {doc['source']}, median of {doc['rounds']}"
     )
     print(f"{'path':<16} {'GiB/s':>7} {'CPU s/GiB':>10} {'cores busy':>11}")
-    for name, key in (("engine alone", "engine_raw"), ("restore", "restore"),
-                      ("restore, slots", "restore_slots"),
-                      ("restore, 2 pass", "restore_unfused"),
-                      ("hash in memory", "hash")):  # fmt: skip
+    for name, key in (
+        ("engine alone", "engine_raw"),
+        ("restore", "restore"),
+        ("restore, slots", "restore_slots"),
+        ("restore, 2 pass", "restore_unfused"),
+        ("hash in memory", "hash"),
+    ):
         cpu = "engine_cpu_s_per_gib" if key == "engine_raw" else key + "_cpu_s_per_gib"
         rate = doc[key + "_gib_s"]
         print(f"{name:<16} {rate:>7.2f} {doc[cpu]:>10.3f} {rate * doc[cpu]:>11.2f}")

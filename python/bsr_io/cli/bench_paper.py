@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io.cli import bench_sweep
-from bsr_io.layout import PRESETS, preset
-from bsr_io.record import HEADER_BYTES
-from bsr_io.sizes import GiB, fmt_size, parse_size
-from bsr_io.testing.scratch import scratch_base
+from bsr_io.cli.scratch import scratch_base
+from bsr_io.model.layout import PRESETS, preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, fmt_size, parse_size
 
 
 def register(bench_subparsers: Any) -> None:

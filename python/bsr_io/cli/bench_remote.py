@@ -33,34 +33,44 @@ from bsr_io._core import Engine
 from bsr_io.cli.host import process_cpu_s
 from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
+from bsr_io.cli.synthetic import fill_random, synthetic_tokens
 from bsr_io.engine import as_numpy
-from bsr_io.keys import chunk_keys
-from bsr_io.kvcache import PagedKVCache
-from bsr_io.layout import PRESETS, preset
-from bsr_io.record import HEADER_BYTES
+from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.model.keys import chunk_keys
+from bsr_io.model.layout import PRESETS, preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.restore import Restorer
-from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.store import Store
-from bsr_io.testing.synthetic import fill_random, synthetic_tokens
 from bsr_io.tiers.mooncake import lower_thread_priority
 from bsr_io.tiers.mooncake_config import IO_PRIORITIES, MooncakeConfig
 
 
 def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser(
-        "remote", help="restore from a Mooncake Store pool vs the client's bulk read",
+        "remote",
+        help="restore from a Mooncake Store pool vs the client's bulk read",
         description=__doc__,
-    )  # fmt: skip
+    )
     p.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="state size")
     p.add_argument("--layout", default="deepseek-v4-flash", choices=sorted(PRESETS))
     p.add_argument("--window", type=int, default=4, help="W: staging slots (reads in flight)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (medians are reported)")
-    p.add_argument("--io-threads", type=int, default=None,
-                   help="the tier's data call threads (default: its config's)")  # fmt: skip
-    p.add_argument("--io-priority", default=None, choices=IO_PRIORITIES,
-                   help="CPU priority of those threads (default: its config's)")  # fmt: skip
-    p.add_argument("--no-direct", action="store_true",
-                   help="the main restore reads through the slots too")  # fmt: skip
+    p.add_argument(
+        "--io-threads",
+        type=int,
+        default=None,
+        help="the tier's data call threads (default: its config's)",
+    )
+    p.add_argument(
+        "--io-priority",
+        default=None,
+        choices=IO_PRIORITIES,
+        help="CPU priority of those threads (default: its config's)",
+    )
+    p.add_argument(
+        "--no-direct", action="store_true", help="the main restore reads through the slots too"
+    )
     p.add_argument("--seed", type=int, default=None, help="seed of the per-round order")
     add_pool_args(p)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -74,10 +84,14 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metadata-server", default=None, help="e.g. http://HOST:PORT/metadata")
     g.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
     g.add_argument("--device-name", default="", help="RDMA devices")
-    g.add_argument("--local-hostname", default="127.0.0.1",
-                   help="this host's address as the pool's nodes reach it")  # fmt: skip
-    g.add_argument("--pool-timeout", type=float, default=10.0,
-                   help="deadline of each pool call, seconds")  # fmt: skip
+    g.add_argument(
+        "--local-hostname",
+        default="127.0.0.1",
+        help="this host's address as the pool's nodes reach it",
+    )
+    g.add_argument(
+        "--pool-timeout", type=float, default=10.0, help="deadline of each pool call, seconds"
+    )
 
 
 def pool_config(args: argparse.Namespace) -> MooncakeConfig | None:
@@ -86,10 +100,13 @@ def pool_config(args: argparse.Namespace) -> MooncakeConfig | None:
     if not args.metadata_server:
         raise ValueError("--master needs --metadata-server too (e.g. http://HOST:PORT/metadata)")
     return MooncakeConfig(
-        master=args.master, metadata_server=args.metadata_server, protocol=args.protocol,
-        device_name=args.device_name, local_hostname=args.local_hostname,
+        master=args.master,
+        metadata_server=args.metadata_server,
+        protocol=args.protocol,
+        device_name=args.device_name,
+        local_hostname=args.local_hostname,
         timeout_s=args.pool_timeout,
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         where = "given pool"
         if cfg is None:
-            from bsr_io.testing.mooncake_pool import LoopbackPool, loopback_netns
+            from bsr_io.cli.loopback_pool import LoopbackPool, loopback_netns
 
             inside = stack.enter_context(loopback_netns())
             segment = n * record + max(n * record // 4, 256 << 20)
@@ -129,29 +146,42 @@ def run(args: argparse.Namespace) -> int:
         model = f"bench-remote-{os.getpid()}-{time.time_ns()}"
         tokens = synthetic_tokens(7, n * layout.chunk_tokens)
         keys = chunk_keys(tokens, layout, model)
-        print(f"{where} at {cfg.master}: writing {n} chunks of {fmt_size(chunk)} "
-              f"({fmt_size(state_bytes)})")  # fmt: skip
+        print(
+            f"{where} at {cfg.master}: writing {n} chunks of {fmt_size(chunk)} "
+            f"({fmt_size(state_bytes)})"
+        )
         _fill(tier, engine, layout, keys)
         stack.callback(lambda: [tier.remove(k) for k in keys])
         doc = _measure(tier, engine, layout, keys, tokens, args, model, node)
     doc.update(
-        pool=where, master=cfg.master, protocol=cfg.protocol, layout=layout.name,
-        chunk_bytes=chunk, chunks=n, state_bytes=state_bytes, window=args.window,
-        slot_bytes=engine.slot_bytes, rounds=args.rounds, io_threads=cfg.io_threads,
-        io_priority=cfg.io_priority, direct_reads=cfg.direct_reads,
-    )  # fmt: skip
-    print(f"restore {doc['restore_gib_s']:.2f} GiB/s ({doc['direct_chunks']} of {n} chunks read "
-          f"straight into the destination, at most {args.window} in flight) vs client bulk "
-          f"{doc['client_bulk_gib_s']:.2f} GiB/s into one {fmt_size(doc['bulk_buffer_bytes'])} "
-          f"buffer: ratio {doc['ratio']:.3f} (median of rounds "
-          f"{doc['ratio_median_of_rounds']:.3f}); "
-          f"RWS {fmt_size(doc['rws_peak_bytes'])} (bound W x chunk = "
-          f"{fmt_size(doc['rws_bound_bytes'])}), state {fmt_size(state_bytes)}, outcome "
-          f"{doc['outcome']}; {doc['restore_read_wait_share']:.0%} of the restore waiting for "
-          f"the pool, CPU {doc['restore_cpu_s_per_gib']:.2f} s/GiB (bulk "
-          f"{doc['bulk_cpu_s_per_gib']:.2f}). Through the slots: {doc['restore_slots_gib_s']:.2f} "
-          f"GiB/s (ratio {doc['ratio_slots']:.3f}); bulk from a {cfg.io_priority}-priority "
-          f"thread: {doc['client_bulk_low_gib_s']:.2f} GiB/s")  # fmt: skip
+        pool=where,
+        master=cfg.master,
+        protocol=cfg.protocol,
+        layout=layout.name,
+        chunk_bytes=chunk,
+        chunks=n,
+        state_bytes=state_bytes,
+        window=args.window,
+        slot_bytes=engine.slot_bytes,
+        rounds=args.rounds,
+        io_threads=cfg.io_threads,
+        io_priority=cfg.io_priority,
+        direct_reads=cfg.direct_reads,
+    )
+    print(
+        f"restore {doc['restore_gib_s']:.2f} GiB/s ({doc['direct_chunks']} of {n} chunks read "
+        f"straight into the destination, at most {args.window} in flight) vs client bulk "
+        f"{doc['client_bulk_gib_s']:.2f} GiB/s into one {fmt_size(doc['bulk_buffer_bytes'])} "
+        f"buffer: ratio {doc['ratio']:.3f} (median of rounds "
+        f"{doc['ratio_median_of_rounds']:.3f}); "
+        f"RWS {fmt_size(doc['rws_peak_bytes'])} (bound W x chunk = "
+        f"{fmt_size(doc['rws_bound_bytes'])}), state {fmt_size(state_bytes)}, outcome "
+        f"{doc['outcome']}; {doc['restore_read_wait_share']:.0%} of the restore waiting for "
+        f"the pool, CPU {doc['restore_cpu_s_per_gib']:.2f} s/GiB (bulk "
+        f"{doc['bulk_cpu_s_per_gib']:.2f}). Through the slots: {doc['restore_slots_gib_s']:.2f} "
+        f"GiB/s (ratio {doc['ratio_slots']:.3f}); bulk from a {cfg.io_priority}-priority "
+        f"thread: {doc['client_bulk_low_gib_s']:.2f} GiB/s"
+    )
     write_json(args.json, doc)
     return 0 if doc["outcome"] == "complete" else 1
 

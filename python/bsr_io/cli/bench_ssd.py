@@ -30,11 +30,11 @@ from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read, huge_p
 from bsr_io.cli.host import huge_page_bytes
 from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
+from bsr_io.cli.scratch import make_scratch
+from bsr_io.cli.synthetic import fill_random
 from bsr_io.cli.trace import engine_summary
 from bsr_io.engine import as_numpy
-from bsr_io.sizes import GiB, fmt_size, parse_size
-from bsr_io.testing.scratch import make_scratch
-from bsr_io.testing.synthetic import fill_random
+from bsr_io.model.sizes import GiB, fmt_size, parse_size
 
 FIO_BLOCK, FIO_DEPTH = 1 << 20, 32  # fio_read's request size and queue depth
 METHODS = ("fio", "fio_hugemem", "bsr_io", "buffered")
@@ -145,8 +145,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--slot and --size must be positive")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
-    directory = make_scratch(args.dir, "bsr-io-bench-ssd-", need_bytes=args.size,
-                             what="the test file")  # fmt: skip
+    directory = make_scratch(
+        args.dir, "bsr-io-bench-ssd-", need_bytes=args.size, what="the test file"
+    )
     path = directory / f"bsr-io-bench-ssd-{args.size}.bin"
     have_fio = fio_available()
     if not have_fio:
@@ -205,8 +206,9 @@ def measure(
                 if method == "fio":
                     gib_s = fio_read(path, size=args.size).gib_s
                 elif method == "fio_hugemem":
-                    res = fio_read(path, size=args.size, iomem=huge.iomem("ssd"),
-                                   trace_dir=trace_dir)  # fmt: skip
+                    res = fio_read(
+                        path, size=args.size, iomem=huge.iomem("ssd"), trace_dir=trace_dir
+                    )
                     gib_s = res.gib_s
                     if res.trace is not None:
                         traces[method].append(res.trace)

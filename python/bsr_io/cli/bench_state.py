@@ -9,9 +9,9 @@ from pathlib import Path
 
 from bsr_io._core import Engine
 from bsr_io.cli.progress import bar
+from bsr_io.cli.synthetic import fill_chunk, fill_random
 from bsr_io.engine import as_numpy
-from bsr_io.layout import KVLayout
-from bsr_io.testing.synthetic import fill_chunk, fill_random
+from bsr_io.model.layout import KVLayout
 from bsr_io.tiers import SSDTier
 
 

@@ -17,13 +17,13 @@ from bsr_io._core import Engine
 from bsr_io.cli.bench_ssd import engine_read
 from bsr_io.cli.fio import drop_caches, fio_available, fio_read
 from bsr_io.cli.report import write_json
+from bsr_io.cli.scratch import scratch_dir
+from bsr_io.cli.synthetic import fill_random, synthetic_tokens
 from bsr_io.engine import as_numpy
-from bsr_io.keys import ChunkKey, chunk_keys
-from bsr_io.layout import PRESETS, KVLayout, preset
-from bsr_io.record import HEADER_BYTES
-from bsr_io.sizes import GiB, fmt_size, parse_size
-from bsr_io.testing.scratch import scratch_dir
-from bsr_io.testing.synthetic import fill_random, synthetic_tokens
+from bsr_io.model.keys import ChunkKey, chunk_keys
+from bsr_io.model.layout import PRESETS, KVLayout, preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.tiers import SSDTier
 
 
@@ -57,8 +57,9 @@ def store_write(tier: SSDTier, keys: list[ChunkKey], layout: KVLayout, slots: li
     """Write every chunk, W writers at once (a save runs one chunk per slot)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(len(slots)) as pool:
-        list(pool.map(lambda i: tier.write(keys[i], slots[i % len(slots)], layout),
-                      range(len(keys))))  # fmt: skip
+        list(
+            pool.map(lambda i: tier.write(keys[i], slots[i % len(slots)], layout), range(len(keys)))
+        )
     return time.perf_counter() - t0
 
 
@@ -128,8 +129,9 @@ def measure(
     with Engine(2 * args.window, layout.chunk_bytes, backend=args.backend) as engine:
         tier = SSDTier(work / "l2", None, engine, layout=layout)
         slots = _fill_slots(engine, layout, args.window)
-        print(f"writing {count} chunks ({fmt_size(size)}) to L2 and to one raw file ...",
-              flush=True)  # fmt: skip
+        print(
+            f"writing {count} chunks ({fmt_size(size)}) to L2 and to one raw file ...", flush=True
+        )
         w_store = store_write(tier, keys, layout, slots)
         w_raw = raw_write(engine, raw_path, slots, count, layout.chunk_bytes)
         del slots
@@ -194,15 +196,21 @@ def print_report(rep: dict[str, Any]) -> None:
         f"{'yes' if rep['cold_cache'] else 'NO'}, median of {rep['rounds']} read rounds"
     )
     w = rep["write_gib_s"]
-    print(f"write GiB/s: L2 store {w['store']:.3f}  raw engine {w['raw']:.3f}  "
-          f"ratio {rep['write_ratio_store_vs_raw']:.3f}")  # fmt: skip
+    print(
+        f"write GiB/s: L2 store {w['store']:.3f}  raw engine {w['raw']:.3f}  "
+        f"ratio {rep['write_ratio_store_vs_raw']:.3f}"
+    )
     r = rep["read_gib_s"]
     fio = f"  fio {r['fio']:.3f}" if "fio" in r else ""
-    print(f"read  GiB/s: L2 store {r['store']:.3f}  raw engine {r['raw']:.3f}{fio}  "
-          f"ratio vs raw {rep['read_ratio_store_vs_raw']:.3f}")  # fmt: skip
+    print(
+        f"read  GiB/s: L2 store {r['store']:.3f}  raw engine {r['raw']:.3f}{fio}  "
+        f"ratio vs raw {rep['read_ratio_store_vs_raw']:.3f}"
+    )
     if rep["read_ratio_store_vs_fio"] is not None:
         print(f"read ratio vs fio {rep['read_ratio_store_vs_fio']:.3f}")
     print(f"write then read, store vs raw engine: {rep['write_read_ratio_store_vs_raw']:.3f}")
-    print(f"open+close per chunk: {rep['open_close_us_per_chunk']:.1f} us vs "
-          f"{rep['chunk_read_us']:.0f} us to read a chunk "
-          f"({100 * rep['open_close_share']:.2f}%)")  # fmt: skip
+    print(
+        f"open+close per chunk: {rep['open_close_us_per_chunk']:.1f} us vs "
+        f"{rep['chunk_read_us']:.0f} us to read a chunk "
+        f"({100 * rep['open_close_share']:.2f}%)"
+    )

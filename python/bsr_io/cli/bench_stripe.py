@@ -35,14 +35,14 @@ from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read_payload
 from bsr_io.cli.host import mem_available
 from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
-from bsr_io.keys import chunk_keys
-from bsr_io.layout import PRESETS, preset
-from bsr_io.record import HEADER_BYTES
+from bsr_io.cli.scratch import fs_type, scratch_base
+from bsr_io.cli.synthetic import synthetic_tokens
+from bsr_io.model.keys import chunk_keys
+from bsr_io.model.layout import PRESETS, preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.restore import Restorer
-from bsr_io.sizes import GiB, fmt_size, parse_size
 from bsr_io.store import Store
-from bsr_io.testing.scratch import fs_type, scratch_base
-from bsr_io.testing.synthetic import synthetic_tokens
 from bsr_io.tiers import StripedSSDTier
 
 MODEL = "bsr-io-bench-stripe"
@@ -56,17 +56,30 @@ def register(bench_subparsers: Any) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--dirs", type=Path, nargs="+", default=None,
-                   help="one directory per drive (default: one on disk, one in tmpfs)")  # fmt: skip
+    p.add_argument(
+        "--dirs",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="one directory per drive (default: one on disk, one in tmpfs)",
+    )
     p.add_argument("--layout", default="deepseek-v4-flash", choices=sorted(PRESETS))
     p.add_argument("--tokens", type=int, default=32768, help="prefix length (default 32768)")
     p.add_argument("--window", type=int, default=32, help="W: staging slots")
     p.add_argument("--queue-depth", type=int, default=32, help="engine queue depth")
     p.add_argument("--rounds", type=int, default=3, help="rounds (median is reported)")
-    p.add_argument("--dest-cap", type=parse_size, default=parse_size("2GiB"),
-                   help="host KV cache size; a larger state cycles through its blocks")  # fmt: skip
-    p.add_argument("--install-threads", type=int, default=1,
-                   help="fused installs of several chunks at once (default 1)")  # fmt: skip
+    p.add_argument(
+        "--dest-cap",
+        type=parse_size,
+        default=parse_size("2GiB"),
+        help="host KV cache size; a larger state cycles through its blocks",
+    )
+    p.add_argument(
+        "--install-threads",
+        type=int,
+        default=1,
+        help="fused installs of several chunks at once (default 1)",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed of the per-round order")
     p.add_argument("--backend", default=None, help="engine backend (default: auto)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -81,8 +94,10 @@ def _device(path: Path) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     if not fio_available():
-        raise ValueError("fio is not installed (Debian/Ubuntu: apt-get install fio); it is the "
-                         "reference this benchmark reports against")  # fmt: skip
+        raise ValueError(
+            "fio is not installed (Debian/Ubuntu: apt-get install fio); it is the "
+            "reference this benchmark reports against"
+        )
     lay = preset(args.layout)
     if args.tokens < lay.chunk_tokens or args.window < 1 or args.rounds < 1:
         raise ValueError("--tokens must hold a chunk; --window and --rounds must be >= 1")
@@ -94,9 +109,11 @@ def run(args: argparse.Namespace) -> int:
     avail = mem_available()
     ram = min(chunks * lay.chunk_bytes, args.dest_cap) + args.window * lay.chunk_bytes
     if avail is not None and ram + need // len(bases) > avail:
-        raise ValueError(f"{fmt_size(ram)} of KV cache and slots (and a tmpfs share of "
-                         f"{fmt_size(need // len(bases))}) exceed the {fmt_size(avail)} "
-                         "available: pass fewer --tokens")  # fmt: skip
+        raise ValueError(
+            f"{fmt_size(ram)} of KV cache and slots (and a tmpfs share of "
+            f"{fmt_size(need // len(bases))}) exceed the {fmt_size(avail)} "
+            "available: pass fewer --tokens"
+        )
     roots: list[Path] = []
     try:
         for b in bases:
@@ -125,8 +142,14 @@ def measure(args: argparse.Namespace, roots: list[Path], huge: HugeMem) -> dict[
     write_state(l2, eng, lay, keys, 11, args.quiet)
     per_drive = [sum(l2.drive_of(k) == d for k in keys) for d in range(len(roots))]
     ns_dirs = [l2.drives_dir(d, keys[0]) for d in range(len(roots))]
-    restorer = Restorer(Store([l2]), lay, window=args.window, engine=eng, model=MODEL,
-                        install_threads=args.install_threads)  # fmt: skip
+    restorer = Restorer(
+        Store([l2]),
+        lay,
+        window=args.window,
+        engine=eng,
+        model=MODEL,
+        install_threads=args.install_threads,
+    )
     dest = _destination(lay, tokens, args.dest_cap)
     for t in dest.tensors:
         t.zero_()  # fault the cache in once: a serving engine's KV pool is resident
@@ -155,14 +178,19 @@ def measure(args: argparse.Namespace, roots: list[Path], huge: HugeMem) -> dict[
                 rws = max(rws, res.rws_peak_bytes)
                 if not res.complete:
                     raise RuntimeError(f"striped restore did not complete: {res.reason}")
-                profile.append({k: res.timings[k] for k in ("read_wait_s", "install_copy_s")}
-                               | {"seconds": secs})  # fmt: skip
+                profile.append(
+                    {k: res.timings[k] for k in ("read_wait_s", "install_copy_s")}
+                    | {"seconds": secs}
+                )
             else:
                 fio = fio_read_payloads(
-                    [ns_dirs[i] for i in used], payload_offset=HEADER_BYTES,
-                    payload_bytes=lay.chunk_bytes, files=[per_drive[i] for i in used],
-                    iodepth=FIO_DEPTH, hugemem=huge if huge.mount else None,
-                )  # fmt: skip
+                    [ns_dirs[i] for i in used],
+                    payload_offset=HEADER_BYTES,
+                    payload_bytes=lay.chunk_bytes,
+                    files=[per_drive[i] for i in used],
+                    iodepth=FIO_DEPTH,
+                    hugemem=huge if huge.mount else None,
+                )
                 secs = fio.seconds
             rounds[method].append(state / secs / GiB)
         loads.append(snapshot())

@@ -32,14 +32,14 @@ from bsr_io.cli.fio import (
     huge_page_buffers,
 )
 from bsr_io.cli.progress import bar
+from bsr_io.cli.ranks import launch
 from bsr_io.cli.report import write_json
-from bsr_io.layout import preset
-from bsr_io.record import HEADER_BYTES
-from bsr_io.sizes import GiB, fmt_size, parse_size
-from bsr_io.testing.ranks import launch
-from bsr_io.testing.scratch import make_scratch
+from bsr_io.cli.scratch import make_scratch
+from bsr_io.model.layout import preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, fmt_size, parse_size
 
-RESTORE = "bsr_io.testing.scenarios:restore_on_rank"  # one rank's restore, run by launch
+RESTORE = "bsr_io.cli.scenarios:restore_on_rank"  # one rank's restore, run by launch
 
 
 def register(bench_subparsers: Any) -> None:
@@ -62,14 +62,30 @@ def register(bench_subparsers: Any) -> None:
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="write the staging plot (PNG)")
-    p.add_argument("--l1", type=parse_size, default=None,
-                   help="whole-plan L1 budget (default: the BSR window's bytes)")  # fmt: skip
-    p.add_argument("--whole-plan-max", type=parse_size, default=parse_size("2GiB"),
-                   help="run whole-plan with ample L1 up to this state size")  # fmt: skip
-    p.add_argument("--dest-cap", type=parse_size, default=parse_size("1GiB"),
-                   help="host KV cache size; larger states cycle through its blocks")  # fmt: skip
-    p.add_argument("--ref-size", type=parse_size, default=parse_size("2GiB"),
-                   help="size of the engine/fio reference read (0: none)")  # fmt: skip
+    p.add_argument(
+        "--l1",
+        type=parse_size,
+        default=None,
+        help="whole-plan L1 budget (default: the BSR window's bytes)",
+    )
+    p.add_argument(
+        "--whole-plan-max",
+        type=parse_size,
+        default=parse_size("2GiB"),
+        help="run whole-plan with ample L1 up to this state size",
+    )
+    p.add_argument(
+        "--dest-cap",
+        type=parse_size,
+        default=parse_size("1GiB"),
+        help="host KV cache size; larger states cycle through its blocks",
+    )
+    p.add_argument(
+        "--ref-size",
+        type=parse_size,
+        default=parse_size("2GiB"),
+        help="size of the engine/fio reference read (0: none)",
+    )
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--keep", action="store_true", help="keep the store afterwards")
     p.add_argument("--quiet", action="store_true")
@@ -107,8 +123,13 @@ def run(args: argparse.Namespace) -> int:
     l1 = args.l1 if args.l1 is not None else args.window * chunk
     top = lay.state_bytes(tokens[-1])
     need = top * args.ranks + args.ref_size + GiB
-    root = make_scratch(args.dir, "bsr-sweep-", need_bytes=need, what="the sweep",
-                        hint="pass smaller --tokens or another --dir")  # fmt: skip
+    root = make_scratch(
+        args.dir,
+        "bsr-sweep-",
+        need_bytes=need,
+        what="the sweep",
+        hint="pass smaller --tokens or another --dir",
+    )
     cold = drop_caches()
     if not cold:
         print("note: cannot drop the page cache (not root): reads may be warm", file=sys.stderr)
@@ -117,9 +138,11 @@ def run(args: argparse.Namespace) -> int:
         _say(args, f"writing {fmt_size(top)} per rank x {args.ranks} rank(s) to {root} ...")
         t0 = time.perf_counter()
         filled = launch(
-            args.ranks, "bsr_io.testing.scenarios:fill_on_rank", {**common, "tokens": tokens[-1]},
+            args.ranks,
+            "bsr_io.cli.scenarios:fill_on_rank",
+            {**common, "tokens": tokens[-1]},
             timeout_s=7200,
-        )  # fmt: skip
+        )
         if any("chunks" not in r for r in filled):
             raise RuntimeError(f"fill failed: {filled}")
         _say(args, f"  written in {time.perf_counter() - t0:.1f} s")
@@ -166,25 +189,34 @@ def run(args: argparse.Namespace) -> int:
 def _row(args, lay, n: int, l1: int, common: dict) -> dict[str, Any]:
     state = lay.state_bytes(n)
     dest_cap = args.dest_cap // lay.token_bytes
-    kw = {**common, "tokens": n, "window": args.window, "fill": False,
-          "dest_cap_tokens": dest_cap, "check_data": state <= 256 << 20}  # fmt: skip
+    kw = {
+        **common,
+        "tokens": n,
+        "window": args.window,
+        "fill": False,
+        "dest_cap_tokens": dest_cap,
+        "check_data": state <= 256 << 20,
+    }
     _say(args, f"restoring {n} tokens ({fmt_size(state)} per rank) with BSR, W={args.window}")
     drop_caches()
     bsr = _check(launch(args.ranks, RESTORE, kw, timeout_s=3600), "bsr")
     small = _check(
-        launch(args.ranks, RESTORE,
-               {**kw, "mode": "whole_plan", "l1_bytes": l1}),
+        launch(args.ranks, RESTORE, {**kw, "mode": "whole_plan", "l1_bytes": l1}),
         "whole-plan at the L1 budget",
-    )  # fmt: skip
+    )
     ample = None
     if state <= args.whole_plan_max:
         _say(args, "  whole-plan with ample L1")
         drop_caches()
         ample = _check(
-            launch(args.ranks, RESTORE,
-                   {**kw, "mode": "whole_plan", "dest_cap_tokens": None}, timeout_s=3600),
+            launch(
+                args.ranks,
+                RESTORE,
+                {**kw, "mode": "whole_plan", "dest_cap_tokens": None},
+                timeout_s=3600,
+            ),
             "whole-plan",
-        )  # fmt: skip
+        )
     restore_s = max(r["restore_s"] for r in bsr)
     outcomes = {r["outcome"] for r in bsr}
     return {
@@ -224,11 +256,18 @@ def _records_fio(args, root: Path, lay, tokens: int, huge: HugeMem) -> dict[str,
     at once: on 4 KiB pages and on huge pages."""
     dirs = sorted(p for p in (root / "store" / "l2" / "chunks").iterdir() if p.is_dir())
     chunks = tokens // lay.chunk_tokens
-    out: dict[str, Any] = {"bytes": chunks * lay.chunk_bytes * len(dirs), "files": chunks,
-                           "ranks": len(dirs), "fio_hugemem_note": huge.note}  # fmt: skip
+    out: dict[str, Any] = {
+        "bytes": chunks * lay.chunk_bytes * len(dirs),
+        "files": chunks,
+        "ranks": len(dirs),
+        "fio_hugemem_note": huge.note,
+    }
     if not fio_available() or lay.chunk_bytes % 4096:
-        out["note"] = "fio not installed" if lay.chunk_bytes % 4096 == 0 else (
-            "payloads are not 4 KiB multiples: fio cannot read exactly them")  # fmt: skip
+        out["note"] = (
+            "fio not installed"
+            if lay.chunk_bytes % 4096 == 0
+            else ("payloads are not 4 KiB multiples: fio cannot read exactly them")
+        )
         return out
     for name, hm in (("fio", None), ("fio_hugemem", huge)):
         if hm is not None and hm.mount is None:
@@ -237,9 +276,14 @@ def _records_fio(args, root: Path, lay, tokens: int, huge: HugeMem) -> dict[str,
         _say(args, f"fio ({name}) reading the records of {tokens} tokens x {len(dirs)} rank(s)")
         drop_caches()
         res = fio_read_payloads(
-            dirs, payload_offset=HEADER_BYTES, payload_bytes=lay.chunk_bytes, files=chunks,
-            iodepth=FIO_DEPTH, hugemem=hm, timeout_s=7200,
-        )  # fmt: skip
+            dirs,
+            payload_offset=HEADER_BYTES,
+            payload_bytes=lay.chunk_bytes,
+            files=chunks,
+            iodepth=FIO_DEPTH,
+            hugemem=hm,
+            timeout_s=7200,
+        )
         out[name + "_s"] = res.seconds
         out[name + "_gib_s"] = res.gib_s
     return out

@@ -45,12 +45,12 @@ from bsr_io.cli.host import check_memory, huge_page_bytes
 from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.progress import bar
 from bsr_io.cli.report import write_json
+from bsr_io.cli.scratch import check_room, scratch_base, scratch_dir
 from bsr_io.cli.ttft_paths import FIO_DEPTH, TtftPaths, records_readable_by_fio
-from bsr_io.kvcache import PagedKVCache
-from bsr_io.layout import PRESETS, KVLayout, preset
-from bsr_io.record import HEADER_BYTES
-from bsr_io.sizes import GiB, fmt_size
-from bsr_io.testing.scratch import check_room, scratch_base, scratch_dir
+from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.model.layout import PRESETS, KVLayout, preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, fmt_size
 
 METHODS = ("naive", "naive_engine", "fio", "fast", "fio_hugemem")
 DONE_RATIO = 1.15  # the target: fast_s within this factor of fio_s
@@ -135,18 +135,26 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--naive-threads must be at least 1, got {args.naive_threads}")
     have_fio = fio_available()
     if not have_fio:
-        raise ValueError("fio is not installed (Debian/Ubuntu: apt-get install fio); it is the "
-                         "reference this benchmark reports against")  # fmt: skip
+        raise ValueError(
+            "fio is not installed (Debian/Ubuntu: apt-get install fio); it is the "
+            "reference this benchmark reports against"
+        )
     chunks = args.tokens // lay.chunk_tokens
     disk, what = _disk_needed(lay, chunks)
     hint = "use --dir on a larger disk or fewer --tokens"
     check_room(scratch_base(args.dir), disk, what, hint)  # disk first, then memory
     _check_memory(lay, chunks, args.window, naive=not args.skip_naive)
     with (
-        scratch_dir(args.dir, "bsr-io-ttft-", need_bytes=disk, what=what,
-                    hint="use --dir on a larger disk or fewer --tokens", keep=args.keep) as root,
+        scratch_dir(
+            args.dir,
+            "bsr-io-ttft-",
+            need_bytes=disk,
+            what=what,
+            hint="use --dir on a larger disk or fewer --tokens",
+            keep=args.keep,
+        ) as root,
         huge_page_buffers(FIO_DEPTH << 20) as huge,
-    ):  # fmt: skip
+    ):
         doc = measure(args, root, lay, huge)
     print_table(doc)
     write_json(args.json, doc)
@@ -253,7 +261,7 @@ def measure(
         "fio_hugemem_note": b.huge.note,
         "fio_source": "record payloads"
         if b.fio_file is None
-        else "reference file (payloads not 4 KiB multiples)",  # fmt: skip
+        else "reference file (payloads not 4 KiB multiples)",
         "speedup": med["naive"] / med["fast"] if naive else None,
         # What the I/O path buys (same whole-plan staging), and what bounded staging buys
         # (same engine reads): their product is the speedup.
@@ -277,7 +285,7 @@ def measure(
             for f, g in zip(rounds["fast"], rounds["fio_hugemem"], strict=True)
         )
         if huge_s
-        else None,  # fmt: skip
+        else None,
         "gib_s": {m: b.state / med[m] / GiB if m in med else None for m in METHODS},
         # Unmeasured, the naive path's staging is still the whole state: it needs that L1.
         "rws_naive_bytes": max(x["rws_bytes"] for x in rounds["naive"]) if naive else b.state,
@@ -318,8 +326,11 @@ def print_table(doc: dict[str, Any]) -> None:
     hdr = f"{'path':<13} {'seconds':>8} {'GiB/s':>7} {'staging peak':>13}"
     print(hdr)
     print("-" * len(hdr))
-    peaks = {"naive": doc["rws_naive_bytes"], "naive_engine": doc["rws_naive_bytes"],
-             "fast": doc["rws_fast_bytes"]}  # fmt: skip
+    peaks = {
+        "naive": doc["rws_naive_bytes"],
+        "naive_engine": doc["rws_naive_bytes"],
+        "fast": doc["rws_fast_bytes"],
+    }
     for m in METHODS:
         peak = fmt_size(peaks[m]) if m in peaks else "-"
         if doc[m + "_s"] is None:
@@ -371,5 +382,7 @@ def print_table(doc: dict[str, Any]) -> None:
     )
     print(f"bytes checked (first and last chunk): {'ok' if doc['data_ok'] else 'MISMATCH'}")
     if not doc["cold_cache"]:
-        print("note: the page cache could not be dropped (needs root); buffered reads may be warm",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "note: the page cache could not be dropped (needs root); buffered reads may be warm",
+            file=sys.stderr,
+        )

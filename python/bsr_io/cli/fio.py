@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bsr_io.sizes import GiB
+from bsr_io.model.sizes import GiB
 
 __all__ = [
     "FioResult",
@@ -145,9 +145,10 @@ def huge_page_buffers(buffer_bytes: int) -> Iterator[HugeMem]:
             if mount is None:
                 mounted = tempfile.mkdtemp(prefix="bsr-io-hugetlbfs-")
                 out = subprocess.run(
-                    ["mount", "-t", "hugetlbfs", "-o", f"pagesize={page >> 20}M", "none",
-                     mounted], capture_output=True, text=True,
-                )  # fmt: skip
+                    ["mount", "-t", "hugetlbfs", "-o", f"pagesize={page >> 20}M", "none", mounted],
+                    capture_output=True,
+                    text=True,
+                )
                 if out.returncode != 0:
                     os.rmdir(mounted)
                     mounted = None

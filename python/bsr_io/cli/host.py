@@ -1,5 +1,5 @@
 """What the host can give a command before it starts: memory (disk room is the scratch
-policy's, bsr_io.testing.scratch); and what a measured path took from it: CPU time."""
+policy's, bsr_io.cli.scratch); and what a measured path took from it: CPU time."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 import resource
 from pathlib import Path
 
-from bsr_io.sizes import fmt_size
+from bsr_io.model.sizes import fmt_size
 
 
 def mem_available() -> int | None:

@@ -49,8 +49,14 @@ def busiest(sample_s: float = 0.5, top: int = 5) -> list[dict[str, Any]]:
     for pid, (ticks, cmd) in after.items():
         used = ticks - before.get(pid, (ticks, ""))[0]
         if used > 0:
-            rows.append({"pid": pid, "cores": round(used / _TICKS / sample_s, 2), "cmd": cmd,
-                         "self": pid == os.getpid()})  # fmt: skip
+            rows.append(
+                {
+                    "pid": pid,
+                    "cores": round(used / _TICKS / sample_s, 2),
+                    "cmd": cmd,
+                    "self": pid == os.getpid(),
+                }
+            )
     rows.sort(key=lambda r: -r["cores"])
     return rows[:top]
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bsr_io.sizes import GiB, MiB
+from bsr_io.model.sizes import GiB, MiB
 
 __all__ = ["plot_sweep", "plot_ttft"]
 
@@ -67,37 +67,56 @@ def plot_sweep(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     ax.scatter(
         [s for s, m in zip(state, measured, strict=True) if m],
         [w for w, m in zip(wp, measured, strict=True) if m],
-        color="#c0392b", zorder=3, label="whole-plan, measured",
-    )  # fmt: skip
+        color="#c0392b",
+        zorder=3,
+        label="whole-plan, measured",
+    )
     if not all(measured):
         ax.scatter(
             [s for s, m in zip(state, measured, strict=True) if not m],
             [w for w, m in zip(wp, measured, strict=True) if not m],
-            facecolors="white", edgecolors="#c0392b", zorder=3,
+            facecolors="white",
+            edgecolors="#c0392b",
+            zorder=3,
             label="whole-plan, L1 it needed (not run)",
-        )  # fmt: skip
+        )
     wp_rss = [(s, r.get("whole_plan_vmhwm_growth_bytes")) for s, r in zip(state, rows, strict=True)]
     wp_rss = [(s, v / GiB) for s, v in wp_rss if v is not None]
     if wp_rss:
-        ax.plot(*zip(*wp_rss, strict=True), color="#c0392b", lw=1, ls="--", marker=".",
-                label="whole-plan: process peak RSS growth (VmHWM)")  # fmt: skip
+        ax.plot(
+            *zip(*wp_rss, strict=True),
+            color="#c0392b",
+            lw=1,
+            ls="--",
+            marker=".",
+            label="whole-plan: process peak RSS growth (VmHWM)",
+        )
     ax.plot(state, rws, color="#1f6fb2", lw=2, marker="o", label="BSR: RWS peak (measured)")
     if all("vmhwm_growth_bytes" in r for r in rows):
         ax.plot(
-            state, [r["vmhwm_growth_bytes"] / GiB for r in rows], color="#1f6fb2", lw=1,
-            ls="--", marker=".", label="BSR: process peak RSS growth (VmHWM)",
-        )  # fmt: skip
+            state,
+            [r["vmhwm_growth_bytes"] / GiB for r in rows],
+            color="#1f6fb2",
+            lw=1,
+            ls="--",
+            marker=".",
+            label="BSR: process peak RSS growth (VmHWM)",
+        )
     bound = doc["window"] * doc["chunk_bytes"]
-    ax.axhline(bound / GiB, color="#7f8c8d", lw=1, ls=":",
-               label=f"W x chunk = {_size_label(bound)}")  # fmt: skip
+    ax.axhline(
+        bound / GiB, color="#7f8c8d", lw=1, ls=":", label=f"W x chunk = {_size_label(bound)}"
+    )
     last = rows[-1]
     if last["rws_peak_bytes"]:
         ratio = last["state_bytes"] / last["rws_peak_bytes"]
         ax.annotate(
             f"state / RWS = {ratio:.1f}x",
-            xy=(state[-1], rws[-1]), xytext=(0, 14), textcoords="offset points",
-            ha="right", color="#1f6fb2",
-        )  # fmt: skip
+            xy=(state[-1], rws[-1]),
+            xytext=(0, 14),
+            textcoords="offset points",
+            ha="right",
+            color="#1f6fb2",
+        )
     ax.set_xlabel("KV state per rank (GiB)")
     ax.set_ylabel("host staging per rank (GiB)")
     ranks = doc.get("ranks")
@@ -136,17 +155,25 @@ def plot_ttft(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     bars = ax.bar(names, secs, color=colors)
     for b, s in zip(bars, secs, strict=True):
         rate = doc["state_bytes"] / s / GiB if s else 0.0
-        ax.annotate(f"{s:.2f} s\n{rate:.2f} GiB/s", xy=(b.get_x() + b.get_width() / 2, s),
-                    xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
-                    fontsize=8)  # fmt: skip
+        ax.annotate(
+            f"{s:.2f} s\n{rate:.2f} GiB/s",
+            xy=(b.get_x() + b.get_width() / 2, s),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax.set_ylabel("seconds to a committed prefix (cold cache)")
     ax.set_ylim(0, max(secs) * 1.25)
     ref = doc.get("fio_hugemem_s") or doc["fio_s"]
     vs_fio = doc["fast_s"] / ref
     which = "fio huge pages" if doc.get("fio_hugemem_s") else "fio"
     if naive:
-        ax.set_title(f"speedup naive/fast {doc['naive_s'] / doc['fast_s']:.2f}x, "
-                     f"fast/{which} {vs_fio:.2f}", fontsize=9)  # fmt: skip
+        ax.set_title(
+            f"speedup naive/fast {doc['naive_s'] / doc['fast_s']:.2f}x, fast/{which} {vs_fio:.2f}",
+            fontsize=9,
+        )
     else:
         ax.set_title(f"fast/{which} {vs_fio:.2f} (naive path not run)", fontsize=9)
     peaks = [doc["rws_naive_bytes"] / GiB, doc["rws_fast_bytes"] / GiB]
@@ -157,9 +184,15 @@ def plot_ttft(doc: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
         hatch=["" if naive else "//", ""],
     )
     for b, p in zip(pb, peaks, strict=True):
-        ax2.annotate(_size_label(p * GiB), xy=(b.get_x() + b.get_width() / 2, p),
-                     xytext=(0, 3), textcoords="offset points", ha="center", va="bottom",
-                     fontsize=8)  # fmt: skip
+        ax2.annotate(
+            _size_label(p * GiB),
+            xy=(b.get_x() + b.get_width() / 2, p),
+            xytext=(0, 3),
+            textcoords="offset points",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax2.set_ylabel("host staging peak (GiB)")
     ax2.set_ylim(0, max(peaks) * 1.2)
     ax2.set_title("staging")

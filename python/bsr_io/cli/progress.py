@@ -4,7 +4,7 @@ tqdm is optional (the `cli` extra): without it there are no bars, as when stderr
 a terminal. Only the CLI imports this module; the restore API never needs tqdm.
 
 `bar()` is for work done in this process. Work done on ranks (child processes whose
-output `bsr_io.testing.ranks.launch` captures) reports through small JSON files instead: each
+output `bsr_io.cli.ranks.launch` captures) reports through small JSON files instead: each
 rank's `RankProgress` writes `<dir>/rank<r>.json`, and a `ProgressWatcher` in the
 parent polls them and draws one bar per phase, summed over ranks.
 """
@@ -118,8 +118,13 @@ class RankProgress:
         if not force and now - self._last < 0.1:
             return
         self._last = now
-        doc = {"seq": self._seq, "phase": self.phase_name, "total": self.total,
-               "done": self.done, "unit": self.unit}  # fmt: skip
+        doc = {
+            "seq": self._seq,
+            "phase": self.phase_name,
+            "total": self.total,
+            "done": self.done,
+            "unit": self.unit,
+        }
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.path)  # readers see the old or the new document, never half

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine
+from bsr_io.cli.synthetic import fill_state
 from bsr_io.errors import ChunkError
-from bsr_io.layout import PRESETS, preset
-from bsr_io.record import HEADER_BYTES
-from bsr_io.sizes import fmt_size
-from bsr_io.testing.synthetic import fill_state
+from bsr_io.model.layout import PRESETS, preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import fmt_size
 from bsr_io.tiers import LowerTier, SSDTier
 from bsr_io.tiers.files import FileTier
 
@@ -76,11 +76,15 @@ def run_stats(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{out['dir']}: {out['records']} records, {fmt_size(nbytes)}, "
-          f"{out['quarantined']} quarantined")  # fmt: skip
+    print(
+        f"{out['dir']}: {out['records']} records, {fmt_size(nbytes)}, "
+        f"{out['quarantined']} quarantined"
+    )
     for ns in out["namespaces"]:
-        print(f"  {ns['model']} w{ns['world_size']}r{ns['rank']} layout {ns['layout'][:12]}: "
-              f"{ns['records']} records")  # fmt: skip
+        print(
+            f"  {ns['model']} w{ns['world_size']}r{ns['rank']} layout {ns['layout'][:12]}: "
+            f"{ns['records']} records"
+        )
     for p in tier.problems:
         print(f"  bad record moved to quarantine: {p.path}: {p.reason}")
     return 0
@@ -123,14 +127,17 @@ def run_fill(args: argparse.Namespace) -> int:
     with Engine(2, layout.chunk_bytes) as engine:
         tier = SSDTier(args.dir, None, engine, layout=layout)
         try:
-            _, keys = fill_state(tier, layout, args.tokens, args.seed, args.rank,
-                                 args.world_size, args.model)  # fmt: skip
+            _, keys = fill_state(
+                tier, layout, args.tokens, args.seed, args.rank, args.world_size, args.model
+            )
         except ChunkError as exc:
             print(f"bsr-io: error: {exc}", file=sys.stderr)
             return 2
-        print(f"seed {args.seed}: {len(keys)} chunks of {layout.name} "
-              f"({len(keys) * layout.chunk_tokens} tokens, rank {args.rank}/{args.world_size}, "
-              f"{fmt_size(len(keys) * (HEADER_BYTES + layout.chunk_bytes))})")  # fmt: skip
+        print(
+            f"seed {args.seed}: {len(keys)} chunks of {layout.name} "
+            f"({len(keys) * layout.chunk_tokens} tokens, rank {args.rank}/{args.world_size}, "
+            f"{fmt_size(len(keys) * (HEADER_BYTES + layout.chunk_bytes))})"
+        )
         for key in keys:
             print(tier.path_of(key))
     return 0

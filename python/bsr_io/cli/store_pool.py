@@ -14,16 +14,19 @@ from typing import Any
 
 from bsr_io._core import Engine
 from bsr_io.cli.bench_remote import add_pool_args, pool_config
+from bsr_io.cli.synthetic import synthetic_chunk, synthetic_tokens
 from bsr_io.errors import ChunkError
-from bsr_io.keys import chunk_keys
-from bsr_io.layout import PRESETS, preset
-from bsr_io.testing.synthetic import synthetic_chunk, synthetic_tokens
+from bsr_io.model.keys import chunk_keys
+from bsr_io.model.layout import PRESETS, preset
 
 
 def register_pool(store_sub: Any) -> None:
-    p = store_sub.add_parser("pool", help="fill, probe or verify a state in a Mooncake pool",
-                             description=__doc__,
-                             formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = store_sub.add_parser(
+        "pool",
+        help="fill, probe or verify a state in a Mooncake pool",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="pool_command", required=True)
     for name, func, text in (
         ("fill", run_fill, "write a synthetic, deterministic state"),
@@ -50,8 +53,9 @@ def _open(args: argparse.Namespace):
     layout = preset(args.layout)
     if args.tokens < layout.chunk_tokens:
         raise ValueError(f"--tokens {args.tokens} is less than one chunk ({layout.chunk_tokens})")
-    keys = chunk_keys(synthetic_tokens(args.seed, args.tokens), layout, args.model, args.rank,
-                      args.world_size)  # fmt: skip
+    keys = chunk_keys(
+        synthetic_tokens(args.seed, args.tokens), layout, args.model, args.rank, args.world_size
+    )
     return MooncakeTier(cfg, layout=layout), layout, keys
 
 
@@ -74,8 +78,11 @@ def run_probe(args: argparse.Namespace) -> int:
         held = tier.probe(keys)
     finally:
         tier.close()
-    print(json.dumps({"chunks": len(keys), "leading_held": held,
-                      "tokens": held * layout.chunk_tokens}))  # fmt: skip
+    print(
+        json.dumps(
+            {"chunks": len(keys), "leading_held": held, "tokens": held * layout.chunk_tokens}
+        )
+    )
     return 0
 
 

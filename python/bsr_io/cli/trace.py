@@ -25,8 +25,13 @@ def _pcts(values: list[float]) -> dict[str, float]:
     def at(q: float) -> float:
         return v[min(len(v) - 1, int(q * len(v)))]
 
-    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": v[-1],
-            "mean": statistics.fmean(v)}  # fmt: skip
+    return {
+        "p50": at(0.5),
+        "p90": at(0.9),
+        "p99": at(0.99),
+        "max": v[-1],
+        "mean": statistics.fmean(v),
+    }
 
 
 def _little(lat_ns: list[int], span_ns: int, nbytes: int) -> dict[str, Any]:

@@ -11,17 +11,17 @@ from typing import Any
 from bsr_io._core import Engine, xxh3_runs
 from bsr_io.cli.fio import HugeMem, fio_read, fio_read_payloads
 from bsr_io.cli.host import process_cpu_s
-from bsr_io.keys import chunk_keys
-from bsr_io.kvcache import PagedKVCache
-from bsr_io.layout import KVLayout
+from bsr_io.cli.scenarios import vmhwm_bytes, vmhwm_reset
+from bsr_io.cli.synthetic import synthetic_chunk, synthetic_tokens
+from bsr_io.cli.whole_plan import WholePlanRestorer
+from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.metrics import RestoreMetrics
-from bsr_io.record import HEADER_BYTES
+from bsr_io.model.keys import chunk_keys
+from bsr_io.model.layout import KVLayout
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB
 from bsr_io.restore import Restorer
-from bsr_io.sizes import GiB
 from bsr_io.store import Store
-from bsr_io.testing.scenarios import vmhwm_bytes, vmhwm_reset
-from bsr_io.testing.synthetic import synthetic_chunk, synthetic_tokens
-from bsr_io.testing.whole_plan import WholePlanRestorer
 from bsr_io.tiers import SSDTier
 
 FIO_DEPTH = 32
@@ -59,12 +59,19 @@ class TtftPaths:
     def prepare_whole_plan(self) -> None:
         """Both whole-plan paths share one L1 pool of the state, resident before timing."""
         h0 = vmhwm_reset()
-        lmc = WholePlanRestorer(self.store, self.lay, l1_bytes=self.state,
-                                threads=self.args.naive_threads)  # fmt: skip
+        lmc = WholePlanRestorer(
+            self.store, self.lay, l1_bytes=self.state, threads=self.args.naive_threads
+        )
         lmc.prepare(self.state)
         self.pool_vmhwm_bytes = vmhwm_bytes() - h0
-        ctl = WholePlanRestorer(self.store, self.lay, l1_bytes=self.state, engine=self.engine,
-                                reads="engine", pool=lmc.pool)  # fmt: skip
+        ctl = WholePlanRestorer(
+            self.store,
+            self.lay,
+            l1_bytes=self.state,
+            engine=self.engine,
+            reads="engine",
+            pool=lmc.pool,
+        )
         self.whole_plan = {"naive": lmc, "naive_engine": ctl}
 
     def naive(self, method: str) -> dict[str, Any]:
@@ -80,26 +87,38 @@ class TtftPaths:
         if not res.complete:
             raise RuntimeError(f"{method} failed: {res.reason}")
         parts = {k: res.timings[k] for k in ("stage_s", "install_s")}
-        return {"seconds": seconds, "rws_bytes": res.rws_peak_bytes,
-                "vmhwm_growth_bytes": growth, **parts}  # fmt: skip
+        return {
+            "seconds": seconds,
+            "rws_bytes": res.rws_peak_bytes,
+            "vmhwm_growth_bytes": growth,
+            **parts,
+        }
 
     def fio(self, method: str) -> dict[str, Any]:
         """fio reading the records' payload ranges (or the reference file)."""
         huge = self.huge if method == "fio_hugemem" else None
         if self.fio_file is not None:
             iomem = huge.iomem("ttft") if huge else None
-            res = fio_read(self.fio_file, size=self.state, block_bytes=fio_block(self.state),
-                           iomem=iomem)  # fmt: skip
+            res = fio_read(
+                self.fio_file, size=self.state, block_bytes=fio_block(self.state), iomem=iomem
+            )
         else:
             res = fio_read_payloads(
-                self.l2.path_of(self.keys[0]).parent, payload_offset=HEADER_BYTES,
-                payload_bytes=self.lay.chunk_bytes, files=self.chunks, iodepth=FIO_DEPTH,
+                self.l2.path_of(self.keys[0]).parent,
+                payload_offset=HEADER_BYTES,
+                payload_bytes=self.lay.chunk_bytes,
+                files=self.chunks,
+                iodepth=FIO_DEPTH,
                 hugemem=huge,
-            )  # fmt: skip
+            )
         seconds = res.seconds or res.wall_s  # under a millisecond fio reports 0
-        return {"seconds": seconds, "gib_s": res.bytes_read / seconds / GiB,
-                "bytes_read": res.bytes_read, "fio_runtime_s": res.seconds,
-                "fio_wall_s": res.wall_s}  # fmt: skip
+        return {
+            "seconds": seconds,
+            "gib_s": res.bytes_read / seconds / GiB,
+            "bytes_read": res.bytes_read,
+            "fio_runtime_s": res.seconds,
+            "fio_wall_s": res.wall_s,
+        }
 
     def fast_path(self) -> dict[str, Any]:
         h0 = vmhwm_reset()

@@ -36,14 +36,14 @@ from bsr_io.integrations.hf_compat import (
     kv_tensors,
     new_cache,
 )
-from bsr_io.kvcache import Fence
-from bsr_io.layout import AllocatorGroup, KVLayout
+from bsr_io.load.kvcache import Fence
+from bsr_io.model.layout import AllocatorGroup, KVLayout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from transformers import Cache, PretrainedConfig, PreTrainedModel
 
-    from bsr_io.discovery import Plan
+    from bsr_io.load.discovery import Plan
     from bsr_io.restore import Restorer, RestoreResult
 
 

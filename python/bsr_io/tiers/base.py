@@ -16,8 +16,8 @@ import torch
 
 from bsr_io._core import Engine, EngineBrokenError, EngineClosedError, NoFreeSlot, Slot
 from bsr_io.errors import CapacityError, LayoutError
-from bsr_io.keys import ChunkKey
-from bsr_io.layout import KVLayout
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import KVLayout
 
 Payload = Any  # Slot | torch.Tensor (uint8, CPU) | any contiguous buffer of chunk_bytes
 
@@ -132,9 +132,15 @@ class Tier(ABC):
         self.name = name
         self._lock = threading.RLock()
         self._counts = dict(
-            hits=0, misses=0, evictions=0, quarantined=0, reads=0, writes=0,
-            bytes_read=0, bytes_written=0,
-        )  # fmt: skip
+            hits=0,
+            misses=0,
+            evictions=0,
+            quarantined=0,
+            reads=0,
+            writes=0,
+            bytes_read=0,
+            bytes_written=0,
+        )
 
     # -- discovery (metadata only) ------------------------------------------------------
     @abstractmethod
@@ -196,8 +202,9 @@ class Tier(ABC):
 
     def _stats(self, records: int, nbytes: int, capacity: int | None) -> dict[str, Any]:
         with self._lock:
-            return dict(name=self.name, records=records, bytes=nbytes, capacity=capacity,
-                        **self._counts)  # fmt: skip
+            return dict(
+                name=self.name, records=records, bytes=nbytes, capacity=capacity, **self._counts
+            )
 
     def close(self) -> None:  # noqa: B027 - tiers without resources need not override
         """Release resources (open files, caches). The records stay."""

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine, Slot, xxh3_64
-from bsr_io.keys import ChunkKey
-from bsr_io.layout import KVLayout
-from bsr_io.record import HEADER_BYTES, RecordHeader, make_header
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import KVLayout
+from bsr_io.model.record import HEADER_BYTES, RecordHeader, make_header
 from bsr_io.tiers.base import (
     ENGINE_ERRORS,
     Payload,

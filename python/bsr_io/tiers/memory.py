@@ -8,8 +8,8 @@ from typing import Any
 
 from bsr_io._core import Engine, xxh3_64
 from bsr_io.errors import ChunkCorrupt, ChunkMissing, proves_bad
-from bsr_io.keys import ChunkKey
-from bsr_io.layout import KVLayout
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import KVLayout
 from bsr_io.tiers.base import (
     Payload,
     PendingChunk,

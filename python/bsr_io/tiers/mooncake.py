@@ -52,9 +52,9 @@ from bsr_io.errors import (
     TierDown,
     proves_bad,
 )
-from bsr_io.keys import ChunkKey
-from bsr_io.layout import KVLayout
-from bsr_io.record import (
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import KVLayout
+from bsr_io.model.record import (
     HEADER_BYTES,
     OldRecordFormat,
     RecordFormatError,
@@ -110,8 +110,18 @@ class _Call:
     gives it back (header buffers, registrations) on the worker and it is let go. A slot
     in `hold` goes back to the ring only then: never while the pool may touch it."""
 
-    __slots__ = ("fn", "args", "hold", "after", "done", "result", "error", "started",
-                 "abandoned", "_lock")  # fmt: skip
+    __slots__ = (
+        "fn",
+        "args",
+        "hold",
+        "after",
+        "done",
+        "result",
+        "error",
+        "started",
+        "abandoned",
+        "_lock",
+    )
 
     def __init__(
         self,
@@ -280,8 +290,9 @@ class _HeaderBuffers:
                 if rc != 0:
                     raise TierDown(f"cannot register header buffers with the pool: {code_name(rc)}")
                 self._blocks.append(block)
-                self._free += [block[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]
-                               for i in range(self.BLOCK)]  # fmt: skip
+                self._free += [
+                    block[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(self.BLOCK)
+                ]
             return self._free.pop()
 
     def give(self, buf: npt.NDArray[np.uint8]) -> None:
@@ -461,8 +472,9 @@ class MooncakeTier(Tier):
         with self._lock:
             left, why = self._down_until - time.monotonic(), self._down_why
         if left > 0:
-            raise TierDown(f"marked down for {left:.1f} s more after: {why}", key=key,
-                           tier=self.name)  # fmt: skip
+            raise TierDown(
+                f"marked down for {left:.1f} s more after: {why}", key=key, tier=self.name
+            )
 
     @property
     def down(self) -> bool:
@@ -487,8 +499,9 @@ class MooncakeTier(Tier):
         self._count(exist_calls=1)
         out = self._meta_call("existence check", self.client.batch_is_exist, names)
         if len(out) != len(names):
-            raise TierDown(f"existence check answered {len(out)} of {len(names)} keys",
-                           tier=self.name)  # fmt: skip
+            raise TierDown(
+                f"existence check answered {len(out)} of {len(names)} keys", tier=self.name
+            )
         with self._lock:
             return [0 if n in self._withdrawn else int(r) for n, r in zip(names, out, strict=True)]
 
@@ -552,16 +565,21 @@ class MooncakeTier(Tier):
                 return
             rc = self.client.register_buffer(addr, nbytes)
             if rc != 0:
-                raise TierDown(f"cannot register the engine's staging arena with the pool: "
-                               f"{code_name(rc)}", tier=self.name)  # fmt: skip
+                raise TierDown(
+                    f"cannot register the engine's staging arena with the pool: {code_name(rc)}",
+                    tier=self.name,
+                )
             self._arenas[addr] = (nbytes, engine)
 
     def _sweep_arenas(self, everything: bool = False) -> None:
         """Unregister the arenas of closed engines (every one when `everything`) that no
         transfer of this tier still targets, and let go of those engines."""
         with self._lock:
-            gone = [a for a, (_, eng) in self._arenas.items()
-                    if (everything or eng.closed) and not self._inflight.get(a)]  # fmt: skip
+            gone = [
+                a
+                for a, (_, eng) in self._arenas.items()
+                if (everything or eng.closed) and not self._inflight.get(a)
+            ]
             for a in gone:
                 del self._arenas[a]
         for a in gone:
@@ -644,12 +662,14 @@ class MooncakeTier(Tier):
                 raise ChunkReadError(
                     f"no answer from the pool within {self.config.timeout_s} s (storage node "
                     "stalled?); the slot is held until the transfer gives up",
-                    key=key, tier=self.name,
-                ) from None  # fmt: skip
+                    key=key,
+                    tier=self.name,
+                ) from None
             except Exception as exc:  # noqa: BLE001 - the binding raised
                 self._headers.give(call.take()[1])
-                raise ChunkReadError("pool read raised", key=key, tier=self.name,
-                                     cause=exc) from exc  # fmt: skip
+                raise ChunkReadError(
+                    "pool read raised", key=key, tier=self.name, cause=exc
+                ) from exc
             return self._verify(key, name, n, call, out)
 
         return PendingChunk(key, finish, call.done.is_set)
@@ -687,8 +707,9 @@ class MooncakeTier(Tier):
             header = decode_header(hdr.tobytes())
         except OldRecordFormat as exc:
             self._forget(key)
-            raise ChunkMissing("object of an older record format", key=key, tier=self.name,
-                               cause=exc) from None  # fmt: skip
+            raise ChunkMissing(
+                "object of an older record format", key=key, tier=self.name, cause=exc
+            ) from None
         except RecordFormatError as exc:
             raise self._corrupt(key, name, f"bad header: {exc}") from None
         with self._lock:
@@ -751,8 +772,9 @@ class MooncakeTier(Tier):
                 raise self._stalled_direct(key, call) from None
             except Exception as exc:  # noqa: BLE001 - the binding raised
                 self._headers.give(call.take()[0])
-                raise ChunkReadError("pool read raised", key=key, tier=self.name,
-                                     cause=exc) from exc  # fmt: skip
+                raise ChunkReadError(
+                    "pool read raised", key=key, tier=self.name, cause=exc
+                ) from exc
             hdr_back, _ = call.take()
             try:
                 header = self._checked_header(key, name, n, out, hdr_back)
@@ -783,8 +805,10 @@ class MooncakeTier(Tier):
         self._headers.give(call.take()[0])
         return ChunkReadError(
             f"{why} (storage node stalled?); waited for the transfer to end since it writes "
-            "the destination", key=key, tier=self.name,
-        )  # fmt: skip
+            "the destination",
+            key=key,
+            tier=self.name,
+        )
 
     def _read_failure(
         self, key: ChunkKey, name: str, rc: int, expected: int | None = None
@@ -794,8 +818,9 @@ class MooncakeTier(Tier):
         self._count(misses=1)
         if rc == NOT_FOUND:
             self._forget(key)
-            return ChunkMissing("no object in the pool", key=key, tier=self.name,
-                                cause=code_name(rc))  # fmt: skip
+            return ChunkMissing(
+                "no object in the pool", key=key, tier=self.name, cause=code_name(rc)
+            )
         if rc in (INVALID_PARAMS, TRANSFER_FAIL) and expected is not None:
             # Both also mean "the object's size is not header + chunk": ask which it was.
             try:
@@ -803,8 +828,9 @@ class MooncakeTier(Tier):
             except TierDown:
                 size = -1
             if size >= 0 and size != expected:
-                return self._corrupt(key, name, f"object is {size} bytes, a record of this "
-                                     f"chunk is {expected}")  # fmt: skip
+                return self._corrupt(
+                    key, name, f"object is {size} bytes, a record of this chunk is {expected}"
+                )
         if rc in (RPC_FAIL, RPC_TIMEOUT, TRANSFER_FAIL):
             # Says nothing about the object: this read falls back, the object stays.
             self._mark_down(f"pool read failed: {code_name(rc)}")
@@ -815,8 +841,13 @@ class MooncakeTier(Tier):
     def _corrupt(self, key: ChunkKey, name: str, reason: str) -> ChunkCorrupt:
         """The object was shown bad (key, header, size, checksum): remove it."""
         self._withdraw(key, name, reason)
-        return ChunkCorrupt(f"{reason}; object removed from the pool", key=key, tier=self.name,
-                            cause=name, record=name)  # fmt: skip
+        return ChunkCorrupt(
+            f"{reason}; object removed from the pool",
+            key=key,
+            tier=self.name,
+            cause=name,
+            record=name,
+        )
 
     # -- writes -------------------------------------------------------------------------
     def write(self, key: ChunkKey, payload: Payload, layout: KVLayout) -> bool:
@@ -834,18 +865,24 @@ class MooncakeTier(Tier):
             try:
                 rc = self._remove_name(name)
             except TierDown as exc:
-                raise ChunkWriteError("pool unreachable; nothing stored", key=key,
-                                      tier=self.name, cause=exc) from None  # fmt: skip
+                raise ChunkWriteError(
+                    "pool unreachable; nothing stored", key=key, tier=self.name, cause=exc
+                ) from None
             if rc not in (0, NOT_FOUND):
-                raise ChunkWriteError("cannot replace an invalidated object", key=key,
-                                      tier=self.name, cause=code_name(rc))  # fmt: skip
+                raise ChunkWriteError(
+                    "cannot replace an invalidated object",
+                    key=key,
+                    tier=self.name,
+                    cause=code_name(rc),
+                )
             with self._lock:
                 self._withdrawn.pop(name, None)
         try:
             (present,) = self._exists([name])
         except TierDown as exc:
-            raise ChunkWriteError("pool unreachable; nothing stored", key=key, tier=self.name,
-                                  cause=exc) from None  # fmt: skip
+            raise ChunkWriteError(
+                "pool unreachable; nothing stored", key=key, tier=self.name, cause=exc
+            ) from None
         if present == 1:
             self._touch(key, layout.chunk_bytes)
             return False
@@ -878,16 +915,16 @@ class MooncakeTier(Tier):
             self._mark_down(why)
             raise ChunkWriteError(why, key=key, tier=self.name) from None
         except Exception as exc:  # noqa: BLE001 - the binding raised
-            raise ChunkWriteError("pool put raised", key=key, tier=self.name,
-                                  cause=exc) from exc  # fmt: skip
+            raise ChunkWriteError("pool put raised", key=key, tier=self.name, cause=exc) from exc
         finally:
             if call.done.is_set() and not call.abandoned:
                 self._let_go_payload(call.take())
         rc = int(out[0]) if out else RPC_FAIL
         if rc != 0:
             why = "pool full or no storage node" if rc == NO_HANDLE else "pool put failed"
-            raise ChunkWriteError(f"{why}; nothing stored", key=key, tier=self.name,
-                                  cause=code_name(rc))  # fmt: skip
+            raise ChunkWriteError(
+                f"{why}; nothing stored", key=key, tier=self.name, cause=code_name(rc)
+            )
         self._touch(key, n)
         self._count(writes=1, bytes_written=n)
         return True
@@ -914,8 +951,9 @@ class MooncakeTier(Tier):
         rc = self.client.register_buffer(addr, n)
         if rc != 0:
             _release_views(owner)
-            raise ChunkWriteError(f"cannot register the payload with the pool: {code_name(rc)}",
-                                  tier=self.name)  # fmt: skip
+            raise ChunkWriteError(
+                f"cannot register the payload with the pool: {code_name(rc)}", tier=self.name
+            )
         return addr, owner, checksum, True
 
     def _let_go_payload(self, hold: tuple[Any, ...]) -> None:

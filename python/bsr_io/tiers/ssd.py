@@ -11,9 +11,9 @@ from typing import Any
 
 from bsr_io._core import AlignmentError, DirectRead, Engine, File, Pending, ShortReadError, Slot
 from bsr_io.errors import LayoutError
-from bsr_io.keys import ChunkKey
-from bsr_io.layout import KVLayout
-from bsr_io.record import HEADER_BYTES, RecordHeader, make_header
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import KVLayout
+from bsr_io.model.record import HEADER_BYTES, RecordHeader, make_header
 from bsr_io.tiers.base import (
     ENGINE_ERRORS,
     DirectChunk,

@@ -27,9 +27,9 @@ from typing import Any
 
 from bsr_io._core import Engine, Slot
 from bsr_io.errors import CapacityError, ChunkError, ChunkReadError, TierDown
-from bsr_io.keys import ChunkKey
-from bsr_io.layout import KVLayout
-from bsr_io.record import HEADER_BYTES
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import KVLayout
+from bsr_io.model.record import HEADER_BYTES
 from bsr_io.tiers.base import (
     ENGINE_ERRORS,
     DirectChunk,
@@ -67,8 +67,11 @@ def check_drive_dirs(
     for root, cap in zip(roots, capacities, strict=True):
         if not root.is_dir():
             what = "is not a directory" if root.exists() else "does not exist"
-            raise TierDown(f"{name}: drive directory {root} {what}; pass each drive's mount "
-                           "point (or a directory on it) that exists", tier=name)  # fmt: skip
+            raise TierDown(
+                f"{name}: drive directory {root} {what}; pass each drive's mount "
+                "point (or a directory on it) that exists",
+                tier=name,
+            )
         if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
             raise TierDown(f"{name}: drive directory {root} is not writable", tier=name)
         free = _free_bytes(root)
@@ -166,15 +169,19 @@ class StripedSSDTier(Tier):
 
     def failing_drives(self) -> dict[str, str]:
         """Directory -> why, for the drives left out now."""
-        return {str(self.roots[d]): why for d in range(len(self.drives))
-                if (why := self._failing_why(d)) is not None}  # fmt: skip
+        return {
+            str(self.roots[d]): why
+            for d in range(len(self.drives))
+            if (why := self._failing_why(d)) is not None
+        }
 
     def _drive_failed(self, d: int, key: ChunkKey, exc: ChunkError) -> ChunkError:
         """The error to raise for a read the drive failed: no record attached, so the
         window's invalidation forgets the index entry and quarantines nothing."""
         self._mark_failing(d, exc)
-        return ChunkReadError(f"drive {self.roots[d]} failed: {exc}", key=key, tier=self.name,
-                              cause=exc)  # fmt: skip
+        return ChunkReadError(
+            f"drive {self.roots[d]} failed: {exc}", key=key, tier=self.name, cause=exc
+        )
 
     # -- discovery ------------------------------------------------------------------------
     def contains(self, key: ChunkKey, group: str | None = None) -> bool:
@@ -193,8 +200,9 @@ class StripedSSDTier(Tier):
         d = self.drive_of(key)
         why = self._failing_why(d)
         if why is not None:
-            raise ChunkReadError(f"drive {self.roots[d]} is failing ({why})", key=key,
-                                 tier=self.name)  # fmt: skip
+            raise ChunkReadError(
+                f"drive {self.roots[d]} is failing ({why})", key=key, tier=self.name
+            )
         return d
 
     def submit_read(
@@ -223,8 +231,9 @@ class StripedSSDTier(Tier):
 
         if inner.expected_xxh3 is None:
             return PendingChunk(key, finish, inner.done)
-        return PendingChunk(key, finish, inner.done, expected_xxh3=inner.expected_xxh3,
-                            reject=inner.reject)  # fmt: skip
+        return PendingChunk(
+            key, finish, inner.done, expected_xxh3=inner.expected_xxh3, reject=inner.reject
+        )
 
     def submit_read_into(
         self,
@@ -251,8 +260,9 @@ class StripedSSDTier(Tier):
                 raise self._drive_failed(d, key, exc) from exc
             self._count(hits=1, reads=1, bytes_read=sum(r[3] for r in runs))
 
-        return DirectChunk(key, finish, inner.done, expected_xxh3=inner.expected_xxh3,
-                           reject=inner.reject)  # fmt: skip
+        return DirectChunk(
+            key, finish, inner.done, expected_xxh3=inner.expected_xxh3, reject=inner.reject
+        )
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:
         return self.submit_read(key, engine).wait()

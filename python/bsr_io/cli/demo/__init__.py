@@ -24,10 +24,10 @@ from bsr_io.cli.demo.report import print_report, summarize
 from bsr_io.cli.host import check_memory
 from bsr_io.cli.progress import ProgressWatcher
 from bsr_io.cli.report import write_json
-from bsr_io.layout import PRESETS, preset
-from bsr_io.record import HEADER_BYTES
-from bsr_io.sizes import fmt_size, parse_size
-from bsr_io.testing.scratch import check_room, make_scratch, scratch_base
+from bsr_io.cli.scratch import check_room, make_scratch, scratch_base
+from bsr_io.model.layout import PRESETS, preset
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import fmt_size, parse_size
 
 RANKS = 2
 TARGET = "bsr_io.cli.demo.rank:demo_rank"
@@ -60,11 +60,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", type=Path, default=None, help="also write every figure here")
     p.add_argument("--keep", action="store_true", help="keep the store directory afterwards")
     p.add_argument("--seed", type=int, default=1, help="seed of the token ids and KV bytes")
-    p.set_defaults(func=run)  # fmt: skip
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from bsr_io.testing.ranks import launch
+    from bsr_io.cli.ranks import launch
 
     if args.window < 1:
         raise ValueError(f"--window must be at least 1, got {args.window}")
@@ -86,15 +86,21 @@ def run(args: argparse.Namespace) -> int:
         f"the demo ({RANKS} ranks x (source + destination + whole-plan L1) of {fmt_size(state)})",
         "a smaller --state",
     )
-    root = make_scratch(args.dir, "bsr-io-demo-", need_bytes=disk, what="the demo's store",
-                        hint=hint)  # fmt: skip
+    root = make_scratch(
+        args.dir, "bsr-io-demo-", need_bytes=disk, what="the demo's store", hint=hint
+    )
     t0 = time.perf_counter()
     try:
         kwargs = {
-            "root": str(root), "layout": args.layout, "chunks": chunks, "window": args.window,
-            "seed": args.seed, "fault_chunk": chunks // 2, "fault_rank": RANKS - 1,
+            "root": str(root),
+            "layout": args.layout,
+            "chunks": chunks,
+            "window": args.window,
+            "seed": args.seed,
+            "fault_chunk": chunks // 2,
+            "fault_rank": RANKS - 1,
             "progress_dir": None if args.quiet else str(root / "progress"),
-        }  # fmt: skip
+        }
         if not args.quiet:
             print(
                 f"bsr-io demo: {RANKS} ranks saving and restoring "
@@ -107,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
         failed = [r for r in results if "runs" not in r]
         if failed:
             for r in failed:
-                print(f"rank {r.get('rank')} failed ({r.get('exit_code')}):\n{r.get('stderr', '')}",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"rank {r.get('rank')} failed ({r.get('exit_code')}):\n{r.get('stderr', '')}",
+                    file=sys.stderr,
+                )
             return 1
     finally:
         if not args.keep:

@@ -1,5 +1,5 @@
 """The demo's work on one rank (a process of its own, started by
-`bsr_io.testing.ranks.launch`): save a prefix, restore it with BSR and with the
+`bsr_io.cli.ranks.launch`): save a prefix, restore it with BSR and with the
 whole-plan baseline, then the fault round. Returns every figure it measured."""
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ import torch
 
 from bsr_io._core import Engine, xxh3_64
 from bsr_io.cli.progress import RankProgress
+from bsr_io.cli.scenarios import vmhwm_bytes, vmhwm_reset
+from bsr_io.cli.synthetic import fill_destination, synthetic_tokens
+from bsr_io.cli.whole_plan import WholePlanRestorer
 from bsr_io.commit import Agreement
-from bsr_io.kvcache import PagedKVCache
-from bsr_io.layout import preset
+from bsr_io.faults import Fault, FaultPlan
+from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.metrics import RestoreMetrics
+from bsr_io.model.layout import preset
+from bsr_io.model.sizes import GiB
 from bsr_io.restore import Restorer
-from bsr_io.sizes import GiB
 from bsr_io.store import Store
-from bsr_io.testing.faults import Fault, FaultPlan
-from bsr_io.testing.scenarios import vmhwm_bytes, vmhwm_reset
-from bsr_io.testing.synthetic import fill_destination, synthetic_tokens
-from bsr_io.testing.whole_plan import WholePlanRestorer
 from bsr_io.tiers import LowerTier, SSDTier
 
 
@@ -82,7 +82,7 @@ def demo_rank(
     model: str = "bsr-io-demo",
     timeout_s: float = 60.0,
 ) -> dict[str, Any]:
-    """One rank of the demo (run by `bsr_io.testing.ranks.launch`); returns its figures."""
+    """One rank of the demo (run by `bsr_io.cli.ranks.launch`); returns its figures."""
     lay = preset(layout)
     cb = lay.chunk_bytes
     tokens = chunks * lay.chunk_tokens
@@ -102,14 +102,20 @@ def demo_rank(
 
     def restorer(store: Store) -> Restorer:
         # One Agreement for every request, so the ranks' request numbers stay in step.
-        return Restorer(store, lay, window=window, engine=engine, model=model,
-                        agreement=agreement)  # fmt: skip
+        return Restorer(store, lay, window=window, engine=engine, model=model, agreement=agreement)
 
     out: dict[str, Any] = {
-        "rank": rank, "layout": lay.name, "chunk_bytes": cb, "slot_bytes": engine.slot_bytes,
-        "chunks": chunks, "tokens": tokens, "state_bytes": state, "backend": engine.backend,
-        "window": window, "runs": {},
-    }  # fmt: skip
+        "rank": rank,
+        "layout": lay.name,
+        "chunk_bytes": cb,
+        "slot_bytes": engine.slot_bytes,
+        "chunks": chunks,
+        "tokens": tokens,
+        "state_bytes": state,
+        "backend": engine.backend,
+        "window": window,
+        "runs": {},
+    }
 
     # The prefix: random KV in a paged cache, saved through the W slots.
     src = PagedKVCache.allocate(lay, tokens, zero=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bsr_io.sizes import GiB, fmt_size
+from bsr_io.model.sizes import GiB, fmt_size
 
 
 def summarize(results: list[dict], wall_s: float, root: Path, kept: bool) -> dict[str, Any]:

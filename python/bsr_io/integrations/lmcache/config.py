@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from bsr_io.sizes import parse_size
+from bsr_io.model.sizes import parse_size
 from bsr_io.tiers.mooncake_config import MooncakeConfig
 
 PLUGIN_NAME = "bsr"

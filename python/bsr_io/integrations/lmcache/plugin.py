@@ -41,10 +41,11 @@ from bsr_io._core import Engine
 from bsr_io.errors import ChunkError, LayoutError
 from bsr_io.integrations.lmcache import retrieve
 from bsr_io.integrations.lmcache.config import Settings
-from bsr_io.keys import ChunkKey
-from bsr_io.kvcache import HostBuffers
-from bsr_io.layout import AllocatorGroup, KVLayout
-from bsr_io.restore import load_records, save_records
+from bsr_io.load.kvcache import HostBuffers
+from bsr_io.load.records import LoadOptions, load_records
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import AllocatorGroup, KVLayout
+from bsr_io.save.records import save_records
 from bsr_io.store import Store
 from bsr_io.tiers.base import Tier
 from bsr_io.tiers.ssd import SSDTier
@@ -132,9 +133,12 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
         self.retriever = self._install_bounded_retrieve() if s.bounded_retrieve else None
         logger.info(
             "bsr-io plugin: tier %s (%d records), W=%d, engine backend %s, bounded retrieve %s",
-            s.path, len(self.tier.keys()), s.window, self.read_engine.backend,
+            s.path,
+            len(self.tier.keys()),
+            s.window,
+            self.read_engine.backend,
             "on" if self.retriever else "off",
-        )  # fmt: skip
+        )
 
     def __str__(self) -> str:
         return "BsrStoragePlugin"
@@ -145,9 +149,12 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
         tags) hashed to 128 bits, so every field LMCache distinguishes keeps records apart."""
         digest = hashlib.blake2b(key.to_string().encode(), digest_size=16, person=b"bsr-lmc")
         return ChunkKey(
-            key.model_name, key.world_size, key.worker_id, self._fingerprint,
+            key.model_name,
+            key.world_size,
+            key.worker_id,
+            self._fingerprint,
             int.from_bytes(digest.digest(), "little"),
-        )  # fmt: skip
+        )
 
     # -- discovery ----------------------------------------------------------------------
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -208,11 +215,17 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
             if objs:
                 bufs = [np.frombuffer(o.byte_array, dtype=np.uint8) for o in objs]
                 res = load_records(
-                    self.read_engine, tiers, ckeys[: len(objs)], HostBuffers(bufs),
-                    deadline=time.monotonic() + self.settings.timeout_s,
-                    chunk_bytes=self.layout.chunk_bytes, width=self.settings.window,
-                    keep_going=True,
-                )  # fmt: skip
+                    self.read_engine,
+                    tiers,
+                    ckeys[: len(objs)],
+                    HostBuffers(bufs),
+                    LoadOptions(
+                        deadline=time.monotonic() + self.settings.timeout_s,
+                        chunk_bytes=self.layout.chunk_bytes,
+                        width=self.settings.window,
+                        keep_going=True,
+                    ),
+                )
                 del bufs
                 if not res.complete:
                     # Chunks before the first failed one were installed and verified:
@@ -297,10 +310,15 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
         try:
             bufs = [np.frombuffer(obj.byte_array, dtype=np.uint8) for _, obj, _ in batch]
             save_records(
-                self.write_engine, self.tier, [self.chunk_key(k) for k, _, _ in batch],
-                [self.layout] * len(batch), HostBuffers(bufs), skip_existing=False,
-                deadline=time.monotonic() + self.settings.timeout_s, on_done=done,
-            )  # fmt: skip
+                self.write_engine,
+                self.tier,
+                [self.chunk_key(k) for k, _, _ in batch],
+                [self.layout] * len(batch),
+                HostBuffers(bufs),
+                skip_existing=False,
+                deadline=time.monotonic() + self.settings.timeout_s,
+                on_done=done,
+            )
             del bufs
         except Exception:
             logger.exception("bsr-io plugin: could not store %d chunks", len(batch))
@@ -344,8 +362,9 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
 
         engines = [e for e in LMCacheEngineBuilder._instances.values() if e.config is self.config]
         if len(engines) != 1:
-            logger.warning("bsr-io plugin: no LMCache engine owns this config; "
-                           "bounded retrieve not installed")  # fmt: skip
+            logger.warning(
+                "bsr-io plugin: no LMCache engine owns this config; bounded retrieve not installed"
+            )
             return None
         agreement = None
         if self.settings.agreement == "world":

@@ -16,7 +16,7 @@ raises into the caller.
 
 The seam is the engine instance's `retrieve` attribute (`install`), which vLLM's
 adapter calls as `self.lmcache_engine.retrieve(...)`: no LMCache class is patched.
-It reads these LMCache internals, pinned by tests/test_lmcache_seam.py:
+It reads these LMCache internals, pinned by tests/integrations/lmcache/test_seam.py:
 `engine.token_database.process_tokens`, `engine.storage_manager.get_block_mapping` /
 `batched_get`, `engine.gpu_connector.batched_to_gpu`, `engine.is_healthy`,
 `engine.stats_monitor`, and the config flags that select other retrieve paths.

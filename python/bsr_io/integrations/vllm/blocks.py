@@ -74,8 +74,9 @@ class _Layer:
 class KVPages:
     """Where every layer's pages are, over vLLM's storage addressed once."""
 
-    def __init__(self, kv_caches: Mapping[str, torch.Tensor], groups: Sequence[GroupLayout],
-                 num_blocks: int) -> None:  # fmt: skip
+    def __init__(
+        self, kv_caches: Mapping[str, torch.Tensor], groups: Sequence[GroupLayout], num_blocks: int
+    ) -> None:
         self.num_blocks = num_blocks
         storages: dict[int, int] = {}
         self.tensors: list[torch.Tensor] = []  # flat uint8 views, one per storage
@@ -97,8 +98,7 @@ class KVPages:
                     self.tensors.append(flat)
                 device = t.device
                 base = t.data_ptr() - key
-                self._check(where, t, lp.page_bytes, lp.block_stride, base, lp.offset,
-                            st.nbytes())  # fmt: skip
+                self._check(where, t, lp.page_bytes, lp.block_stride, base, lp.offset, st.nbytes())
                 self.layers[lp.name] = _Layer(storages[key], base, lp.block_stride, lp.page_bytes)
         self.device = device or torch.device("cpu")
         # Plain host memory: numpy views for the fused install (and memcpy-speed copies).
@@ -106,8 +106,16 @@ class KVPages:
             [t.numpy() for t in self.tensors] if self.device.type == "cpu" else None
         )
 
-    def _check(self, where: str, t: torch.Tensor, page: int, stride: int, base: int,
-               offset: int, nbytes: int) -> None:  # fmt: skip
+    def _check(
+        self,
+        where: str,
+        t: torch.Tensor,
+        page: int,
+        stride: int,
+        base: int,
+        offset: int,
+        nbytes: int,
+    ) -> None:
         """Refuse, naming the layer, what bsr-io cannot read as one run per page."""
         es = t.element_size()
         if base != offset:
@@ -127,8 +135,7 @@ class KVPages:
                 "block) page as one run (use a layer- or block-outermost layout: LBHNC, BLHNC)"
             )
         if block.numel() * es > page:
-            raise LayoutError(f"{where}: a block holds {block.numel() * es} B, its page "
-                              f"{page} B")  # fmt: skip
+            raise LayoutError(f"{where}: a block holds {block.numel() * es} B, its page {page} B")
         if base + (n - 1) * stride + page > nbytes:
             raise LayoutError(f"{where}: {n} pages of {page} B do not fit its storage")
 
@@ -152,8 +159,9 @@ class RecordPlan:
 class RequestPages:
     """Destination over one request's records (loads install them, saves extract them)."""
 
-    def __init__(self, pages: KVPages, records: Sequence[RecordPlan],
-                 guard: Guard | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, pages: KVPages, records: Sequence[RecordPlan], guard: Guard | None = None
+    ) -> None:
         self.pages = pages
         self.records = list(records)
         self.guard = guard or Guard()
@@ -165,8 +173,10 @@ class RequestPages:
         for r in self.records:
             bad = [b for b in r.ids if b != SKIP and not 0 < b < pages.num_blocks]
             if bad:
-                raise ValueError(f"{r.group.describe()}: block ids {bad[:4]} are null or "
-                                 f"outside the cache's {pages.num_blocks} blocks")  # fmt: skip
+                raise ValueError(
+                    f"{r.group.describe()}: block ids {bad[:4]} are null or "
+                    f"outside the cache's {pages.num_blocks} blocks"
+                )
 
     @property
     def capacity_chunks(self) -> int:
@@ -192,8 +202,9 @@ class RequestPages:
                 k = j + 1
                 while k < len(ids) and ids[k] == ids[k - 1] + 1 and lay.stride == page:
                     k += 1
-                out.append((lay.buf, lay.base + ids[j] * lay.stride, off + j * page,
-                            (k - j) * page))  # fmt: skip
+                out.append(
+                    (lay.buf, lay.base + ids[j] * lay.stride, off + j * page, (k - j) * page)
+                )
                 j = k
         return out
 

@@ -47,16 +47,18 @@ def _int(extra: dict[str, Any], name: str, default: int | None, minimum: int = 1
     if value is None and default is None:
         return None  # optional and not set (an explicit null where a default exists is refused)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"kv_connector_extra_config.{name} must be an int >= {minimum}, "
-                          f"got {value!r}")  # fmt: skip
+        raise ConfigError(
+            f"kv_connector_extra_config.{name} must be an int >= {minimum}, got {value!r}"
+        )
     return value
 
 
 def _float(extra: dict[str, Any], name: str, default: float) -> float:
     value = extra.get(name, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"kv_connector_extra_config.{name} must be a positive number, "
-                          f"got {value!r}")  # fmt: skip
+        raise ConfigError(
+            f"kv_connector_extra_config.{name} must be a positive number, got {value!r}"
+        )
     return float(value)
 
 
@@ -99,8 +101,9 @@ class ConnectorConfig:
         known = (set(cls.__dataclass_fields__) - {"mooncake"}) | {"accept_load_errors"}
         unknown = sorted(k for k in set(extra) - known if not k.startswith(EXTRA_PREFIX))
         if unknown:
-            raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; "
-                              f"known: {sorted(known)}")  # fmt: skip
+            raise ConfigError(
+                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
+            )
         policy = getattr(kv, "kv_load_failure_policy", "fail")
         if policy != "recompute" and not extra.get("accept_load_errors", False):
             raise ConfigError(
@@ -117,8 +120,10 @@ class ConnectorConfig:
             )
         store_dir = extra.get("store_dir")
         if not isinstance(store_dir, str) or not store_dir:
-            raise ConfigError("kv_connector_extra_config.store_dir (the SSD directory of "
-                              "bsr-io's store) is required")  # fmt: skip
+            raise ConfigError(
+                "kv_connector_extra_config.store_dir (the SSD directory of "
+                "bsr-io's store) is required"
+            )
         chunk_tokens = _int(extra, "chunk_tokens", DEFAULT_CHUNK_TOKENS)
         block = int(cache.block_size)
         if chunk_tokens % block:
@@ -128,11 +133,15 @@ class ConnectorConfig:
             )
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
-            raise ConfigError("bsr-io's connector supports tensor parallelism only "
-                              "(pipeline_parallel_size must be 1)")  # fmt: skip
+            raise ConfigError(
+                "bsr-io's connector supports tensor parallelism only "
+                "(pipeline_parallel_size must be 1)"
+            )
         if parallel.decode_context_parallel_size != 1:
-            raise ConfigError("bsr-io's connector does not support decode context "
-                              "parallelism (decode_context_parallel_size must be 1)")  # fmt: skip
+            raise ConfigError(
+                "bsr-io's connector does not support decode context "
+                "parallelism (decode_context_parallel_size must be 1)"
+            )
         try:
             mooncake = MooncakeConfig.from_extra_config(extra)
         except ValueError as exc:
@@ -142,8 +151,9 @@ class ConnectorConfig:
         events = extra.get("events_path")
         for name, value in (("lower_dir", lower), ("model", model), ("events_path", events)):
             if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"kv_connector_extra_config.{name} must be a non-empty "
-                                  f"string, got {value!r}")  # fmt: skip
+                raise ConfigError(
+                    f"kv_connector_extra_config.{name} must be a non-empty string, got {value!r}"
+                )
         save = extra.get("save", True)
         if not isinstance(save, bool):
             raise ConfigError(f"kv_connector_extra_config.save must be true or false, got {save!r}")

@@ -51,9 +51,14 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
 
             from bsr_io.integrations.vllm.worker import WorkerSide
 
-            self._worker = WorkerSide(self.cfg, self.groups, kv_cache_config.num_blocks,
-                                      get_tensor_model_parallel_rank(), world_size,
-                                      model=model)  # fmt: skip
+            self._worker = WorkerSide(
+                self.cfg,
+                self.groups,
+                kv_cache_config.num_blocks,
+                get_tensor_model_parallel_rank(),
+                world_size,
+                model=model,
+            )
 
     # -- layout -----------------------------------------------------------------------
     @classmethod

@@ -131,8 +131,9 @@ def context_digest(cache_salt: str | None, lora: Any = None) -> str:
     if lora is not None:
         path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
         if not path:
-            raise AdapterUnreadable(f"LoRA adapter {getattr(lora, 'lora_name', lora)!r} "
-                                    "has no path to digest")  # fmt: skip
+            raise AdapterUnreadable(
+                f"LoRA adapter {getattr(lora, 'lora_name', lora)!r} has no path to digest"
+            )
         doc["lora"] = adapter_digest(str(path))
     return _digest(doc, b"bsr-vllm-ctx")
 
@@ -149,7 +150,8 @@ def request_key_model(model: str, request: Any) -> str | None:
     if getattr(request, "prompt_embeds", None) is not None:
         return None
     try:
-        return key_model(model, getattr(request, "cache_salt", None),
-                         getattr(request, "lora_request", None))  # fmt: skip
+        return key_model(
+            model, getattr(request, "cache_salt", None), getattr(request, "lora_request", None)
+        )
     except AdapterUnreadable:
         return None

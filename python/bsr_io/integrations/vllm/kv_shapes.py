@@ -32,15 +32,18 @@ from vllm.v1.worker.utils import allocate_kv_cache
 
 def _vllm_config(layout: str) -> Any:
     # A stand-in for vLLM's CacheConfig (its unbound method reads these fields only).
-    cache: Any = SimpleNamespace(kv_cache_layout=layout, prefix_cache_retention_interval=None,
-                                 num_gpu_blocks_override=None)  # fmt: skip
+    cache: Any = SimpleNamespace(
+        kv_cache_layout=layout, prefix_cache_retention_interval=None, num_gpu_blocks_override=None
+    )
     cache.get_resolved_kv_cache_layout = lambda: CacheConfig.get_resolved_kv_cache_layout(cache)
-    return SimpleNamespace(cache_config=cache,
-                           attention_config=SimpleNamespace(hisparse_config=None))  # fmt: skip
+    return SimpleNamespace(
+        cache_config=cache, attention_config=SimpleNamespace(hisparse_config=None)
+    )
 
 
-def plan(groups: list[KVCacheGroupSpec], num_blocks: int, layout: str,
-         alignment: int | None = None) -> Any:  # fmt: skip
+def plan(
+    groups: list[KVCacheGroupSpec], num_blocks: int, layout: str, alignment: int | None = None
+) -> Any:
     """vLLM's KVCacheConfig for `groups` with `num_blocks` blocks."""
     cfg = _vllm_config(layout)
     cfg.cache_config.num_gpu_blocks_override = num_blocks
@@ -63,20 +66,27 @@ def _layer(i: int) -> str:
 def gemma3(num_blocks: int = 24, layout: str = "LBHNC") -> Any:
     """The tiny Gemma 3's groups (vllm-hybrid.md): two sliding groups (layers 0,3 and
     1,4; window 256) and one full group (2,5); block 128, 1 KV head of 64, bf16."""
-    sw = SlidingWindowSpec(block_size=128, num_kv_heads=1, head_size=64,
-                           dtype=torch.bfloat16, sliding_window=256)  # fmt: skip
+    sw = SlidingWindowSpec(
+        block_size=128, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, sliding_window=256
+    )
     fa = FullAttentionSpec(block_size=128, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-    groups = [KVCacheGroupSpec([_layer(0), _layer(3)], sw),
-              KVCacheGroupSpec([_layer(1), _layer(4)], sw),
-              KVCacheGroupSpec([_layer(2), _layer(5)], fa)]  # fmt: skip
+    groups = [
+        KVCacheGroupSpec([_layer(0), _layer(3)], sw),
+        KVCacheGroupSpec([_layer(1), _layer(4)], sw),
+        KVCacheGroupSpec([_layer(2), _layer(5)], fa),
+    ]
     return plan(groups, num_blocks, layout, alignment=128)
 
 
 def with_mamba(num_blocks: int = 8) -> Any:
     """A full group and a recurrent-state group (a Mamba-style hybrid)."""
     fa = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
-    ssm = MambaSpec(block_size=16, shapes=((4, 512),), dtypes=(torch.bfloat16,),
-                    page_size_padded=fa.page_size_bytes)  # fmt: skip
+    ssm = MambaSpec(
+        block_size=16,
+        shapes=((4, 512),),
+        dtypes=(torch.bfloat16,),
+        page_size_padded=fa.page_size_bytes,
+    )
     groups = [KVCacheGroupSpec([_layer(0)], fa), KVCacheGroupSpec([_layer(1)], ssm)]
     return plan(groups, num_blocks, "LBHNC", alignment=16)
 
@@ -90,22 +100,45 @@ def dsv4(num_blocks: int = 12, layout: str = "BLHNC") -> Any:
     u8 = torch.uint8
 
     def swa() -> SlidingWindowMLASpec:
-        return SlidingWindowMLASpec(block_size=64, num_kv_heads=1, max_tp_shards=1,
-                                    head_size=512, dtype=u8, sliding_window=128,
-                                    cache_dtype_str="fp8_ds_mla", state_content_bytes=584,
-                                    alignment=576, model_version="deepseek_v4")  # fmt: skip
+        return SlidingWindowMLASpec(
+            block_size=64,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=512,
+            dtype=u8,
+            sliding_window=128,
+            cache_dtype_str="fp8_ds_mla",
+            state_content_bytes=584,
+            alignment=576,
+            model_version="deepseek_v4",
+        )
 
-    def mla(ratio: int, head: int = 512, content: int | None = 584,
-            dtype: torch.dtype = u8) -> MLAAttentionSpec:  # fmt: skip
-        return MLAAttentionSpec(block_size=256, num_kv_heads=1, max_tp_shards=1, head_size=head,
-                                dtype=dtype, tokens_per_state=ratio, cache_dtype_str="fp8_ds_mla",
-                                alignment=576, model_version="deepseek_v4",
-                                state_content_bytes=content)  # fmt: skip
+    def mla(
+        ratio: int, head: int = 512, content: int | None = 584, dtype: torch.dtype = u8
+    ) -> MLAAttentionSpec:
+        return MLAAttentionSpec(
+            block_size=256,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=head,
+            dtype=dtype,
+            tokens_per_state=ratio,
+            cache_dtype_str="fp8_ds_mla",
+            alignment=576,
+            model_version="deepseek_v4",
+            state_content_bytes=content,
+        )
 
     def state(block: int, dim: int, window: int) -> SlidingWindowMLASpec:
-        return SlidingWindowMLASpec(block_size=block, num_kv_heads=1, max_tp_shards=1,
-                                    head_size=dim, dtype=torch.float32, sliding_window=window,
-                                    alignment=576)  # fmt: skip
+        return SlidingWindowMLASpec(
+            block_size=block,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=dim,
+            dtype=torch.float32,
+            sliding_window=window,
+            alignment=576,
+        )
 
     names = [f"model.layers.{i}" for i in range(4)]
     c4, c128 = names[:2], names[2:]

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from bsr_io.errors import LayoutError
-from bsr_io.layout import AllocatorGroup, KVLayout
+from bsr_io.model.layout import AllocatorGroup, KVLayout
 
 # The connector asks for layer-outermost pages; DeepSeek-V4 overrides it with BLHNC.
 REQUIRED_LAYOUT = "LBHNC"
@@ -163,8 +163,14 @@ def _placements(kv_cache_config: Any) -> dict[str, LayerPages]:
     return out
 
 
-def _record_name(cache_layout: str, kind: str, block: int, window: int, chunk: int,
-                 specs: Sequence[tuple[str, Any]]) -> str:  # fmt: skip
+def _record_name(
+    cache_layout: str,
+    kind: str,
+    block: int,
+    window: int,
+    chunk: int,
+    specs: Sequence[tuple[str, Any]],
+) -> str:
     text = repr([(n, repr(s)) for n, s in specs]) + cache_layout
     digest = hashlib.blake2b(text.encode(), digest_size=6, person=b"bsr-vllm-grp").hexdigest()
     win = f"-w{window + 1}" if kind == WINDOW else ""
@@ -180,8 +186,9 @@ def group_layouts(
     address, ConfigError (config.py) when `chunk_tokens` does not fit the groups."""
     from bsr_io.integrations.vllm.config import check_chunk_tokens
 
-    cache_layout = str(cache_layout or getattr(kv_cache_config, "kv_cache_layout", None)
-                       or REQUIRED_LAYOUT)  # fmt: skip
+    cache_layout = str(
+        cache_layout or getattr(kv_cache_config, "kv_cache_layout", None) or REQUIRED_LAYOUT
+    )
     groups = list(kv_cache_config.kv_cache_groups)
     blocks = [int(g.kv_cache_spec.block_size) for g in groups]
     alignment = getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
@@ -222,12 +229,23 @@ def group_layouts(
             tuple(
                 AllocatorGroup(_SAFE.sub("_", lp.name)[:128], torch.uint8, (lp.page_bytes,), 1)
                 for lp in layers
-            ),  # fmt: skip
+            ),
             nwin,
         )
         replicated = all(getattr(s, "max_tp_shards", None) == 1 for _, s in specs)
-        out.append(GroupLayout(gi, kind, type(g.kv_cache_spec).__name__, block, window,
-                               chunk_tokens, tuple(layers), replicated, record))  # fmt: skip
+        out.append(
+            GroupLayout(
+                gi,
+                kind,
+                type(g.kv_cache_spec).__name__,
+                block,
+                window,
+                chunk_tokens,
+                tuple(layers),
+                replicated,
+                record,
+            )
+        )
     if not out:
         raise GroupRefused("vLLM's KV cache has no group bsr-io can transfer")
     return out

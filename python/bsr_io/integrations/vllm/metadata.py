@@ -60,6 +60,9 @@ class BsrWorkerMeta(KVConnectorWorkerMetadata):
         saved = {ns: set(h) for ns, h in self.saved.items()}
         for ns, hashes in other.saved.items():
             saved.setdefault(ns, set()).update(hashes)
-        return BsrWorkerMeta(saved, {**self.unhealthy, **other.unhealthy},
-                             self.ranks | other.ranks,
-                             self.skipped_saves + other.skipped_saves)  # fmt: skip
+        return BsrWorkerMeta(
+            saved,
+            {**self.unhealthy, **other.unhealthy},
+            self.ranks | other.ranks,
+            self.skipped_saves + other.skipped_saves,
+        )

@@ -18,15 +18,22 @@ import os
 from collections.abc import Iterable
 
 from bsr_io._core import Engine
-from bsr_io.keys import ChunkKey
+from bsr_io.model.keys import ChunkKey
 from bsr_io.tiers.files.tier import FileTier
 from bsr_io.tiers.ssd import SSDTier
 
 
 class RankTier(SSDTier):
-    def __init__(self, root: str | os.PathLike[str], capacity_bytes: int | None, engine: Engine,
-                 *, world_size: int, ranks: Iterable[int],
-                 evict_to: FileTier | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int | None,
+        engine: Engine,
+        *,
+        world_size: int,
+        ranks: Iterable[int],
+        evict_to: FileTier | None = None,
+    ) -> None:
         # The key ranks this worker writes (its own; rank 0 also the shared groups' 0).
         self._owned = frozenset(f"-w{world_size}r{r}" for r in ranks)
         super().__init__(root, capacity_bytes, engine, evict_to=evict_to)

@@ -27,7 +27,7 @@ from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import request_key_model
 from bsr_io.integrations.vllm.layout import FULL, WINDOW, GroupLayout
 from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
-from bsr_io.keys import extend_prefix_hashes, model_digest
+from bsr_io.model.keys import extend_prefix_hashes, model_digest
 
 log = logging.getLogger("bsr_io.vllm")
 
@@ -49,8 +49,14 @@ class _Request:
 
 
 class SchedulerSide:
-    def __init__(self, cfg: ConnectorConfig, groups: list[GroupLayout], model: str,
-                 world_size: int, catalog: RecordCatalog | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        groups: list[GroupLayout],
+        model: str,
+        world_size: int,
+        catalog: RecordCatalog | None = None,
+    ) -> None:
         self.cfg = cfg
         self.groups = groups
         self.full = [g for g in groups if g.kind == FULL]
@@ -85,8 +91,7 @@ class SchedulerSide:
             md = model_digest(key_model)
             for grp in self.groups:
                 ranks = sorted({grp.key_rank(r) for r in range(self.world_size)})
-                per[grp.index] = [f"{md}-{grp.fingerprint()}-w{self.world_size}r{r}"
-                                  for r in ranks]  # fmt: skip
+                per[grp.index] = [f"{md}-{grp.fingerprint()}-w{self.world_size}r{r}" for r in ranks]
         return per[g.index]
 
     def _state(self, request: Any) -> _Request:
@@ -193,8 +198,11 @@ class SchedulerSide:
         records.sort(key=lambda r: (r.chunk, r.group))
         st.loading = True
         st.loaded = [(r.group, r.chunk) for r in records]
-        self._loads.append(Transfer(request.request_id, st.key_model, tuple(records),
-                                    committed_tokens=n * self.chunk))  # fmt: skip
+        self._loads.append(
+            Transfer(
+                request.request_id, st.key_model, tuple(records), committed_tokens=n * self.chunk
+            )
+        )
 
     def _touch(self, request: Any) -> None:
         """Once per request: the chunks vLLM's own prefix cache served it go to the
@@ -207,8 +215,9 @@ class SchedulerSide:
         if n > 0:
             self._touches.setdefault(st.key_model, []).extend(self._hashes(st, n * self.chunk))
 
-    def _order(self, g: GroupLayout, c: int, st: _Request, ids: list[int],
-               local_tokens: int) -> RecordOrder:  # fmt: skip
+    def _order(
+        self, g: GroupLayout, c: int, st: _Request, ids: list[int], local_tokens: int
+    ) -> RecordOrder:
         """Group `g`'s record of chunk (or boundary) `c` over the request's block ids:
         blocks of vLLM's own local hit, null blocks and pages before the prompt are
         left alone (-1)."""
@@ -221,8 +230,9 @@ class SchedulerSide:
 
     # -- per step ---------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> BsrMetadata:
-        meta = BsrMetadata(self._loads, self._step_saves(scheduler_output), self._finish,
-                           touches=self._touches)  # fmt: skip
+        meta = BsrMetadata(
+            self._loads, self._step_saves(scheduler_output), self._finish, touches=self._touches
+        )
         self._loads, self._finish, self._touches = [], [], {}
         return meta
 
@@ -275,8 +285,12 @@ class SchedulerSide:
             for rank in meta.ranks:
                 why = meta.unhealthy.get(rank)
                 if why and rank not in self.unhealthy:
-                    log.warning("bsr-io: worker %d reports stuck I/O (%s): no external hits "
-                                "until it recovers", rank, why)  # fmt: skip
+                    log.warning(
+                        "bsr-io: worker %d reports stuck I/O (%s): no external hits "
+                        "until it recovers",
+                        rank,
+                        why,
+                    )
                 if why:
                     self.unhealthy[rank] = why
                 else:

@@ -30,7 +30,7 @@ Design (one path, two lanes, nothing unbounded):
   RWS of a restore is at most W x that; the save engine holds W more for saves.
 
 `BSR_IO_FAULTS` in the environment wraps the load tiers in bsr-io's fault-injection
-test double (bsr_io.testing.faults), as it does for every integration; the connector's
+test double (bsr_io.faults), as it does for every integration; the connector's
 configuration has no fault key.
 """
 
@@ -57,9 +57,10 @@ from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.layout import GroupLayout
 from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
 from bsr_io.integrations.vllm.ranktier import RankTier
-from bsr_io.keys import ChunkKey
+from bsr_io.load.records import COMPLETE, ZERO, LoadOptions, load_records
 from bsr_io.metrics import RestoreMetrics
-from bsr_io.restore import COMPLETE, ZERO, load_records, save_records
+from bsr_io.model.keys import ChunkKey
+from bsr_io.save.records import save_records
 from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.ssd import SSDTier
 
@@ -74,7 +75,7 @@ def _fault_double(tiers: list[Any], rank: int) -> list[Any]:
     request's keys first."""
     if not os.environ.get("BSR_IO_FAULTS", "").strip():
         return tiers  # production: the test double is not even imported
-    from bsr_io.testing.faults import FaultPlan
+    from bsr_io.faults import FaultPlan
 
     plan = FaultPlan.from_env()
     log.warning("bsr-io: fault injection (BSR_IO_FAULTS) on rank %d: %s", rank, plan.to_json())
@@ -100,18 +101,32 @@ class _Job:
 def describe(g: GroupLayout) -> dict[str, Any]:
     """A group as the event log records it (enough to rebuild its record layout)."""
     return {
-        "index": g.index, "kind": g.kind, "spec": g.spec, "block_tokens": g.block_tokens,
-        "window": g.window, "replicated": g.replicated, "fingerprint": g.fingerprint(),
-        "record_name": g.record.name, "record_pages": g.record_blocks,
+        "index": g.index,
+        "kind": g.kind,
+        "spec": g.spec,
+        "block_tokens": g.block_tokens,
+        "window": g.window,
+        "replicated": g.replicated,
+        "fingerprint": g.fingerprint(),
+        "record_name": g.record.name,
+        "record_pages": g.record_blocks,
         "record_bytes": g.record_bytes,
-        "layers": [[grp.name, lp.page_bytes] for grp, lp in zip(g.record.groups, g.layers,
-                                                                 strict=True)],
-    }  # fmt: skip
+        "layers": [
+            [grp.name, lp.page_bytes] for grp, lp in zip(g.record.groups, g.layers, strict=True)
+        ],
+    }
 
 
 class WorkerSide:
-    def __init__(self, cfg: ConnectorConfig, groups: list[GroupLayout], num_blocks: int,
-                 rank: int, world_size: int, model: str = "") -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        groups: list[GroupLayout],
+        num_blocks: int,
+        rank: int,
+        world_size: int,
+        model: str = "",
+    ) -> None:
         self.cfg = cfg
         self.model = model  # the model identity keys are made under (for the event log)
         self.groups = {g.index: g for g in groups}
@@ -128,8 +143,14 @@ class WorkerSide:
         if lower is not None:
             load_tiers.append(lower)
         owned = {g.key_rank(rank) for g in groups}
-        self.ssd = RankTier(cfg.store_dir, cfg.store_bytes, self.save_engine,
-                            world_size=world_size, ranks=owned, evict_to=lower)  # fmt: skip
+        self.ssd = RankTier(
+            cfg.store_dir,
+            cfg.store_bytes,
+            self.save_engine,
+            world_size=world_size,
+            ranks=owned,
+            evict_to=lower,
+        )
         self.save_tier: Any = self.ssd
         self.pool: Any = None
         if cfg.mooncake is not None:
@@ -145,15 +166,20 @@ class WorkerSide:
             try:
                 self.pool.register_engine(self.save_engine)
             except TierDown as exc:
-                log.warning("bsr-io: rank %d: save slots not registered with the pool "
-                            "(%s); each put registers its own", rank, exc)  # fmt: skip
+                log.warning(
+                    "bsr-io: rank %d: save slots not registered with the pool "
+                    "(%s); each put registers its own",
+                    rank,
+                    exc,
+                )
         self.load_tiers = _fault_double(load_tiers, rank)
         self.metrics = RestoreMetrics()
         if cfg.metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(cfg.metrics_port + rank, addr="127.0.0.1",
-                              registry=self.metrics.registry)  # fmt: skip
+            start_http_server(
+                cfg.metrics_port + rank, addr="127.0.0.1", registry=self.metrics.registry
+            )
         self.pages: KVPages | None = None
         self._lock = threading.Lock()
         self._jobs: dict[tuple[str, str], _Job] = {}
@@ -165,25 +191,41 @@ class WorkerSide:
         self._writers = ThreadPoolExecutor(cfg.window, thread_name_prefix=f"bsr-w{rank}")
         self._writing: dict[str, list[Future[None]]] = {}  # request -> its window writes
         self._lanes = [
-            threading.Thread(target=self._lane, args=(self._loads, self._load),
-                             name=f"bsr-load-r{rank}", daemon=True),
-            threading.Thread(target=self._lane, args=(self._saves, self._save),
-                             name=f"bsr-save-r{rank}", daemon=True),
-        ]  # fmt: skip
+            threading.Thread(
+                target=self._lane,
+                args=(self._loads, self._load),
+                name=f"bsr-load-r{rank}",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._lane,
+                args=(self._saves, self._save),
+                name=f"bsr-save-r{rank}",
+                daemon=True,
+            ),
+        ]
         for t in self._lanes:
             t.start()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
         groups = [describe(g) | {"model": self.model} for g in self.groups.values()]
-        self._event(None, {"kind": "start", "storages": len(self.pages.tensors),
-                           "model": self.model, "groups": groups})  # fmt: skip
+        self._event(
+            None,
+            {
+                "kind": "start",
+                "storages": len(self.pages.tensors),
+                "model": self.model,
+                "groups": groups,
+            },
+        )
 
     # -- keys ------------------------------------------------------------------------
     def key(self, t: Transfer, r: RecordOrder) -> ChunkKey:
         g = self.groups[r.group]
-        return ChunkKey(t.key_model, self.world_size, g.key_rank(self.rank), g.fingerprint(),
-                        r.chunk_hash)  # fmt: skip
+        return ChunkKey(
+            t.key_model, self.world_size, g.key_rank(self.rank), g.fingerprint(), r.chunk_hash
+        )
 
     def _mine(self, r: RecordOrder) -> bool:
         """Whether this rank writes record `r` (a replicated group: rank 0 only)."""
@@ -304,8 +346,10 @@ class WorkerSide:
         if self._stuck:
             return self._stuck
         with self._lock:
-            loading = any(j.kind == "load" and j.started is not None and not j.done
-                          for j in self._jobs.values())  # fmt: skip
+            loading = any(
+                j.kind == "load" and j.started is not None and not j.done
+                for j in self._jobs.values()
+            )
         free = self.load_engine.free_slots()
         if not loading and free < self.cfg.window:
             return f"{self.cfg.window - free} read(s) still in flight after their load ended"
@@ -340,11 +384,20 @@ class WorkerSide:
         keys = [self.key(t, r) for r in records]
         assert job.deadline is not None
         res = load_records(
-            self.load_engine, self.load_tiers, keys, dest, sizes=dest.sizes(),
-            chunk_bytes=self.slot_bytes, width=self.cfg.window, deadline=job.deadline,
-            should_stop=lambda: job.done or not job.guard.open,
-            committed_tokens=t.committed_tokens, keep_going=True,
-        )  # fmt: skip
+            self.load_engine,
+            self.load_tiers,
+            keys,
+            dest,
+            LoadOptions(
+                sizes=dest.sizes(),
+                chunk_bytes=self.slot_bytes,
+                width=self.cfg.window,
+                deadline=job.deadline,
+                should_stop=lambda: job.done or not job.guard.open,
+                committed_tokens=t.committed_tokens,
+                keep_going=True,
+            ),
+        )
         if not res.complete:
             # Nothing of a failed load may land later: close the blocks to it first.
             job.guard.close()
@@ -393,9 +446,16 @@ class WorkerSide:
                 failures.append(f"{keys[i].short()}: {error}")
 
         written = save_records(
-            self.save_engine, self.save_tier, keys, layouts, dest, deadline=job.deadline,
-            skip_existing=True, width=max(1, self.cfg.window // 2), on_done=done,
-        )  # fmt: skip
+            self.save_engine,
+            self.save_tier,
+            keys,
+            layouts,
+            dest,
+            deadline=job.deadline,
+            skip_existing=True,
+            width=max(1, self.cfg.window // 2),
+            on_done=done,
+        )
         extra = {"records": len(records), "written": written, "failed": len(failures)}
         return not failures, "; ".join(failures[:3]), extra
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from bsr_io.keys import ChunkKey
+from bsr_io.model.keys import ChunkKey
 from bsr_io.tiers.files.index import RecordIndex
 
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bsr_io.errors import TierDown
-from bsr_io.keys import ChunkKey
-from bsr_io.record import OldRecordFormat, RecordFormatError
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.record import OldRecordFormat, RecordFormatError
 from bsr_io.tiers.files.records import (
     _HOST,
     NS_RE,

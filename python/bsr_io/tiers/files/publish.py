@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bsr_io.errors import ChunkError, ChunkWriteError
-from bsr_io.keys import ChunkKey
-from bsr_io.record import RecordHeader
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.record import RecordHeader
 from bsr_io.tiers.files.records import fsync_dir, mkdir_private, tmp_path
 
 # Writes the whole record into the new temp file (fd, its path) durably; returns its header.

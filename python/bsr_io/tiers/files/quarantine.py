@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bsr_io.keys import ChunkKey
-from bsr_io.record import RecordFormatError
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.record import RecordFormatError
 from bsr_io.tiers.files.records import SUFFIX, RecordId, mkdir_private, read_header
 
 

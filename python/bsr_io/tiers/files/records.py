@@ -18,8 +18,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from bsr_io.keys import ChunkKey
-from bsr_io.record import HEADER_BYTES, RecordHeader, decode_header
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.record import HEADER_BYTES, RecordHeader, decode_header
 
 SUFFIX = ".chunk"
 # Record format 2 (128-bit model digests and chunk hashes); format 1's 16-hex names
@@ -103,8 +103,9 @@ def open_record(path: str | os.PathLike[str]) -> tuple[int, os.stat_result]:
         if not stat.S_ISREG(st.st_mode):
             kind = _KINDS.get(stat.S_IFMT(st.st_mode), "special file")
             code = errno.EISDIR if stat.S_ISDIR(st.st_mode) else errno.EINVAL
-            raise OSError(code, f"not a regular file but a {kind}; records are regular files",
-                          os.fspath(path))  # fmt: skip
+            raise OSError(
+                code, f"not a regular file but a {kind}; records are regular files", os.fspath(path)
+            )
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

@@ -24,9 +24,9 @@ from bsr_io.errors import (
     TierDown,
     proves_bad,
 )
-from bsr_io.keys import ChunkKey
-from bsr_io.layout import KVLayout
-from bsr_io.record import (
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import KVLayout
+from bsr_io.model.record import (
     HEADER_BYTES,
     OldRecordFormat,
     RecordFormatError,
@@ -77,8 +77,9 @@ class FileTier(Tier):
         try:
             mkdir_private(self.chunks_dir)
         except OSError as exc:
-            raise TierDown(f"cannot create or open store directory {self.root}", tier=name,
-                           cause=exc) from exc  # fmt: skip
+            raise TierDown(
+                f"cannot create or open store directory {self.root}", tier=name, cause=exc
+            ) from exc
         if not os.access(self.chunks_dir, os.R_OK | os.X_OK):
             raise TierDown(f"store directory {self.chunks_dir} is not readable", tier=name)
         self.scan()
@@ -164,8 +165,9 @@ class FileTier(Tier):
 
     def _corrupt(self, key: ChunkKey, path: Path, record: RecordId, reason: str) -> ChunkCorrupt:
         self._withdraw(path, record, key, reason)
-        return ChunkCorrupt(f"{reason}; record quarantined", key=key, tier=self.name,
-                            cause=str(path), record=record)  # fmt: skip
+        return ChunkCorrupt(
+            f"{reason}; record quarantined", key=key, tier=self.name, cause=str(path), record=record
+        )
 
     def invalidate(self, key: ChunkKey, reason: str, *, record: object | None = None) -> None:
         """Withdraw `record`, the exact file that failed (`ChunkError.record`). A failure
@@ -243,8 +245,12 @@ class FileTier(Tier):
             return False
         self._room.reserve(header.record_bytes, self._evict)
         try:
-            _, st = publish(self.name, key, self.path_of(key),
-                            lambda fd, _tmp: self._copy_from(key, src, header, fd))  # fmt: skip
+            _, st = publish(
+                self.name,
+                key,
+                self.path_of(key),
+                lambda fd, _tmp: self._copy_from(key, src, header, fd),
+            )
         finally:
             self._room.release(header.record_bytes)
         self._index.remember(key, Entry.of(header, st))
@@ -283,14 +289,16 @@ class FileTier(Tier):
             return None
         return e.header
 
-    def _open_checks(self, key: ChunkKey, path: Path, raw_header: bytes,
-                     st: os.stat_result) -> RecordHeader:  # fmt: skip
+    def _open_checks(
+        self, key: ChunkKey, path: Path, raw_header: bytes, st: os.stat_result
+    ) -> RecordHeader:
         try:
             header = decode_header(raw_header)
         except OldRecordFormat as exc:
             self._index.forget(key)
-            raise ChunkMissing("record of an older format", key=key, tier=self.name,
-                               cause=exc) from None  # fmt: skip
+            raise ChunkMissing(
+                "record of an older format", key=key, tier=self.name, cause=exc
+            ) from None
         except RecordFormatError as exc:
             raise self._corrupt(key, path, RecordId.of(st), f"bad header: {exc}") from None
         problem = header.check(key)
@@ -310,15 +318,18 @@ class FileTier(Tier):
         self._index.forget(key)
         self._count(misses=1)
         if not self.chunks_dir.is_dir():
-            return TierDown(f"store directory {self.chunks_dir} is gone", key=key,
-                            tier=self.name, cause=exc)  # fmt: skip
+            return TierDown(
+                f"store directory {self.chunks_dir} is gone", key=key, tier=self.name, cause=exc
+            )
         return ChunkMissing("no record", key=key, tier=self.name, cause=exc)
 
     def _read_error(
         self, key: ChunkKey, path: Path, exc: OSError, record: RecordId | None = None
     ) -> ChunkError:
         if not self.chunks_dir.is_dir():
-            return TierDown(f"store directory {self.chunks_dir} is gone", key=key,
-                            tier=self.name, cause=exc)  # fmt: skip
-        return ChunkReadError(f"cannot read {path}", key=key, tier=self.name, cause=exc,
-                              record=record)  # fmt: skip
+            return TierDown(
+                f"store directory {self.chunks_dir} is gone", key=key, tier=self.name, cause=exc
+            )
+        return ChunkReadError(
+            f"cannot read {path}", key=key, tier=self.name, cause=exc, record=record
+        )

@@ -1,0 +1,1 @@
+"""Lab-only benchmarks, registered under `bsr-lab bench`."""

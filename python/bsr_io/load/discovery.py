@@ -1,0 +1,99 @@
+"""Discovery without residency: find the reusable prefix from metadata alone.
+
+For each chunk key, in order, the source is the highest tier (first in the
+store's order) whose index says it holds the whole record; the local hit ends at
+the first chunk no tier holds. Per allocator group hits are reported too, since
+a hybrid model's groups can be evicted or lost separately. No payload byte is
+read here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from bsr_io.errors import TierDown
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import KVLayout
+
+if TYPE_CHECKING:
+    from bsr_io.tiers.base import Tier
+
+
+@dataclass
+class Plan:
+    """What a restore will do: the agreed hit and where each hit chunk comes from."""
+
+    token_count: int
+    chunk_tokens: int
+    keys: list[ChunkKey]
+    hit_chunks: int  # agreed over groups and ranks
+    local_hit_chunks: int  # this rank alone, before agreement
+    sources: list[int]  # tier index per hit chunk
+    tier_names: list[str]
+    group_hits: dict[str, int] = field(default_factory=dict)
+    reason: str = ""  # why the hit is zero or short, when known
+    request_id: str | None = None  # the caller's id of this request, if it gave one
+    request: str = ""  # the request's agreement namespace, the same on every rank
+
+    @property
+    def hit_tokens(self) -> int:
+        return self.hit_chunks * self.chunk_tokens
+
+    def source_names(self) -> list[str]:
+        return [self.tier_names[t] for t in self.sources]
+
+
+def holds(tier: Tier, key: ChunkKey, group: str | None = None) -> bool:
+    try:
+        return tier.contains(key, group)
+    except TierDown:
+        return False  # a tier that is down holds nothing for discovery
+
+
+def holds_all(tier: Tier, key: ChunkKey, groups: Sequence[str]) -> bool:
+    """Whether `tier` holds every group of `key`: one question unless it answers per group."""
+    if tier.per_group:
+        return all(holds(tier, key, g) for g in groups)
+    return holds(tier, key)
+
+
+def sources_of(tiers: Sequence[Tier], keys: Sequence[ChunkKey]) -> list[int]:
+    """Source tier per leading key: the first tier whose index holds the whole record.
+    Stops at the first key no tier holds. Metadata only."""
+    for t in tiers:
+        t.prepare_probe(keys)
+    sources: list[int] = []
+    for key in keys:
+        src = next((i for i, t in enumerate(tiers) if holds(t, key)), None)
+        if src is None:
+            break
+        sources.append(src)
+    return sources
+
+
+def discover(
+    tiers: Sequence[Tier], keys: Sequence[ChunkKey], layout: KVLayout
+) -> tuple[list[int], dict[str, int]]:
+    """(source tier per leading chunk, leading hit per allocator group), metadata only."""
+    for t in tiers:
+        # A tier that answers many keys in one call (a remote pool) is handed the request's
+        # keys first; its per-chunk answers below then come from that one call.
+        t.prepare_probe(keys)
+    names = [g.name for g in layout.groups]
+    # A chunk is restorable from the first tier whose record holds every group.
+    sources: list[int] = []
+    for key in keys:
+        src = next((i for i, t in enumerate(tiers) if holds_all(t, key, names)), None)
+        if src is None:
+            break
+        sources.append(src)
+    # Every group reaches at least that far; past it, say how far each one alone goes.
+    group_hits: dict[str, int] = {}
+    for g in names:
+        n = len(sources)
+        while n < len(keys) and any(holds(t, keys[n], g) for t in tiers):
+            n += 1
+        group_hits[g] = n
+    return sources, group_hits

@@ -1,0 +1,1 @@
+"""The model of the data: chunk keys and prefix hashes, KV layouts, records, sizes."""

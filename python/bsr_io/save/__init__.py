@@ -1,0 +1,1 @@
+"""The save path: records from a destination into a tier through the W slots."""

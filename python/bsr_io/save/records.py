@@ -1,0 +1,143 @@
+"""The one save path: records gathered from a destination through the W slots.
+
+`save_records` extracts each record into a leased slot and writes it (checksummed,
+crash-safe); `write_staged` writes records a host already copied into slots. The
+`Restorer` and every integration save through them; none keeps a write loop of its own.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from bsr_io._core import Engine, Slot
+from bsr_io.engine import as_tensor, give_back, lease
+from bsr_io.load.kvcache import Destination
+from bsr_io.model.layout import KVLayout
+
+if TYPE_CHECKING:
+    from bsr_io.model.keys import ChunkKey
+    from bsr_io.store import Store
+    from bsr_io.tiers.base import Tier
+
+
+def _extract(dest: Destination, index: int, slot: Slot, nbytes: int) -> None:
+    """`dest.extract` into `slot`. If it raises, its frames (which hold a view of the
+    slot) are dropped from the traceback, their text kept as a note: a caller keeping
+    the exception must not keep the view, or the slot could not be released."""
+    try:
+        dest.extract(index, as_tensor(slot, length=nbytes))
+    except BaseException as exc:
+        exc.add_note("extract failed at:\n" + "".join(traceback.format_tb(exc.__traceback__)))
+        raise exc.with_traceback(None) from None
+
+
+def save_records(
+    engine: Engine,
+    tier: Tier | Store,
+    keys: Sequence[ChunkKey],
+    layouts: Sequence[KVLayout],
+    dest: Destination,
+    *,
+    deadline: float,
+    skip_existing: bool = True,
+    width: int | None = None,
+    progress: Callable[[int], object] | None = None,
+    on_done: Callable[[int, BaseException | None], object] | None = None,
+) -> int:
+    """Store record i of `dest` (`dest.extract(i, ...)`, `layouts[i].chunk_bytes` bytes)
+    as `keys[i]` in `tier`; returns records written. `width` writers each lease one slot,
+    gather a record into it and write it (checksummed, crash-safe), so at most `width`
+    records are staged and in flight at once; a slot returns to the ring as soon as its
+    write is done, failed or not. Slot waits end at `deadline` with EngineBusy.
+
+    `on_done(i, error)`: called once per record (error None when it is stored or was
+    already held); with it, one record's failure is reported there and the others go
+    on; without it, the first failure raises."""
+    if len(layouts) != len(keys):
+        raise ValueError(f"{len(layouts)} layouts for {len(keys)} keys")
+    width = engine.window if width is None else width
+
+    def write(i: int) -> int:
+        if skip_existing and tier.probe([keys[i]]) == 1:
+            return 0
+        nbytes = layouts[i].chunk_bytes
+        slot = lease(engine, deadline)
+        try:
+            _extract(dest, i, slot, nbytes)
+            slot.set_length(nbytes)
+            tier.write(keys[i], slot, layouts[i])
+        finally:
+            # A put abandoned at its timeout (a pool tier) may still read the slot: it
+            # keeps a view, and the slot returns to the ring when that put returns.
+            give_back(slot)
+            del slot
+        return 1
+
+    written = _each(write, len(keys), width, on_done, progress)
+    dest.synchronize()
+    return written
+
+
+def write_staged(
+    tier: Tier | Store,
+    keys: Sequence[ChunkKey],
+    layouts: Sequence[KVLayout],
+    slots: Sequence[Slot],
+    *,
+    width: int,
+    on_done: Callable[[int, BaseException | None], object] | None = None,
+) -> int:
+    """Write records already gathered into engine slots (`slots[i]` holds record i, its
+    length set): for a host whose blocks must be copied out at once (vLLM's sliding-
+    window blocks are reused from the next step on) and written later. `width` writes
+    in flight; each slot goes back to the ring as soon as its own write ends, failed or
+    not. Returns records written; failures as in `save_records`."""
+    if not len(keys) == len(layouts) == len(slots):
+        raise ValueError(f"{len(keys)} keys, {len(layouts)} layouts, {len(slots)} slots")
+    held: list[Slot | None] = list(slots)
+
+    def write(i: int) -> int:
+        slot, held[i] = held[i], None  # this thread's slot now, and only its
+        assert slot is not None
+        try:
+            return 1 if tier.write(keys[i], slot, layouts[i]) else 0
+        finally:
+            give_back(slot)
+            del slot
+
+    return _each(write, len(keys), width, on_done)
+
+
+def _each(
+    write: Callable[[int], int],
+    n: int,
+    width: int,
+    on_done: Callable[[int, BaseException | None], object] | None,
+    progress: Callable[[int], object] | None = None,
+) -> int:
+    """`write(i)` for i < n on `width` threads; the records written. With `on_done`, a
+    record's failure goes there and the rest go on; without, the first one raises."""
+
+    def one(i: int) -> int:
+        if on_done is None:
+            return write(i)
+        try:
+            w = write(i)
+        except Exception as exc:  # noqa: BLE001 - handed to the caller's callback
+            on_done(i, exc)
+            return 0
+        on_done(i, None)
+        return w
+
+    written = 0
+    if n == 0:
+        return 0
+    with ThreadPoolExecutor(max_workers=min(width, n), thread_name_prefix="bsr-save") as pool:
+        for w in pool.map(one, range(n)):
+            written += w
+            if progress is not None:
+                progress(1)
+    return written

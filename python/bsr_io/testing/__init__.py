@@ -1,1 +1,0 @@
-"""What tests, benchmarks and demos use to provoke and observe; the core never imports it."""

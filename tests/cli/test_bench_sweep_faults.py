@@ -1,0 +1,67 @@
+"""The sweep and fault benchmarks end to end, at sizes CI can afford."""
+
+from __future__ import annotations
+
+import json
+
+from bsr_io.cli import main
+from bsr_lab.cli import main as lab_main
+
+
+def test_bench_sweep_rws_constant(tmp_path):
+    out = tmp_path / "sweep.json"
+    rc = main(
+        [
+            "bench",
+            "sweep",
+            "--layout",
+            "tiny",
+            "--tokens",
+            "64,256,1024",
+            "--window",
+            "4",
+            "--dir",
+            str(tmp_path / "s"),
+            "--ref-size",
+            "8MiB",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["layout"] == "tiny" and doc["window"] == 4
+    rows = doc["rows"]
+    assert [r["tokens"] for r in rows] == [64, 256, 1024]
+    slot = rows[0]["rws_peak_bytes"] // 4
+    # min(W, chunks) slots: 4 chunks -> 4 slots; 16 and 64 chunks -> still 4 slots.
+    assert [r["rws_peak_bytes"] for r in rows] == [4 * slot] * 3
+    for r in rows:
+        assert r["outcome"] == "complete" and r["data_ok"] is True
+        assert r["whole_plan_l1_peak_bytes"] == r["state_bytes"]
+        assert r["whole_plan_at_budget"] == ("complete" if r["chunks"] <= 4 else "zero")
+    assert doc["reference"]["engine_gib_s"] > 0
+
+
+def test_bench_faults_subset(tmp_path):
+    out = tmp_path / "faults.json"
+    rc = lab_main(
+        [
+            "bench",
+            "faults",
+            "--only",
+            "clean,corruption-one-rank",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path / "f"),
+        ]
+    )
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    got = {s["name"]: (s["expected"], s["outcome"], s["data_ok"]) for s in doc["scenarios"]}
+    assert got == {
+        "clean": ("complete", "complete", True),
+        "corruption-one-rank": ("zero", "zero", True),
+    }

@@ -1,0 +1,231 @@
+"""Direct reads: records read with O_DIRECT straight into a host KV cache's blocks and
+hashed there (no slot, no copy), where the memory and lengths allow; slots otherwise."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from bsr_io import Engine
+from bsr_io._core import AlignmentError, xxh3_64, xxh3_runs
+from bsr_io.cli.synthetic import fill_state, synthetic_chunk
+from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.load.window import _REGISTERED
+from bsr_io.model.layout import AllocatorGroup, KVLayout
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.restore import Restorer
+from bsr_io.store import Store
+from bsr_io.tiers import LowerTier, SSDTier, StripedSSDTier
+
+# Blocks of 4 KiB (16 tokens x 256 bytes), two groups: every run suits O_DIRECT.
+LAYOUT = KVLayout(
+    "aligned",
+    (
+        AllocatorGroup("k", torch.float16, (128,), 16),
+        AllocatorGroup("v", torch.float16, (2, 64), 16),
+    ),
+    64,
+)
+CHUNKS = 12
+TOKENS = CHUNKS * LAYOUT.chunk_tokens
+
+
+def _store(tmp_path: Path, engine: Engine, lower: bool = True, striped: bool = False):
+    if striped:
+        dirs = [tmp_path / "d0", tmp_path / "d1"]
+        for d in dirs:
+            d.mkdir()
+        l2: SSDTier | StripedSSDTier = StripedSSDTier(dirs, None, engine, layout=LAYOUT)
+    else:
+        l2 = SSDTier(tmp_path / "l2", None, engine, layout=LAYOUT)
+    tiers = [l2] + ([LowerTier(tmp_path / "l3", layout=LAYOUT)] if lower else [])
+    for t in tiers:
+        tokens, keys = fill_state(t, LAYOUT, TOKENS, seed=5, model="m")
+    return Store(tiers), l2, tokens, keys
+
+
+def _ok(dest: PagedKVCache) -> bool:
+    return all(
+        dest.chunk_bytes(i) == synthetic_chunk(LAYOUT, 5, i).tobytes() for i in range(CHUNKS)
+    )
+
+
+def _restore(store: Store, engine: Engine, tokens, dest: PagedKVCache):
+    r = Restorer(store, LAYOUT, window=4, engine=engine, model="m")
+    return r.restore(r.probe(tokens), dest)
+
+
+def _misaligned(dest: PagedKVCache) -> PagedKVCache:
+    """The same blocks shifted 64 bytes off a page: what torch's own allocator gives."""
+    tensors = []
+    for t in dest.tensors:
+        raw = torch.zeros(t.numel() * t.element_size() + 4096 + 64, dtype=torch.uint8)
+        off = (-raw.data_ptr() % 4096) + 64
+        tensors.append(raw[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+    return PagedKVCache(LAYOUT, tensors, [list(range(t.shape[0])) for t in tensors])
+
+
+@pytest.mark.parametrize("striped", [False, True])
+def test_a_host_cache_is_filled_in_place_with_no_staging(tmp_path: Path, striped: bool) -> None:
+    engine = Engine(4, LAYOUT.chunk_bytes)
+    store, _, tokens, _ = _store(tmp_path, engine, lower=False, striped=striped)
+    dest = PagedKVCache.allocate(LAYOUT, TOKENS)
+    assert all(t.data_ptr() % 4096 == 0 for t in dest.tensors)
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete", res.reason
+    assert res.timings["direct_chunks"] == CHUNKS and _ok(dest)
+    assert res.rws_peak_bytes == 0, "no slot was leased"
+    # Control: the same restore with direct reads off goes through the slots.
+    dest2 = PagedKVCache.allocate(LAYOUT, TOKENS)
+    dest2.direct_reads = False
+    res2 = _restore(store, engine, tokens, dest2)
+    assert res2.outcome == "complete" and res2.timings["direct_chunks"] == 0 and _ok(dest2)
+    assert res2.rws_peak_bytes == 4 * engine.slot_bytes
+
+
+def test_memory_o_direct_refuses_goes_through_slots(tmp_path: Path) -> None:
+    engine = Engine(4, LAYOUT.chunk_bytes)
+    store, l2, tokens, keys = _store(tmp_path, engine, lower=False)
+    f = engine.open(l2.path_of(keys[0]))
+    if f.alignment == 1:
+        pytest.skip("no O_DIRECT on this filesystem: nothing to refuse")
+    dest = _misaligned(PagedKVCache.allocate(LAYOUT, TOKENS))
+    bufs, runs = dest.host_runs(0)
+    with pytest.raises(AlignmentError, match="not aligned for O_DIRECT"):
+        engine.submit_read_into(f, HEADER_BYTES, bufs, runs)
+    f.close()
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete", res.reason
+    assert res.timings["direct_chunks"] == 0 and res.rws_peak_bytes > 0
+    for i in range(CHUNKS):
+        assert dest.chunk_bytes(i) == synthetic_chunk(LAYOUT, 5, i).tobytes()
+
+
+def test_runs_must_cover_the_payload_once(tmp_path: Path) -> None:
+    engine = Engine(1, 8192)
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(3 * 4096))
+    f = engine.open(path)
+    buf = PagedKVCache.allocate(LAYOUT, 64).tensors[0].reshape(-1).view(torch.uint8).numpy()
+    with pytest.raises(ValueError, match="without gaps"):
+        engine.submit_read_into(f, 0, [buf], [(0, 0, 4096, 4096)])
+    with pytest.raises(ValueError, match="overlap in memory"):
+        engine.submit_read_into(f, 0, [buf], [(0, 0, 0, 4096), (0, 0, 4096, 4096)])
+    with pytest.raises(BufferError, match="not writable"):
+        engine.submit_read_into(f, 0, [bytes(8192)], [(0, 0, 0, 4096)])
+    # The direct read itself, and the hash in place against the hash of the file's bytes.
+    done = engine.submit_read_into(f, 4096, [buf], [(0, 0, 0, 4096), (0, 8192, 4096, 4096)])
+    assert done.wait() == 8192
+    data = path.read_bytes()[4096:]
+    assert bytes(buf[:4096]) + bytes(buf[8192:12288]) == data
+    assert xxh3_runs([buf], [(0, 0, 0, 4096), (0, 8192, 4096, 4096)]) == xxh3_64(data)
+    assert engine.peak_bytes() == 0
+    f.close()
+
+
+def _flip(path: Path) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        (b,) = os.pread(fd, 1, HEADER_BYTES + 5000)
+        os.pwrite(fd, bytes([b ^ 0xFF]), HEADER_BYTES + 5000)
+    finally:
+        os.close(fd)
+
+
+def test_a_corrupt_record_read_in_place_is_caught_and_reread(tmp_path: Path) -> None:
+    engine = Engine(4, LAYOUT.chunk_bytes)
+    store, l2, tokens, keys = _store(tmp_path, engine)
+    _flip(l2.path_of(keys[3]))
+    dest = PagedKVCache.allocate(LAYOUT, TOKENS)
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete", res.reason
+    assert [f["chunk"] for f in res.fallbacks] == [3]
+    assert "direct read" in " ".join(res.fallbacks[0]["causes"])
+    assert res.source_tiers[3] == "L3" and _ok(dest)
+    assert len(l2.quarantined_files()) == 1
+    # Without a lower tier the same damage ends the restore zero.
+    engine2 = Engine(4, LAYOUT.chunk_bytes)
+    store2, l2b, tokens2, keys2 = _store(tmp_path / "b", engine2, lower=False)
+    _flip(l2b.path_of(keys2[7]))
+    res2 = _restore(store2, engine2, tokens2, PagedKVCache.allocate(LAYOUT, TOKENS))
+    assert res2.outcome == "zero" and res2.committed_tokens == 0
+
+
+def test_hash_in_place_sees_every_byte() -> None:
+    a = np.zeros(8192, dtype=np.uint8)
+    a[:] = np.arange(8192) % 251
+    h = xxh3_runs([a], [(0, 0, 0, 8192)])
+    a[8191] ^= 1
+    assert xxh3_runs([a], [(0, 0, 0, 8192)]) != h
+
+
+def _ring_buffers() -> str:
+    """The buffer-table lines of this process's io_uring rings (their fdinfo). The kernel
+    leaves them out while an I/O thread holds a ring's lock: callers poll."""
+    out = []
+    for fd in os.listdir("/proc/self/fdinfo"):
+        try:
+            info = Path(f"/proc/self/fdinfo/{fd}").read_text()
+        except OSError:
+            continue
+        if "UserBufs" in info:
+            out.append(info)
+    return "\n".join(out)
+
+
+def _ring_holds(addr: int, nbytes: int, want: bool) -> bool:
+    line = f": 0x{addr:x}/{nbytes}\n"
+    for _ in range(500):
+        if (line in _ring_buffers()) == want:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_lasting_cache_is_registered_with_the_ring_once_for_its_life(tmp_path: Path) -> None:
+    engine = Engine(4, LAYOUT.chunk_bytes, backend="io_uring")
+    if not engine.features["registered_memory"]:
+        pytest.fail(f"this kernel takes no caller memory: {engine.features['notes']}")
+    store, _, tokens, _ = _store(tmp_path, engine, lower=False)
+    dest = PagedKVCache.allocate(LAYOUT, TOKENS)
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in dest.tensors]
+    assert all(_ring_holds(a, n, False) for a, n in spans), "nothing registered yet"
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete" and res.timings["direct_chunks"] == CHUNKS and _ok(dest)
+    reg = _REGISTERED[engine][dest]
+    assert reg is not None and reg.entries == len(spans)
+    assert all(_ring_holds(a, n, True) for a, n in spans), "the kernel holds each tensor"
+    # A second restore reads into the same registration; a fresh window does not redo it.
+    for t in dest.tensors:
+        t.zero_()
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete" and _ok(dest) and _REGISTERED[engine][dest] is reg
+    # Control: a cache that does not last (a per-request view) is never registered.
+    short = PagedKVCache.allocate(LAYOUT, TOKENS)
+    short.lasting = False
+    assert _restore(store, engine, tokens, short).outcome == "complete" and _ok(short)
+    assert short not in _REGISTERED[engine]
+    # The cache gone, its registration goes: the ring lets go of the memory.
+    del dest, reg
+    gc.collect()
+    assert len(_REGISTERED[engine]) == 0
+    assert all(_ring_holds(a, n, False) for a, n in spans), "unregistered with the cache"
+
+
+def test_a_backend_without_registration_reads_the_cache_plainly(tmp_path: Path) -> None:
+    engine = Engine(4, LAYOUT.chunk_bytes, backend="pread")
+    assert not engine.features["registered_memory"]
+    store, _, tokens, _ = _store(tmp_path, engine, lower=False)
+    dest = PagedKVCache.allocate(LAYOUT, TOKENS)
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete" and _ok(dest)
+    reg = _REGISTERED[engine][dest]
+    assert reg is not None and reg.entries == 0
+    with pytest.raises(ValueError, match="empty"):
+        Engine(1, 4096).register_memory([np.zeros(0, dtype=np.uint8)])

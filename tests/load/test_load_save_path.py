@@ -1,0 +1,216 @@
+"""The one load and save path (`load_records`, `save_records`) every integration uses:
+records of several sizes in one window, deadlines on hung reads, every bad record of a
+failed load withdrawn, and asynchronous installs waited for before a slot is reused."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from bsr_io import Engine
+from bsr_io.faults import Fault, FaultPlan
+from bsr_io.load.kvcache import HostBuffers
+from bsr_io.load.records import LoadOptions, load_records
+from bsr_io.model.keys import ChunkKey
+from bsr_io.model.layout import AllocatorGroup, KVLayout
+from bsr_io.save.records import save_records
+from bsr_io.tiers.ssd import SSDTier
+
+BIG = KVLayout("big", (AllocatorGroup("a", torch.uint8, (1024,), 16),), 64)
+SMALL = KVLayout("small", (AllocatorGroup("b", torch.uint8, (256,), 16),), 64)
+
+
+def _records(n: int, seed: int = 0):
+    """n keys alternating the two layouts (one request's groups), and their bytes."""
+    rng = np.random.default_rng(seed)
+    layouts = [BIG if i % 2 == 0 else SMALL for i in range(n)]
+    keys = [ChunkKey("m", 1, 0, lay.fingerprint(), 1000 + i) for i, lay in enumerate(layouts)]
+    data = [rng.integers(0, 256, lay.chunk_bytes, dtype=np.uint8) for lay in layouts]
+    return keys, layouts, data
+
+
+@pytest.fixture
+def stored(tmp_path):
+    engine = Engine(4, BIG.chunk_bytes)
+    tier = SSDTier(tmp_path / "l2", None, engine)
+    keys, layouts, data = _records(10)
+    written = save_records(
+        engine, tier, keys, layouts, HostBuffers(data), deadline=time.monotonic() + 30
+    )
+    assert written == 10
+    yield engine, tier, keys, layouts, data
+    tier.close()
+    engine.close()
+
+
+def _empty(layouts):
+    return [np.zeros(lay.chunk_bytes, np.uint8) for lay in layouts]
+
+
+def test_records_of_two_sizes_load_in_one_window(stored):
+    engine, tier, keys, layouts, data = stored
+    out = _empty(layouts)
+    res = load_records(
+        engine,
+        [tier],
+        keys,
+        HostBuffers(out),
+        LoadOptions(deadline=time.monotonic() + 30, sizes=[lay.chunk_bytes for lay in layouts]),
+    )
+    assert res.complete, res.reason
+    for got, want in zip(out, data, strict=True):
+        assert np.array_equal(got, want)
+    assert res.bytes_read == {"L2": sum(lay.chunk_bytes for lay in layouts)}
+    # Saving again writes nothing: every record is held already.
+    again = save_records(
+        engine, tier, keys, layouts, HostBuffers(data), deadline=time.monotonic() + 30
+    )
+    assert again == 0
+
+
+def test_a_missing_record_is_zero_before_any_read(stored):
+    engine, tier, keys, layouts, data = stored
+    tier.remove(keys[5])
+    out = _empty(layouts)
+    res = load_records(
+        engine,
+        [tier],
+        keys,
+        HostBuffers(out),
+        LoadOptions(deadline=time.monotonic() + 30, sizes=[lay.chunk_bytes for lay in layouts]),
+    )
+    assert not res.complete and "record 5 of 10" in res.reason
+    assert res.bytes_read == {}
+    assert all(not b.any() for b in out)
+
+
+def test_a_hung_read_ends_the_load_at_its_deadline_and_invalidates_nothing(stored):
+    engine, tier, keys, layouts, data = stored
+    # Fault double: chunk 3's read does not complete for 3 s (a stalled device).
+    hung = FaultPlan([Fault("hang", chunks=[3], delay_s=3.0, times=1)]).wrap(tier, keys=keys)
+    sizes = [lay.chunk_bytes for lay in layouts]
+    t0 = time.monotonic()
+    res = load_records(
+        engine,
+        [hung],
+        keys,
+        HostBuffers(_empty(layouts)),
+        LoadOptions(deadline=t0 + 0.5, sizes=sizes),
+    )
+    took = time.monotonic() - t0
+    assert not res.complete and res.timed_out, res.reason
+    assert "chunk 3" in res.reason
+    assert took < 2.5, f"the load waited {took:.2f} s for a read past its 0.5 s deadline"
+    assert tier.stats()["quarantined"] == 0
+    # Control: once the stall is over, the same records load complete on the same engine.
+    time.sleep(max(0.0, 3.2 - (time.monotonic() - t0)))
+    out = _empty(layouts)
+    res = load_records(
+        engine,
+        [hung],
+        keys,
+        HostBuffers(out),
+        LoadOptions(deadline=time.monotonic() + 30, sizes=sizes),
+    )
+    assert res.complete, res.reason
+    assert all(np.array_equal(g, w) for g, w in zip(out, data, strict=True))
+
+
+@pytest.mark.parametrize("keep_going", [False, True])
+def test_a_failed_load_can_withdraw_every_bad_record(stored, keep_going):
+    engine, tier, keys, layouts, data = stored
+    bad = [2, 5, 8]
+    corrupt = FaultPlan([Fault("corrupt", chunks=bad, times=3)]).wrap(tier, keys=keys)
+    res = load_records(
+        engine,
+        [corrupt],
+        keys,
+        HostBuffers(_empty(layouts)),
+        LoadOptions(
+            deadline=time.monotonic() + 30,
+            sizes=[lay.chunk_bytes for lay in layouts],
+            keep_going=keep_going,
+        ),
+    )
+    assert not res.complete
+    # Without keep_going the load stops at the first bad record (the control).
+    assert res.failed_chunks == (bad if keep_going else bad[:1])
+    assert tier.stats()["quarantined"] == (3 if keep_going else 1)
+
+
+class _LateCopies(HostBuffers):
+    """A destination whose installs finish later (as a CUDA copy does): each returns a
+    fence, and the test records when each fence was waited for."""
+
+    def __init__(self, bufs, engine) -> None:
+        super().__init__(bufs)
+        self.engine = engine
+        self.waited: list[int] = []
+        self.live_at_wait: list[int] = []
+
+    host_runs = None  # type: ignore[assignment]  # no fused path: installs return fences
+
+    def install(self, chunk_index, payload):
+        super().install(chunk_index, payload)
+        dest = self
+
+        class Fence:
+            def synchronize(self) -> None:
+                dest.waited.append(chunk_index)
+                dest.live_at_wait.append(dest.engine.live_bytes())
+
+        return Fence()
+
+
+def test_asynchronous_installs_are_waited_for_before_their_slots_return(stored):
+    engine, tier, keys, layouts, data = stored
+    # Chunk 6 fails in every tier, so the run ends with installs still held.
+    failing = FaultPlan([Fault("error", chunks=[6])]).wrap(tier, keys=keys)
+    dest = _LateCopies(_empty(layouts), engine)
+    res = load_records(
+        engine,
+        [failing],
+        keys,
+        dest,
+        LoadOptions(deadline=time.monotonic() + 30, sizes=[lay.chunk_bytes for lay in layouts]),
+    )
+    assert not res.complete and res.failed_chunks == [6]
+    # Every install issued (chunks 0-5) had its fence waited for, each while its slot was
+    # still out of the ring, and the ring is whole again after the load.
+    assert sorted(dest.waited) == [0, 1, 2, 3, 4, 5]
+    assert all(live > 0 for live in dest.live_at_wait)
+    assert engine.live_bytes() == 0
+
+
+def test_staged_records_are_written_and_every_slot_returns(tmp_path):
+    from bsr_io.save.records import write_staged
+
+    engine = Engine(4, BIG.chunk_bytes)
+    tier = SSDTier(tmp_path / "l2", None, engine)
+    keys, layouts, data = _records(4, seed=3)
+    slots = []
+    for d in data:
+        s = engine.lease()
+        s.fill_from(d)
+        s.set_length(d.nbytes)
+        slots.append(s)
+    # Record 1 is handed with the wrong layout: it fails alone, and its slot returns too.
+    layouts[1] = BIG
+    errors: dict[int, BaseException | None] = {}
+    written = write_staged(
+        tier, keys, layouts, slots, width=4, on_done=lambda i, e: errors.__setitem__(i, e)
+    )
+    del slots
+    assert written == 3
+    assert [i for i, e in errors.items() if e is not None] == [1]
+    assert engine.live_bytes() == 0
+    for i in (0, 2, 3):
+        slot = tier.read_into(keys[i], engine)
+        assert bytes(memoryview(slot)[: data[i].nbytes]) == data[i].tobytes()
+        slot.release()
+    assert not tier.contains(keys[1])
+    tier.close()
+    engine.close()

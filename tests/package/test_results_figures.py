@@ -1,0 +1,844 @@
+"""Every figure in the README comes from a named key of a JSON file under docs/results/.
+
+`FIGURES` lists, for each figure of the sections in `SECTIONS`, the README phrase it
+sits in (`{}` where the figure goes), the JSON file and the key it is read from (or,
+for a figure derived from several keys, how), and how it is printed. A figure whose
+JSON value or README phrase changes fails `test_each_figure_is_its_json_key`; a figure
+in those sections that no entry covers fails `test_every_figure_is_named`. Numbers in
+code spans (commands, parameters) and integers below 100 (W, ranks, rounds, cores)
+are not figures. The vLLM section's figures are `VLLM_FIGURES`, kept by whoever writes
+that section (the hook: same form, checked the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results"
+# A figure: 1,234 or 1234 or 12.34; not part of a version or an address (0.5.6, 127.0.0.1).
+NUMBER = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\w]|\.\d)")
+RESULTS_SECTION = "## Results on this machine"
+MOONCAKE_SECTION = "## A shared pool: Mooncake Store"
+VLLM_SECTION = "## Serving with vLLM"
+GIB, MIB = float(1 << 30), float(1 << 20)
+
+
+@dataclass(frozen=True)
+class Fig:
+    phrase: str  # README text around the figure, `{}` where it goes
+    file: str  # docs/results JSON the figure comes from (several: comma-separated)
+    key: str  # key path in it ("rows.3.gib_s"), or how a derived figure is computed
+    fmt: str = "{:.2f}"
+    scale: float = 1.0  # the value is divided by it (bytes shown in GiB or MiB)
+    derive: Callable[[dict[str, Any]], Any] | None = None  # docs by file name -> value
+
+    def value(self) -> Any:
+        docs = {name: _load(name) for name in self.file.split(",")}
+        if self.derive is not None:
+            return self.derive(docs)
+        return float(_get(docs[self.file], self.key)) / self.scale
+
+    def text(self) -> str:
+        return _norm(self.phrase.format(self.fmt.format(self.value())))
+
+
+def _load(name: str) -> Any:
+    return json.loads((RESULTS / name).read_text())
+
+
+def _get(doc: Any, path: str) -> Any:
+    for part in path.split("."):
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    return doc
+
+
+def _norm(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+# -- derived figures ---------------------------------------------------------------------
+CEILING = "ceiling.json,ceiling-2.json,ceiling-3.json"
+
+
+def _rounds(docs: dict[str, Any], top: str, bottom: str) -> list[float]:
+    """Per-round ratios `top`/`bottom` (gib_s) over every ceiling run, in file order."""
+    out = []
+    for name in CEILING.split(","):
+        p = docs[name]["per_round"]
+        out += [a["gib_s"] / b["gib_s"] for a, b in zip(p[top], p[bottom], strict=True)]
+    return out
+
+
+def _distribution(docs: dict[str, Any]) -> str:
+    """The ceiling's 9 per-round ratios, in order."""
+    return ", ".join(f"{r:.2f}" for r in sorted(_rounds(docs, "restore", "engine")))
+
+
+def _sweep_row(i: int, unit: str, tag: str) -> Callable[[dict[str, Any]], str]:
+    """Row i of the staging table: every figure in it, from `sweep.json` rows[i]."""
+
+    def row(docs: dict[str, Any]) -> str:
+        r = docs["sweep.json"]["rows"][i]
+        sc = GIB if unit == "GiB" else MIB
+        l1 = (
+            r["whole_plan_l1_peak_bytes"]
+            if tag == "measured"
+            else r["whole_plan_l1_required_bytes"]
+        )
+        return (
+            f"{r['state_bytes'] / sc:.2f} {unit} | {r['rws_peak_bytes']:,} B | "
+            f"{r['vmhwm_growth_bytes'] / MIB:.2f} MiB | {r['gib_s']:.2f} | "
+            f"{r['vs_ssd']:.2f} | {l1 / sc:.2f} {unit} ({tag})"
+        )
+
+    return row
+
+
+def _list(xs: list[float]) -> str:
+    return ", ".join(f"{x:.2f}" for x in xs)
+
+
+def _fast_cpu(pick: Callable[..., float]) -> Callable[[dict[str, Any]], float]:
+    """`pick` (min, max) of the fast path's CPU s/GiB over ttft.json's rounds."""
+    return lambda d: pick(x["cpu_s_per_gib"] for x in d["ttft.json"]["per_round"]["fast"])
+
+
+def _ratio(a: str, b: str) -> Callable[[dict[str, Any]], float]:
+    def f(docs: dict[str, Any]) -> float:
+        (doc,) = docs.values()
+        return float(_get(doc, a)) / float(_get(doc, b))
+
+    return f
+
+
+# -- the figures -------------------------------------------------------------------------
+FIGURES: list[Fig] = [
+    # the drive's limit
+    Fig("takes at most {} segments per request", "ssd.json", "queue_max_segments", fmt="{:.0f}"),
+    Fig("the engine {} GiB/s, fio on huge pages", "ssd.json", "results.bsr_io.gib_s"),
+    Fig("fio on huge pages {} GiB/s (ratio", "ssd.json", "results.fio_hugemem.gib_s"),
+    Fig("GiB/s (ratio {}), fio on 4 KiB pages", "ssd.json", "ratio_vs_fio_hugemem"),
+    Fig("fio on 4 KiB pages {} GiB/s (ratio", "ssd.json", "results.fio.gib_s"),
+    Fig("(ratio {}, a handicapped reference)", "ssd.json", "ratio_vs_fio"),
+    Fig(
+        "the engine over fio on huge pages: {} (median",
+        "ssd.json",
+        "ratio_vs_fio_hugemem_rounds, sorted",
+        fmt="{}",
+        derive=lambda d: _list(sorted(d["ssd.json"]["ratio_vs_fio_hugemem_rounds"])),
+    ),
+    Fig(
+        "(median {}). The request trace",
+        "ssd.json",
+        "median of ratio_vs_fio_hugemem_rounds",
+        derive=lambda d: statistics.median(d["ssd.json"]["ratio_vs_fio_hugemem_rounds"]),
+    ),
+    Fig(
+        "a mean depth of {} requests for the engine",
+        "ssd.json",
+        "trace_medians.bsr_io.mean_depth",
+        fmt="{:.1f}",
+    ),
+    Fig(
+        "(its queue full {}% of the time)",
+        "ssd.json",
+        "trace_medians.bsr_io.time_full x 100",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["ssd.json"]["trace_medians"]["bsr_io"]["time_full"],
+    ),
+    Fig(
+        "of the time) against {} for fio",
+        "ssd.json",
+        "trace_medians.fio_hugemem.mean_depth",
+        fmt="{:.1f}",
+    ),
+    Fig(
+        "median request latency of {} ms against",
+        "ssd.json",
+        "trace_medians.bsr_io.latency_p50_ms",
+        fmt="{:.1f}",
+    ),
+    Fig(
+        "ms against {} ms (medians over rounds)",
+        "ssd.json",
+        "trace_medians.fio_hugemem.latency_p50_ms",
+        fmt="{:.1f}",
+    ),
+    Fig(
+        "(`ssd-w32.json`): the engine over fio on huge pages {}, a mean",
+        "ssd-w32.json",
+        "ratio_vs_fio_hugemem",
+    ),
+    Fig(
+        "a mean depth of {} against fio's",
+        "ssd-w32.json",
+        "trace_medians.bsr_io.mean_depth",
+        fmt="{:.1f}",
+    ),
+    Fig(
+        "against fio's {}. The machine",
+        "ssd-w32.json",
+        "trace_medians.fio_hugemem.mean_depth",
+        fmt="{:.1f}",
+    ),
+    Fig("while these ran: 1-minute load {} to", "ssd.json", "load.loadavg_1m_min"),
+    Fig("to {}, other processes using up to", "ssd.json", "load.loadavg_1m_max"),
+    Fig("other processes using up to {} of the 2 cores", "ssd.json", "load.others_cores_max"),
+    # restore latency
+    Fig("{} bytes, cold cache, median of 5", "ttft.json", "state_bytes", fmt="{:,.0f}"),
+    Fig("on a shared machine: 1-minute load {} to", "ttft.json", "load.loadavg_1m_min"),
+    Fig("to {}): the naive path", "ttft.json", "load.loadavg_1m_max"),
+    Fig("on huge pages (goal {},", "ttft.json", "target_fast_over_fio_hugemem"),
+    Fig("in its median round {} s went to waiting", "ttft.json", "fast_profile_s.read_wait_s"),
+    Fig(
+        "waiting for reads and {} s to hashing in place",
+        "ttft.json",
+        "fast_profile_s.install_copy_s",
+    ),
+    Fig("then install) {} s;", "ttft.json", "naive_s"),
+    Fig("from the drive: {} CPU s/GiB", "ttft.json", "fast_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("(goal {}, met in this run", "ttft.json", "target_fast_cpu_s_per_gib"),
+    Fig("its rounds {} to", "ttft.json", "min fast cpu", fmt="{:.3f}", derive=_fast_cpu(min)),
+    Fig("to {}). Most of it", "ttft.json", "max fast cpu", fmt="{:.3f}", derive=_fast_cpu(max)),
+    Fig(
+        "no read, cost {} CPU s/GiB in the same",
+        "ttft.json",
+        "hash_floor_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "The restore adds {} CPU s/GiB to that floor",
+        "ttft.json",
+        "fast_cpu_beyond_hash_s_per_gib",
+        fmt="{:.3f}",
+    ),
+    Fig("measured {} and", "ttft-2.json", "fast_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("and {} CPU\ns/GiB over floors", "ttft-3.json", "fast_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("over floors of {} and", "ttft-2.json", "hash_floor_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("and {}: 0.031", "ttft-3.json", "hash_floor_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig(": {} and 0.035", "ttft-2.json", "fast_cpu_beyond_hash_s_per_gib", fmt="{:.3f}"),
+    Fig("and {} above them", "ttft-3.json", "fast_cpu_beyond_hash_s_per_gib", fmt="{:.3f}"),
+    Fig("(the control) {} s;", "ttft.json", "naive_engine_s"),
+    Fig("BSR {} s; fio reading", "ttft.json", "fast_s"),
+    Fig("record payloads {} s on 4 KiB pages", "ttft.json", "fio_s"),
+    Fig("4 KiB pages and {} s on huge pages", "ttft.json", "fio_hugemem_s"),
+    Fig("Speedup {}x,", "ttft.json", "naive_s/fast_s", derive=_ratio("naive_s", "fast_s")),
+    Fig(
+        "the I/O path gives {}x",
+        "ttft.json",
+        "naive_s/naive_engine_s",
+        derive=_ratio("naive_s", "naive_engine_s"),
+    ),
+    Fig(
+        "bounded staging (reads overlapped with installs in W slots) {}x",
+        "ttft.json",
+        "naive_engine_s/fast_s",
+        derive=_ratio("naive_engine_s", "fast_s"),
+    ),
+    Fig(
+        "BSR's time is {}x fio's on huge pages",
+        "ttft.json",
+        "fast_s/fio_hugemem_s",
+        derive=_ratio("fast_s", "fio_hugemem_s"),
+    ),
+    Fig(
+        "plus a restore): {} GiB for the naive path",
+        "ttft.json",
+        "staging_vmhwm_naive_bytes",
+        scale=GIB,
+    ),
+    Fig("for the naive path, {} MiB for BSR", "ttft.json", "staging_vmhwm_fast_bytes", scale=MIB),
+    # the ceiling: the per-round distribution over all runs, and its median
+    Fig("`ceiling-3.json`: {} tokens of", "ceiling.json", "tokens", fmt="{:,.0f}"),
+    Fig(
+        "round by round over all 9 rounds: {}; median",
+        CEILING,
+        "per_round.restore[i].gib_s / per_round.engine[i].gib_s of every round of the 3 "
+        "runs, sorted",
+        fmt="{}",
+        derive=_distribution,
+    ),
+    Fig(
+        "median {} (goal",
+        CEILING,
+        "median over the 9 rounds of restore/engine gib_s",
+        derive=lambda d: statistics.median(_rounds(d, "restore", "engine")),
+    ),
+    Fig("(goal {})", "ceiling.json", "goal_ratio"),
+    Fig("the engine alone read at {} GiB/s", "ceiling.json", "engine_raw_gib_s"),
+    Fig("the restore at {} GiB/s (medians", "ceiling.json", "restore_gib_s"),
+    Fig("it keeps {} cores busy", "ceiling.json", "restore_cores_busy"),
+    Fig("the engine alone keeps {}, and costs", "ceiling.json", "engine_cores_busy"),
+    Fig("and costs {} CPU s/GiB", "ceiling.json", "restore_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("CPU s/GiB against {};", "ceiling.json", "engine_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig(
+        "a median speed-up of {}x over the 9 rounds",
+        CEILING,
+        "median over the 9 rounds of restore/restore_unfused gib_s",
+        derive=lambda d: statistics.median(_rounds(d, "restore", "restore_unfused")),
+    ),
+    Fig(
+        "(from {}x to",
+        CEILING,
+        "least round restore/restore_unfused gib_s",
+        derive=lambda d: min(_rounds(d, "restore", "restore_unfused")),
+    ),
+    Fig(
+        "to {}x; the three runs'",
+        CEILING,
+        "greatest round restore/restore_unfused gib_s",
+        derive=lambda d: max(_rounds(d, "restore", "restore_unfused")),
+    ),
+    Fig("the three runs' medians {}x,", "ceiling.json", "fused_over_unfused"),
+    Fig("medians 1.42x, {}x and", "ceiling-2.json", "fused_over_unfused"),
+    Fig("and {}x).", "ceiling-3.json", "fused_over_unfused"),
+    # reading in place (ceiling-direct.json)
+    Fig("`ceiling-direct.json`: {} tokens from", "ceiling-direct.json", "tokens", fmt="{:,.0f}"),
+    Fig("each round, 1-minute load {} to", "ceiling-direct.json", "load.loadavg_1m_min"),
+    Fig("to {}): the restore reads", "ceiling-direct.json", "load.loadavg_1m_max"),
+    Fig("ran at {} GiB/s against", "ceiling-direct.json", "restore_gib_s"),
+    Fig(
+        "GiB/s against {} GiB/s for the same restore through the slots",
+        "ceiling-direct.json",
+        "restore_slots_gib_s",
+    ),
+    Fig("hash): {}x.", "ceiling-direct.json", "direct_over_slots"),
+    Fig("payloads through slots ({} GiB/s)", "ceiling-direct.json", "engine_raw_gib_s"),
+    Fig("ratio was {} (per round", "ceiling-direct.json", "ratio", fmt="{:.3f}"),
+    Fig(
+        "(per round {}; goal in every round",
+        "ceiling-direct.json",
+        "ratio_rounds",
+        fmt="{}",
+        derive=lambda d: _list(d["ceiling-direct.json"]["ratio_rounds"]),
+    ),
+    Fig("goal in every round {},", "ceiling-direct.json", "goal_ratio"),
+    Fig(
+        "the restore cost {} CPU s/GiB",
+        "ceiling-direct.json",
+        "restore_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "CPU s/GiB against {} through the slots",
+        "ceiling-direct.json",
+        "restore_slots_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the slots and {} for the engine alone",
+        "ceiling-direct.json",
+        "engine_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),
+    Fig("(CPU goal {},", "ceiling-direct.json", "goal_cpu_s_per_gib"),
+    Fig(
+        "adds to the read is {} CPU s/GiB",
+        "ceiling-direct.json",
+        "restore_own_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "no read at all, costs {} CPU s/GiB",
+        "ceiling-direct.json",
+        "hash_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),
+    Fig("s/GiB ({} GiB/s: one core's", "ceiling-direct.json", "hash_gib_s"),
+    Fig("by DMA, the restore cost {} CPU s/GiB", "ttft.json", "fast_cpu_s_per_gib", fmt="{:.3f}"),
+    # several drives (stripe.json)
+    Fig("of the {} on the disk", "stripe.json", "chunks", fmt="{:.0f}"),
+    Fig("by key: {} of the", "stripe.json", "chunks_per_drive.0", fmt="{:.0f}"),
+    Fig("on the disk, {} in tmpfs", "stripe.json", "chunks_per_drive.1", fmt="{:.0f}"),
+    Fig("striped restore ran at {} GiB/s", "stripe.json", "restore_gib_s"),
+    Fig("GiB/s against {} GiB/s for fio reading the same record files", "stripe.json", "fio_gib_s"),
+    Fig("(one set of jobs per directory): ratio {}", "stripe.json", "ratio", fmt="{:.3f}"),
+    Fig(
+        "(per round {}).",
+        "stripe.json",
+        "ratio_rounds",
+        fmt="{}",
+        derive=lambda d: _list(d["stripe.json"]["ratio_rounds"]),
+    ),
+    Fig(
+        "{}% of the restore's time went to waiting",
+        "stripe.json",
+        "restore_read_wait_share x 100",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["stripe.json"]["restore_read_wait_share"],
+    ),
+    Fig(
+        "waiting for reads and {}% to verifying",
+        "stripe.json",
+        "restore_install_share x 100",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["stripe.json"]["restore_install_share"],
+    ),
+    Fig("on a quiet machine (1-minute load {} to", "stripe.json", "load.loadavg_1m_min"),
+    Fig("to {}).", "stripe.json", "load.loadavg_1m_max"),
+    # staging against state size
+    Fig("cold cache, {}-byte chunks", "sweep.json", "rows.0.chunk_bytes", fmt="{:,.0f}"),
+    *[
+        Fig(
+            f"| {tok} | {{}} |",
+            "sweep.json",
+            f"rows.{i}: state_bytes ({unit}), "
+            f"rws_peak_bytes, vmhwm_growth_bytes (MiB), gib_s, vs_ssd, "
+            f"whole_plan_l1_peak_bytes or _required_bytes ({unit})",
+            fmt="{}",
+            derive=_sweep_row(i, unit, tag),
+        )
+        for i, (tok, unit, tag) in enumerate(
+            [
+                ("8,192", "MiB", "measured"),
+                ("32,768", "GiB", "measured"),
+                ("131,072", "GiB", "needed"),
+                ("262,144", "GiB", "needed"),
+            ]
+        )
+    ],
+    Fig("through the same window {} GiB/s", "sweep.json", "reference.engine_gib_s"),
+    Fig(
+        "GiB/s, fio on huge pages {} GiB/s, fio on 4 KiB pages",
+        "sweep.json",
+        "reference.fio_hugemem_gib_s",
+    ),
+    Fig("fio on 4 KiB pages {} GiB/s. At", "sweep.json", "reference.fio_gib_s"),
+    Fig("At {} tokens fio read", "sweep.json", "rows.3.tokens", fmt="{:,.0f}"),
+    Fig("record payloads in {} s on huge pages", "sweep.json", "records_fio.fio_hugemem_s"),
+    Fig(
+        "on huge pages and {} s on 4 KiB pages; the restore took", "sweep.json", "records_fio.fio_s"
+    ),
+    Fig("the restore took {} s (", "sweep.json", "rows.3.restore_s"),
+    Fig(
+        "s ({}x the time of the drive's limit). RWS",
+        "sweep.json",
+        "rows.3.restore_s/records_fio.fio_hugemem_s",
+        derive=lambda d: (
+            d["sweep.json"]["rows"][3]["restore_s"]
+            / d["sweep.json"]["records_fio"]["fio_hugemem_s"]
+        ),
+    ),
+    Fig("RWS is exactly W x chunk = {} MiB", "sweep.json", "rows.0.rws_peak_bytes", scale=MIB),
+    Fig(
+        "each rank's RWS is again exactly {} bytes",
+        "sweep-2ranks.json",
+        "rows.0.rws_peak_bytes",
+        fmt="{:,.0f}",
+    ),
+    Fig("read at {} and", "sweep-2ranks.json", "rows.0.vs_ssd"),
+    Fig("and {} of the single-reader", "sweep-2ranks.json", "rows.1.vs_ssd"),
+    Fig("and at {} tokens took", "sweep-2ranks.json", "rows.1.tokens", fmt="{:,.0f}"),
+    Fig(
+        "took {}x the time fio on huge pages",
+        "sweep-2ranks.json",
+        "rows.1.restore_s/records_fio.fio_hugemem_s",
+        derive=lambda d: (
+            d["sweep-2ranks.json"]["rows"][1]["restore_s"]
+            / d["sweep-2ranks.json"]["records_fio"]["fio_hugemem_s"]
+        ),
+    ),
+    Fig("records ({} s against", "sweep-2ranks.json", "rows.1.restore_s"),
+    Fig("s against {} s;", "sweep-2ranks.json", "records_fio.fio_hugemem_s"),
+    Fig("s; {} s for fio on 4 KiB pages)", "sweep-2ranks.json", "records_fio.fio_s"),
+    # the paper's scale
+    Fig("paper.json`: {} tokens", "paper.json", "rows.0.tokens", fmt="{:,.0f}"),
+    Fig("no GPU here): {} GiB of KV state per rank", "paper.json", "rows.0.state_bytes", scale=GIB),
+    Fig("per rank, {} GiB of record files", "paper.json", "records_fio.bytes", scale=GIB),
+    Fig("Each rank's RWS peak is {} bytes", "paper.json", "rows.0.rws_peak_bytes", fmt="{:,.0f}"),
+    Fig("peak RSS grows by {} MiB, for a", "paper.json", "rows.0.vmhwm_growth_bytes", scale=MIB),
+    Fig("MiB, for a {} GiB state", "paper.json", "rows.0.state_bytes", scale=GIB),
+    Fig("both ranks took {} s (", "paper.json", "rows.0.restore_s"),
+    Fig("s ({} GiB/s together)", "paper.json", "rows.0.aggregate_gib_s"),
+    Fig("at once, took {} s on huge-page buffers", "paper.json", "records_fio.fio_hugemem_s"),
+    Fig("huge-page buffers ({} GiB/s) and", "paper.json", "records_fio.fio_hugemem_gib_s"),
+    Fig("GiB/s) and {} s on 4 KiB pages: the restore runs", "paper.json", "records_fio.fio_s"),
+    Fig(
+        "the restore runs in {}x the time",
+        "paper.json",
+        "rows.0.restore_s/records_fio.fio_hugemem_s",
+        derive=lambda d: (
+            d["paper.json"]["rows"][0]["restore_s"]
+            / d["paper.json"]["records_fio"]["fio_hugemem_s"]
+        ),
+    ),
+    Fig(
+        "it needs the whole {} GiB.", "paper.json", "rows.0.whole_plan_l1_required_bytes", scale=GIB
+    ),
+    # one rank's share of 1M tokens (paper-1m.json is ONE rank of a TP=2 layout)
+    Fig("One rank's share of a {}-token context", "paper-1m.json", "rows.0.tokens", fmt="{:,.0f}"),
+    Fig(
+        "whole KV): {} GiB of state on this rank", "paper-1m.json", "rows.0.state_bytes", scale=GIB
+    ),
+    Fig("on this rank, RWS peak {} bytes", "paper-1m.json", "rows.0.rws_peak_bytes", fmt="{:,.0f}"),
+    Fig(
+        "peak RSS growth {} MiB; the restore",
+        "paper-1m.json",
+        "rows.0.vmhwm_growth_bytes",
+        scale=MIB,
+    ),
+    Fig("the restore took {} s (", "paper-1m.json", "rows.0.restore_s"),
+    Fig("s ({} GiB/s) against", "paper-1m.json", "rows.0.gib_s"),
+    Fig("against {} s for fio on huge", "paper-1m.json", "records_fio.fio_hugemem_s"),
+    Fig("pages ({} GiB/s) and", "paper-1m.json", "records_fio.fio_hugemem_gib_s"),
+    Fig("GiB/s) and {} s on 4 KiB pages:", "paper-1m.json", "records_fio.fio_s"),
+    Fig(
+        "4 KiB pages: {}x the time of the drive's limit.",
+        "paper-1m.json",
+        "rows.0.restore_s/records_fio.fio_hugemem_s",
+        derive=lambda d: (
+            d["paper-1m.json"]["rows"][0]["restore_s"]
+            / d["paper-1m.json"]["records_fio"]["fio_hugemem_s"]
+        ),
+    ),
+    # demo
+    Fig("2 ranks x {} MiB, W=32", "demo.json", "state_bytes", scale=MIB),
+    Fig("BSR commits in {} s with", "demo.json", "runs.bsr.0.time_to_commit_s"),
+    Fig("with a {} MiB staging peak", "demo.json", "runs.bsr.0.rws_peak_bytes", scale=MIB),
+    Fig(
+        "fails cleanly (needs {} MiB)",
+        "demo.json",
+        "runs.whole_plan_same_l1.0.l1_required_bytes",
+        scale=MIB,
+    ),
+    Fig(
+        "; with {} MiB of L1 it takes", "demo.json", "runs.whole_plan_big_l1.0.l1_bytes", scale=MIB
+    ),
+    Fig("it takes {} s, and", "demo.json", "runs.whole_plan_big_l1.1.time_to_commit_s"),
+    Fig(
+        "grows by {} MiB during it",
+        "demo.json",
+        "runs.whole_plan_big_l1.1.vmhwm_growth_bytes",
+        scale=MIB,
+    ),
+    Fig(
+        "against {} bytes during BSR's restore",
+        "demo.json",
+        "runs.bsr.0.vmhwm_growth_bytes",
+        fmt="{:,.0f}",
+    ),
+    # LMCache
+    Fig("states of {}, 8.00", "lmcache.json", "stock.0.state_bytes", scale=MIB),
+    Fig("2.00, {} and 16.00", "lmcache.json", "stock.3.state_bytes", scale=MIB),
+    Fig("and {} MiB per rank", "lmcache.json", "stock.6.state_bytes", scale=MIB),
+    Fig("byte-equal at {} MiB of L1", "lmcache.json", "bsr.0.l1_bytes", scale=MIB),
+    Fig("with a {} MiB staging peak (W=2)", "lmcache.json", "bsr.0.staging_peak_bytes", scale=MIB),
+    # transformers
+    Fig("restoring a {}-token prefix", "model.json", "rows.2.prefix_tokens", fmt="{:,.0f}"),
+    Fig("prefix takes {} s against", "model.json", "rows.2.restore_ttft_s", fmt="{:.4f}"),
+    Fig("against {} s to recompute it", "model.json", "rows.2.recompute_ttft_s", fmt="{:.4f}"),
+    Fig(
+        "to recompute it ({}x)",
+        "model.json",
+        "rows.2.recompute_ttft_s/restore_ttft_s",
+        fmt="{:.1f}",
+        derive=_ratio("rows.2.recompute_ttft_s", "rows.2.restore_ttft_s"),
+    ),
+    Fig("bit-identical, RWS {} MiB", "model.json", "rows.2.rws_peak_bytes", scale=MIB),
+    # Mooncake
+    Fig("restore {} GiB/s with every chunk read", "remote.json", "restore_gib_s"),
+    Fig("into one {} MiB buffer", "remote.json", "bulk_buffer_bytes", fmt="{:.0f}", scale=MIB),
+    Fig("buffer {} GiB/s: ratio", "remote.json", "client_bulk_gib_s"),
+    Fig("GiB/s: ratio {} (median of the rounds'", "remote.json", "ratio"),
+    Fig("(median of the rounds' ratios {}, lowest", "remote.json", "ratio_median_of_rounds"),
+    Fig("lowest round {})", "remote.json", "ratio_min_of_rounds"),
+    Fig("`docs/results/remote-2.json`): ratio {},", "remote-2.json", "ratio"),
+    Fig("rounds' ratios {}. Through the 4 slots", "remote-2.json", "ratio_median_of_rounds"),
+    Fig("(RWS {} MiB = W x chunk", "remote.json", "rws_peak_bytes", scale=MIB),
+    Fig("W x chunk, state {} MiB)", "remote.json", "state_bytes", fmt="{:.0f}", scale=MIB),
+    Fig("the ratio is {}: the install copy", "remote.json", "ratio_slots"),
+    Fig(
+        "transfer ends, {} CPU s/GiB in the callers",
+        "remote-calls.json",
+        "shapes.1 per call, 1 in flight, normal priority.callers_cpu_s_per_gib",
+        derive=lambda d: d["remote-calls.json"]["shapes"][
+            "1 per call, 1 in flight, normal priority"
+        ]["callers_cpu_s_per_gib"],
+    ),
+    *[
+        Fig(
+            phrase,
+            "remote-calls.json",
+            f"shapes.{shape}.vs_bulk",
+            derive=lambda d, shape=shape: d["remote-calls.json"]["shapes"][shape]["vs_bulk"],
+        )
+        for phrase, shape in [
+            ("2 in flight: {} of the bulk read", "1 per call, 2 in flight, normal priority"),
+            ("the bulk read; 4 in flight: {})", "1 per call, 4 in flight, normal priority"),
+            ("they matched it (2 in flight: {};", "1 per call, 2 in flight, low priority"),
+            ("flight: 1.01; 4: {})", "1 per call, 4 in flight, low priority"),
+            ("one call at a time reached {} and", "1 per call, 1 in flight, normal priority"),
+            ("four objects per call {}. So", "4 per call, 1 in flight, normal priority"),
+        ]
+    ],
+    Fig("gains nothing on its own ({} GiB/s)", "remote.json", "client_bulk_low_gib_s"),
+    Fig(
+        "What is left: {}% of the restore",
+        "remote.json",
+        "restore_read_wait_share x 100",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["remote.json"]["restore_read_wait_share"],
+    ),
+    Fig("together spend {} CPU s/GiB", "remote.json", "restore_total_cpu_s_per_gib"),
+    Fig("restore against {} on the bulk", "remote.json", "bulk_total_cpu_s_per_gib"),
+    Fig("(this process {} and", "remote.json", "restore_cpu_s_per_gib"),
+    Fig("this process 1.27 and {}, the storage", "remote.json", "bulk_cpu_s_per_gib"),
+    Fig("the storage node {} and", "remote.json", "restore_node_cpu_s_per_gib"),
+    Fig("node 0.70 and {};", "remote.json", "bulk_node_cpu_s_per_gib"),
+    Fig("1-minute load {} to", "remote.json", "load.loadavg_1m_min"),
+    Fig("to {} while it ran)", "remote.json", "load.loadavg_1m_max"),
+]
+
+# The hook for the vLLM section: its figures, kept with the section by whoever writes it.
+VLLM_FIGURES: list[Fig] = [
+    Fig(
+        "is {}x shorter at 1K tokens",
+        "vllm.json",
+        "rows.0.ttft_ratio_recompute_over_restore",
+        fmt="{:.1f}",
+    ),
+    *[
+        Fig(
+            f"{{}}x at {k}K",
+            "vllm.json",
+            f"rows.{i}.ttft_ratio_recompute_over_restore",
+            fmt="{:.1f}",
+        )
+        for i, k in ((1, 2), (2, 4), (3, 8), (4, 16))
+    ],
+    Fig("and {}x at 32K", "vllm.json", "rows.5.ttft_ratio_recompute_over_restore", fmt="{:.0f}"),
+    Fig("W=8, {}-token chunks", "vllm.json", "chunk_tokens", fmt="{:.0f}"),
+    Fig("32K ({} s against", "vllm.json", "rows.5.ttft_restore_s", fmt="{:.3f}"),
+    Fig("s against {} s);", "vllm.json", "rows.5.ttft_recompute_s"),
+    # The hybrid model (tiny Gemma 3) and scheduler-side discovery.
+    *[
+        Fig(phrase, "vllm-gemma3.json", f"rows.{i}.ttft_ratio_recompute_over_restore", fmt="{:.1f}")
+        for i, phrase in (
+            (0, "is {}x shorter at 1K tokens"),
+            (1, "{}x at 4K and"),
+            (2, "and {}x at 16K"),
+        )
+    ],
+    Fig("16K ({} s against", "vllm-gemma3.json", "rows.2.ttft_restore_s", fmt="{:.3f}"),
+    Fig("against {} s); each", "vllm-gemma3.json", "rows.2.ttft_recompute_s"),
+    Fig(
+        "group read {} KiB at every length",
+        "vllm-gemma3.json",
+        "rows.2.bytes_read_by_group_per_worker.0",
+        fmt="{:.0f}",
+        scale=1024.0,
+    ),
+    Fig(
+        "full group read {},",
+        "vllm-gemma3.json",
+        "rows.0.bytes_read_by_group_per_worker.2",
+        fmt="{:.1f}",
+        scale=MIB,
+    ),
+    Fig(
+        ", {} and",
+        "vllm-gemma3.json",
+        "rows.1.bytes_read_by_group_per_worker.2",
+        fmt="{:.1f}",
+        scale=MIB,
+    ),
+    Fig(
+        "and {} MiB; the staging",
+        "vllm-gemma3.json",
+        "rows.2.bytes_read_by_group_per_worker.2",
+        fmt="{:.1f}",
+        scale=MIB,
+    ),
+    Fig(
+        "at or below {} KiB",
+        "vllm-gemma3.json",
+        "max rws_peak_bytes_per_worker",
+        fmt="{:.0f}",
+        derive=lambda d: (
+            max(r["rws_peak_bytes_per_worker"] for r in d["vllm-gemma3.json"]["rows"]) / 1024
+        ),
+    ),
+    Fig(
+        "records of {} KiB)",
+        "vllm-gemma3.json",
+        "rows.0.record_bytes_max",
+        fmt="{:.0f}",
+        scale=1024.0,
+    ),
+    Fig("of a {}-chunk prefix", "vllm-discovery.json", "chunks", fmt="{:,.0f}"),
+    Fig("({} records, listed", "vllm-discovery.json", "records_listed", fmt="{:,.0f}"),
+    Fig("at start in {} s)", "vllm-discovery.json", "catalog_build_s"),
+    Fig(
+        "lookup takes {} ms",
+        "vllm-discovery.json",
+        "catalog_lookup_s_median x 1000",
+        derive=lambda d: d["vllm-discovery.json"]["catalog_lookup_s_median"] * 1000,
+    ),
+    Fig(
+        "repeated ask {} us",
+        "vllm-discovery.json",
+        "repeat_request_s_median x 1e6",
+        fmt="{:.0f}",
+        derive=lambda d: d["vllm-discovery.json"]["repeat_request_s_median"] * 1e6,
+    ),
+    Fig(
+        "own ({} ms)",
+        "vllm-discovery.json",
+        "prefix_hash_s_median x 1000",
+        fmt="{:.0f}",
+        derive=lambda d: d["vllm-discovery.json"]["prefix_hash_s_median"] * 1000,
+    ),
+    Fig(
+        "prompt ({} tokens)",
+        "vllm-discovery.json",
+        "chunks x chunk_tokens",
+        fmt="{:,.0f}",
+        derive=lambda d: (
+            d["vllm-discovery.json"]["chunks"] * d["vllm-discovery.json"]["chunk_tokens"]
+        ),
+    ),
+    Fig(
+        "first ask returns in {} ms",
+        "vllm-discovery.json",
+        "new_request_s_median x 1000",
+        derive=lambda d: d["vllm-discovery.json"]["new_request_s_median"] * 1000,
+    ),
+    Fig(
+        "thread spends {} ms over",
+        "vllm-discovery.json",
+        "new_request_thread_s_median x 1000",
+        fmt="{:.1f}",
+        derive=lambda d: d["vllm-discovery.json"]["new_request_thread_s_median"] * 1000,
+    ),
+    Fig(
+        "answer, {} ms",
+        "vllm-discovery.json",
+        "new_request_answered_s_median x 1000",
+        fmt="{:.0f}",
+        derive=lambda d: d["vllm-discovery.json"]["new_request_answered_s_median"] * 1000,
+    ),
+    Fig(
+        "inline takes {} ms",
+        "vllm-discovery.json",
+        "inline_new_request_s_median x 1000",
+        fmt="{:.0f}",
+        derive=lambda d: d["vllm-discovery.json"]["inline_new_request_s_median"] * 1000,
+    ),
+    Fig("load average {} on", "vllm-discovery.json", "loadavg_1m_at_end", fmt="{:.1f}"),
+]
+
+
+# Numbers that a section states as set-up, not as a measurement (a model's window, a
+# step size, a record's size by construction): named here, phrase by phrase, so that
+# every other number still has to be a JSON key. Kept with the section by its writer.
+PARAMETERS: dict[str, list[str]] = {}
+
+
+def _section(title: str) -> str:
+    """The README section under `title`, whitespace collapsed."""
+    raw = (ROOT / "README.md").read_text()
+    start = raw.index(title)
+    end = raw.find("\n## ", start + 1)
+    return _norm(raw[start : end if end > 0 else None])
+
+
+def _check(title: str, figures: list[Fig]) -> None:
+    text = _section(title)
+    missing = [(f.phrase, f.file, f.key, f.text()) for f in figures if f.text() not in text]
+    assert not missing, "figures whose README phrase or JSON value changed:\n" + "\n".join(
+        f"  {p!r} from {file}:{key} renders {t!r}, not in the section"
+        for p, file, key, t in missing
+    )
+
+
+def _uncovered(title: str, figures: list[Fig]) -> list[str]:
+    """Figures in the section that no entry's phrase holds (code spans and images, where
+    commands and parameters are, hold no figures)."""
+    text = _section(title)
+    skip = [m.span() for m in re.finditer(r"!\[[^\]]*\]\([^)]*\)|`[^`]*`", text)]
+    for phrase in PARAMETERS.get(title, []):
+        at = text.find(_norm(phrase))
+        assert at >= 0, f"PARAMETERS names {phrase!r}, not in {title!r}"
+        skip.append((at, at + len(_norm(phrase))))
+    spans = []
+    for f in figures:
+        t = f.text()
+        at = text.find(t)
+        while at >= 0:
+            spans.append((at, at + len(t)))
+            at = text.find(t, at + 1)
+    out = []
+    for m in NUMBER.finditer(text):
+        whole, frac = m.group(1), m.group(2)
+        value = float(whole.replace(",", "") + ("." + frac if frac else ""))
+        if frac is None and value < 100:
+            continue
+        inside = [(a, b) for a, b in [*skip, *spans] if a <= m.start() and m.end() <= b]
+        if not inside:
+            out.append(text[max(0, m.start() - 30) : m.end() + 10])
+        elif not any(s in spans for s in inside) and not any(s in skip for s in inside):
+            out.append(text[max(0, m.start() - 30) : m.end() + 10])
+    return out
+
+
+SECTIONS = [RESULTS_SECTION, MOONCAKE_SECTION]
+
+
+def test_each_figure_is_its_json_key():
+    """Every entry renders (JSON value at its key, printed as the README prints it) to
+    text that stands in its section."""
+    both = " ".join(_section(t) for t in SECTIONS)
+    lost = [(f.phrase, f.file, f.key, f.text()) for f in FIGURES if f.text() not in both]
+    assert not lost, "figures whose README phrase or JSON value changed:\n" + "\n".join(
+        f"  {p!r} from {file}:{key} renders {t!r}, not in the README" for p, file, key, t in lost
+    )
+
+
+@pytest.mark.parametrize("title", SECTIONS)
+def test_every_figure_is_named(title):
+    left = _uncovered(title, FIGURES)
+    assert not left, f"README figures with no FIGURES entry (file and key): {left}"
+
+
+def test_vllm_section_figures():
+    """The hook: VLLM_FIGURES are checked like the others."""
+    _check(VLLM_SECTION, VLLM_FIGURES)
+    left = _uncovered(VLLM_SECTION, VLLM_FIGURES)
+    assert not left, f"vLLM README figures with no VLLM_FIGURES entry: {left}"
+
+
+def test_the_check_can_fail(monkeypatch):
+    """Controls: a changed JSON value and a figure nobody names are both caught."""
+    fig = Fig("the engine {} GiB/s, fio on huge pages", "ssd.json", "results.bsr_io.gib_s")
+    _check(RESULTS_SECTION, [fig])
+    changed = _load("ssd.json")
+    changed["results"]["bsr_io"]["gib_s"] += 0.01
+    monkeypatch.setitem(globals(), "_load", lambda name: changed)
+    with pytest.raises(AssertionError, match="changed"):
+        _check(RESULTS_SECTION, [fig])
+    monkeypatch.undo()
+    assert _uncovered(RESULTS_SECTION, [])  # with no entries, every figure is uncovered
+
+
+def test_results_json_carry_no_temporary_paths():
+    for f in RESULTS.glob("*.json"):
+        text = f.read_text()
+        for bad in ("/tmp/", "/dev/shm/", "/var/tmp/"):
+            assert bad not in text, f"{f.name} holds an absolute temporary path ({bad})"
+
+
+def test_named_json_files_exist():
+    for name in re.findall(r"`([\w-]+\.json)`", (ROOT / "README.md").read_text()):
+        assert (RESULTS / name).is_file(), f"README cites {name}, not in docs/results"
+    for f in [*FIGURES, *VLLM_FIGURES]:
+        for name in f.file.split(","):
+            assert (RESULTS / name).is_file(), f"{f.phrase!r} names {name}, not in docs/results"
