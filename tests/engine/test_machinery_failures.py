@@ -1,4 +1,4 @@
-"""The engine when its own machinery fails (issue 10, "Also"): a ring that stops
+"""The engine when its own machinery fails: a ring that stops
 working breaks the engine and fails every operation instead of retrying forever;
 dropping an engine never holds the GIL while it waits for in-flight I/O; a window
 larger than memory is refused before anything is mapped.

@@ -1,4 +1,4 @@
-"""Engine back-pressure and slot ownership (issue 10, defects 3 and 4).
+"""Engine back-pressure and slot ownership.
 
 A full or closed engine is the engine's own state: it never fails a chunk and never
 quarantines a record. Slots return to the ring deterministically (release(), a

@@ -1,6 +1,6 @@
 """The package's layers, in the order data flows (docs/architecture.md):
 
-    model      keys, layouts, records, sizes; errors; the engine's wrappers
+    model      keys, layouts, records, sizes; errors; the engine's wrappers; settings
     tiers      where records live (L1, L2 on the engine, L3, striping, Mooncake), the
                store over them, and the fault double production loads by BSR_IO_FAULTS
     load/save  discovery, the window, reads, install, destinations; the save path
@@ -28,7 +28,7 @@ PKG = Path(bsr_io.__file__).parent
 
 # Each layer by its rank, and the module prefixes (under bsr_io) that belong to it.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("model", ("_core", "model", "errors", "engine")),
+    ("model", ("_core", "model", "errors", "engine", "settings")),
     ("tiers", ("tiers", "store", "faults")),
     ("load/save", ("load", "save")),
     ("restore", ("restore", "commit", "metrics")),

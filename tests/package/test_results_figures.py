@@ -1,13 +1,15 @@
-"""Every figure in the README comes from a named key of a JSON file under docs/results/.
+"""Every figure in the docs comes from a named key of a JSON file under docs/results/.
 
-`FIGURES` lists, for each figure of the sections in `SECTIONS`, the README phrase it
-sits in (`{}` where the figure goes), the JSON file and the key it is read from (or,
-for a figure derived from several keys, how), and how it is printed. A figure whose
-JSON value or README phrase changes fails `test_each_figure_is_its_json_key`; a figure
-in those sections that no entry covers fails `test_every_figure_is_named`. Numbers in
-code spans (commands, parameters) and integers below 100 (W, ranks, rounds, cores)
-are not figures. The vLLM section's figures are `VLLM_FIGURES`, kept by whoever writes
-that section (the hook: same form, checked the same way).
+The checked texts (`PLACES`) are the whole of docs/results.md, docs/vllm.md,
+docs/lmcache.md and docs/mooncake.md, and the README's headline table. Each has its list
+of entries: `FIGURES` (docs/results.md), `VLLM_FIGURES`, `LMCACHE_FIGURES`,
+`MOONCAKE_FIGURES` and `HEADLINE_FIGURES` (README). An entry names the phrase a figure
+sits in (`{}` where the figure goes), the JSON file and the key it is read from (or, for
+a figure derived from several keys, how), and how it is printed. A figure whose JSON
+value or phrase changes fails `test_each_figure_is_its_json_key`; a figure in a checked
+text that no entry covers fails `test_every_figure_is_named`. Numbers in code spans
+(commands, parameters) and integers below 100 (W, ranks, rounds, cores) are not
+figures. Each headline row links the JSON its figures come from.
 """
 
 from __future__ import annotations
@@ -26,15 +28,17 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 # A figure: 1,234 or 1234 or 12.34; not part of a version or an address (0.5.6, 127.0.0.1).
 NUMBER = re.compile(r"(?<![\w.,])(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?![\w]|\.\d)")
-RESULTS_SECTION = "## Results on this machine"
-MOONCAKE_SECTION = "## A shared pool: Mooncake Store"
-VLLM_SECTION = "## Serving with vLLM"
+RESULTS_DOC = "docs/results.md"
+VLLM_DOC = "docs/vllm.md"
+LMCACHE_DOC = "docs/lmcache.md"
+MOONCAKE_DOC = "docs/mooncake.md"
+HEADLINE = "README.md#Headline figures"  # a README section: file#title
 GIB, MIB = float(1 << 30), float(1 << 20)
 
 
 @dataclass(frozen=True)
 class Fig:
-    phrase: str  # README text around the figure, `{}` where it goes
+    phrase: str  # the doc's text around the figure, `{}` where it goes
     file: str  # docs/results JSON the figure comes from (several: comma-separated)
     key: str  # key path in it ("rows.3.gib_s"), or how a derived figure is computed
     fmt: str = "{:.2f}"
@@ -526,12 +530,6 @@ FIGURES: list[Fig] = [
         "runs.bsr.0.vmhwm_growth_bytes",
         fmt="{:,.0f}",
     ),
-    # LMCache
-    Fig("states of {}, 8.00", "lmcache.json", "stock.0.state_bytes", scale=MIB),
-    Fig("2.00, {} and 16.00", "lmcache.json", "stock.3.state_bytes", scale=MIB),
-    Fig("and {} MiB per rank", "lmcache.json", "stock.6.state_bytes", scale=MIB),
-    Fig("byte-equal at {} MiB of L1", "lmcache.json", "bsr.0.l1_bytes", scale=MIB),
-    Fig("with a {} MiB staging peak (W=2)", "lmcache.json", "bsr.0.staging_peak_bytes", scale=MIB),
     # transformers
     Fig("restoring a {}-token prefix", "model.json", "rows.2.prefix_tokens", fmt="{:,.0f}"),
     Fig("prefix takes {} s against", "model.json", "rows.2.restore_ttft_s", fmt="{:.4f}"),
@@ -544,7 +542,21 @@ FIGURES: list[Fig] = [
         derive=_ratio("rows.2.recompute_ttft_s", "rows.2.restore_ttft_s"),
     ),
     Fig("bit-identical, RWS {} MiB", "model.json", "rows.2.rws_peak_bytes", scale=MIB),
-    # Mooncake
+]
+
+
+# docs/lmcache.md: what the LMCache bench measured.
+LMCACHE_FIGURES: list[Fig] = [
+    Fig("states of {}, 8.00", "lmcache.json", "stock.0.state_bytes", scale=MIB),
+    Fig("2.00, {} and 16.00", "lmcache.json", "stock.3.state_bytes", scale=MIB),
+    Fig("and {} MiB per rank", "lmcache.json", "stock.6.state_bytes", scale=MIB),
+    Fig("byte-equal at {} MiB of L1", "lmcache.json", "bsr.0.l1_bytes", scale=MIB),
+    Fig("with a {} MiB staging peak (W=2)", "lmcache.json", "bsr.0.staging_peak_bytes", scale=MIB),
+]
+
+
+# docs/mooncake.md: the pool bench and the client's calls.
+MOONCAKE_FIGURES: list[Fig] = [
     Fig("restore {} GiB/s with every chunk read", "remote.json", "restore_gib_s"),
     Fig("into one {} MiB buffer", "remote.json", "bulk_buffer_bytes", fmt="{:.0f}", scale=MIB),
     Fig("buffer {} GiB/s: ratio", "remote.json", "client_bulk_gib_s"),
@@ -598,7 +610,7 @@ FIGURES: list[Fig] = [
     Fig("to {} while it ran)", "remote.json", "load.loadavg_1m_max"),
 ]
 
-# The hook for the vLLM section: its figures, kept with the section by whoever writes it.
+# docs/vllm.md: the CPU engine runs, the hybrid model and scheduler-side discovery.
 VLLM_FIGURES: list[Fig] = [
     Fig(
         "is {}x shorter at 1K tokens",
@@ -737,37 +749,113 @@ VLLM_FIGURES: list[Fig] = [
 ]
 
 
-# Numbers that a section states as set-up, not as a measurement (a model's window, a
-# step size, a record's size by construction): named here, phrase by phrase, so that
-# every other number still has to be a JSON key. Kept with the section by its writer.
+# The README's headline table: one row per claim, each linking its JSON.
+HEADLINE_FIGURES: list[Fig] = [
+    Fig("Staging at {} tokens of", "sweep.json", "rows.3.tokens", fmt="{:,.0f}"),
+    Fig("| RWS {} B for a", "sweep.json", "rows.3.rws_peak_bytes", fmt="{:,.0f}"),
+    Fig("B for a {} GiB state", "sweep.json", "rows.3.state_bytes", scale=GIB),
+    Fig("The paper's scale: {} tokens x 2 ranks", "paper.json", "rows.0.tokens", fmt="{:,.0f}"),
+    Fig("| restore in {} s,", "paper.json", "rows.0.restore_s"),
+    Fig(
+        "s, {}x the time of fio on the same records",
+        "paper.json",
+        "rows.0.restore_s/records_fio.fio_hugemem_s",
+        derive=lambda d: (
+            d["paper.json"]["rows"][0]["restore_s"]
+            / d["paper.json"]["records_fio"]["fio_hugemem_s"]
+        ),
+    ),
+    Fig("records; {} GiB of state per rank", "paper.json", "rows.0.state_bytes", scale=GIB),
+    Fig("Restore of a {}-token prefix", "ttft.json", "tokens", fmt="{:,.0f}"),
+    Fig("cold cache | {} s against", "ttft.json", "fast_s"),
+    Fig("against {} s for the whole-plan path", "ttft.json", "naive_s"),
+    Fig(
+        "the whole-plan path ({}x)",
+        "ttft.json",
+        "naive_s/fast_s",
+        derive=_ratio("naive_s", "fast_s"),
+    ),
+    Fig("from the drive | {} CPU s/GiB", "ttft.json", "fast_cpu_s_per_gib", fmt="{:.3f}"),
+    Fig(
+        "hashing every byte alone costs {} |",
+        "ttft.json",
+        "hash_floor_cpu_s_per_gib",
+        fmt="{:.3f}",
+    ),
+    Fig("fio on huge pages | {} GiB/s against", "ssd.json", "results.bsr_io.gib_s"),
+    Fig("GiB/s against {} GiB/s | [ssd", "ssd.json", "results.fio_hugemem.gib_s"),
+    Fig("bulk read | ratio {} |", "remote.json", "ratio"),
+    Fig("states up to {} MiB per rank", "lmcache.json", "stock.6.state_bytes", scale=MIB),
+    Fig("every state restored at {} MiB of L1", "lmcache.json", "bsr.0.l1_bytes", scale=MIB),
+    Fig(
+        "| {}x at 32K tokens (tiny Llama)",
+        "vllm.json",
+        "rows.5.ttft_ratio_recompute_over_restore",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "| {}x at 16K tokens",
+        "vllm-gemma3.json",
+        "rows.2.ttft_ratio_recompute_over_restore",
+        fmt="{:.1f}",
+    ),
+    Fig("transformers, a {}-token prefix", "model.json", "rows.2.prefix_tokens", fmt="{:,.0f}"),
+    Fig(
+        "restore {}x faster than recompute",
+        "model.json",
+        "rows.2.recompute_ttft_s/restore_ttft_s",
+        fmt="{:.1f}",
+        derive=_ratio("rows.2.recompute_ttft_s", "rows.2.restore_ttft_s"),
+    ),
+]
+
+# Each checked text and the entries that cover it.
+PLACES: dict[str, list[Fig]] = {
+    RESULTS_DOC: FIGURES,
+    VLLM_DOC: VLLM_FIGURES,
+    LMCACHE_DOC: LMCACHE_FIGURES,
+    MOONCAKE_DOC: MOONCAKE_FIGURES,
+    HEADLINE: HEADLINE_FIGURES,
+}
+
+# Numbers that a text states as set-up, not as a measurement (a model's window, a step
+# size, a record's size by construction): named here, phrase by phrase, so that every
+# other number still has to be a JSON key. Kept with the text by its writer.
 PARAMETERS: dict[str, list[str]] = {}
 
 
-def _section(title: str) -> str:
-    """The README section under `title`, whitespace collapsed."""
-    raw = (ROOT / "README.md").read_text()
-    start = raw.index(title)
+def _raw(place: str) -> str:
+    """The place's text: a whole file, or (`file#title`) its `## title` section."""
+    path, _, title = place.partition("#")
+    raw = (ROOT / path).read_text()
+    if not title:
+        return raw
+    start = raw.index(f"\n## {title}\n")
     end = raw.find("\n## ", start + 1)
-    return _norm(raw[start : end if end > 0 else None])
+    return raw[start : end if end > 0 else None]
 
 
-def _check(title: str, figures: list[Fig]) -> None:
-    text = _section(title)
+def _section(place: str) -> str:
+    """The place's text, whitespace collapsed."""
+    return _norm(_raw(place))
+
+
+def _check(place: str, figures: list[Fig]) -> None:
+    text = _section(place)
     missing = [(f.phrase, f.file, f.key, f.text()) for f in figures if f.text() not in text]
-    assert not missing, "figures whose README phrase or JSON value changed:\n" + "\n".join(
-        f"  {p!r} from {file}:{key} renders {t!r}, not in the section"
-        for p, file, key, t in missing
+    assert not missing, "figures whose phrase or JSON value changed:\n" + "\n".join(
+        f"  {p!r} from {file}:{key} renders {t!r}, not in {place}" for p, file, key, t in missing
     )
 
 
-def _uncovered(title: str, figures: list[Fig]) -> list[str]:
-    """Figures in the section that no entry's phrase holds (code spans and images, where
+def _uncovered(place: str, figures: list[Fig]) -> list[str]:
+    """Figures in the place that no entry's phrase holds (code spans and images, where
     commands and parameters are, hold no figures)."""
-    text = _section(title)
+    text = _section(place)
     skip = [m.span() for m in re.finditer(r"!\[[^\]]*\]\([^)]*\)|`[^`]*`", text)]
-    for phrase in PARAMETERS.get(title, []):
+    for phrase in PARAMETERS.get(place, []):
         at = text.find(_norm(phrase))
-        assert at >= 0, f"PARAMETERS names {phrase!r}, not in {title!r}"
+        assert at >= 0, f"PARAMETERS names {phrase!r}, not in {place!r}"
         skip.append((at, at + len(_norm(phrase))))
     spans = []
     for f in figures:
@@ -782,51 +870,61 @@ def _uncovered(title: str, figures: list[Fig]) -> list[str]:
         value = float(whole.replace(",", "") + ("." + frac if frac else ""))
         if frac is None and value < 100:
             continue
-        inside = [(a, b) for a, b in [*skip, *spans] if a <= m.start() and m.end() <= b]
-        if not inside:
-            out.append(text[max(0, m.start() - 30) : m.end() + 10])
-        elif not any(s in spans for s in inside) and not any(s in skip for s in inside):
+        if not any(a <= m.start() and m.end() <= b for a, b in [*skip, *spans]):
             out.append(text[max(0, m.start() - 30) : m.end() + 10])
     return out
 
 
-SECTIONS = [RESULTS_SECTION, MOONCAKE_SECTION]
+@pytest.mark.parametrize("place", list(PLACES))
+def test_each_figure_is_its_json_key(place):
+    """Every entry renders (JSON value at its key, printed as the text prints it) to
+    text that stands in its place."""
+    _check(place, PLACES[place])
 
 
-def test_each_figure_is_its_json_key():
-    """Every entry renders (JSON value at its key, printed as the README prints it) to
-    text that stands in its section."""
-    both = " ".join(_section(t) for t in SECTIONS)
-    lost = [(f.phrase, f.file, f.key, f.text()) for f in FIGURES if f.text() not in both]
-    assert not lost, "figures whose README phrase or JSON value changed:\n" + "\n".join(
-        f"  {p!r} from {file}:{key} renders {t!r}, not in the README" for p, file, key, t in lost
-    )
-
-
-@pytest.mark.parametrize("title", SECTIONS)
-def test_every_figure_is_named(title):
-    left = _uncovered(title, FIGURES)
-    assert not left, f"README figures with no FIGURES entry (file and key): {left}"
+@pytest.mark.parametrize("place", list(PLACES))
+def test_every_figure_is_named(place):
+    left = _uncovered(place, PLACES[place])
+    assert not left, f"figures in {place} with no entry (file and key): {left}"
 
 
 def test_vllm_section_figures():
-    """The hook: VLLM_FIGURES are checked like the others."""
-    _check(VLLM_SECTION, VLLM_FIGURES)
-    left = _uncovered(VLLM_SECTION, VLLM_FIGURES)
-    assert not left, f"vLLM README figures with no VLLM_FIGURES entry: {left}"
+    """The vLLM doc's figures are checked like the others, wherever its text lives."""
+    _check(VLLM_DOC, VLLM_FIGURES)
+    left = _uncovered(VLLM_DOC, VLLM_FIGURES)
+    assert not left, f"vLLM figures with no VLLM_FIGURES entry: {left}"
+
+
+def test_headline_rows_link_their_json():
+    """Each headline figure's table row links (docs/results/NAME.json) every file the
+    figure is read from."""
+    rows = [r for r in _raw(HEADLINE).splitlines() if r.startswith("| ")]
+    for f in HEADLINE_FIGURES:
+        t = f.text()
+        (row,) = [r for r in rows if t in _norm(r)] or [""]
+        assert row, f"{t!r} is in no single row of the headline table"
+        linked = set(re.findall(r"\]\(docs/results/([\w-]+\.json)\)", row))
+        wanted = set(f.file.split(","))
+        assert wanted <= linked, f"row of {t!r} links {sorted(linked)}, not {sorted(wanted)}"
 
 
 def test_the_check_can_fail(monkeypatch):
-    """Controls: a changed JSON value and a figure nobody names are both caught."""
+    """Controls: a changed JSON value and a figure nobody names are both caught, in the
+    results doc and in the headline table."""
     fig = Fig("the engine {} GiB/s, fio on huge pages", "ssd.json", "results.bsr_io.gib_s")
-    _check(RESULTS_SECTION, [fig])
+    head = Fig("fio on huge pages | {} GiB/s against", "ssd.json", "results.bsr_io.gib_s")
+    _check(RESULTS_DOC, [fig])
+    _check(HEADLINE, [head])
     changed = _load("ssd.json")
     changed["results"]["bsr_io"]["gib_s"] += 0.01
     monkeypatch.setitem(globals(), "_load", lambda name: changed)
     with pytest.raises(AssertionError, match="changed"):
-        _check(RESULTS_SECTION, [fig])
+        _check(RESULTS_DOC, [fig])
+    with pytest.raises(AssertionError, match="changed"):
+        _check(HEADLINE, [head])
     monkeypatch.undo()
-    assert _uncovered(RESULTS_SECTION, [])  # with no entries, every figure is uncovered
+    for place in PLACES:  # with no entries, every checked text has uncovered figures
+        assert _uncovered(place, []), place
 
 
 def test_results_json_carry_no_temporary_paths():
@@ -836,9 +934,23 @@ def test_results_json_carry_no_temporary_paths():
             assert bad not in text, f"{f.name} holds an absolute temporary path ({bad})"
 
 
+DOCS = ["README.md", RESULTS_DOC, VLLM_DOC, LMCACHE_DOC, MOONCAKE_DOC]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_named_files_exist(doc):
+    """Every JSON a doc names, every repository path in a code span and every relative
+    link exists."""
+    text = (ROOT / doc).read_text()
+    for name in re.findall(r"`(?:docs/results/)?([\w-]+\.json)`", text):
+        assert (RESULTS / name).is_file(), f"{doc} cites {name}, not in docs/results"
+    for path in re.findall(r"`((?:tests|benches|scripts|lab|python|rust|docs)/[\w./-]+)`", text):
+        assert (ROOT / path).exists(), f"{doc} names {path}, which does not exist"
+    for link in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+        assert ((ROOT / doc).parent / link).exists(), f"{doc} links {link}, missing"
+
+
 def test_named_json_files_exist():
-    for name in re.findall(r"`([\w-]+\.json)`", (ROOT / "README.md").read_text()):
-        assert (RESULTS / name).is_file(), f"README cites {name}, not in docs/results"
-    for f in [*FIGURES, *VLLM_FIGURES]:
+    for f in [*FIGURES, *VLLM_FIGURES, *LMCACHE_FIGURES, *MOONCAKE_FIGURES, *HEADLINE_FIGURES]:
         for name in f.file.split(","):
             assert (RESULTS / name).is_file(), f"{f.phrase!r} names {name}, not in docs/results"

@@ -1,5 +1,5 @@
-"""What a restore refuses before it reads, and what it does when an install raises
-(issue 10, defects 6 and 7). Real engine and files; the raising destination is a
+"""What a restore refuses before it reads, and what it does when an install raises.
+Real engine and files; the raising destination is a
 documented double."""
 
 from __future__ import annotations

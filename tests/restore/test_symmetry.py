@@ -1,4 +1,4 @@
-"""Every request ends the same on every rank (issue 10, defects 1 and 7).
+"""Every request ends the same on every rank.
 
 Two real gloo ranks serve a sequence of requests; rank 1 is late by more than the
 agreement timeout at one phase of some of them (bsr_lab.requests: a sleep

@@ -1,4 +1,4 @@
-"""What sits at a record's path (issue 10, defects 2 and 5).
+"""What sits at a record's path.
 
 A FIFO, socket, directory or device node put where a record was must fail that
 chunk at once, in every tier, never hang the restore. Invalidation withdraws

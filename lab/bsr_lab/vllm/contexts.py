@@ -1,5 +1,5 @@
 """What besides token ids decides a prefix's KV, on real engines (test support): LoRA
-adapters and images (issue 19).
+adapters and images.
 
     python -m bsr_lab.vllm.contexts lora|lora-baseline|mm|mm-baseline [--tp N] \
         --work DIR --out R.json

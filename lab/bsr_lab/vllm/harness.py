@@ -388,7 +388,7 @@ def corrupt_record(
     return path
 
 
-# -- the end-to-end suite: every test of issue 12 on one engine --------------------------
+# -- the end-to-end suite: every end-to-end test on one engine ---------------------------
 def prompts() -> dict[str, list[int]]:
     c = CHUNK_TOKENS
     a = tokens(1, 10 * c + 17)
@@ -545,7 +545,7 @@ class FsCalls:
             setattr(os, name, fn)
 
 
-# -- the hybrid suite: issue 18's tests on the tiny Gemma 3, one engine per TP size -----
+# -- the hybrid suite: the tiny Gemma 3's tests, one engine per TP size ------------------
 G_CHUNK = 256  # two blocks of 128 (vLLM's hit alignment on this model)
 G_BLOCK = 128
 G_STEP = 1024  # max_num_batched_tokens: every prompt here spans several prefill steps

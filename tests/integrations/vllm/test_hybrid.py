@@ -1,4 +1,4 @@
-"""Issue 18 on a real vLLM engine: a hybrid model (tiny Gemma 3: two sliding-window KV
+"""A hybrid model on a real vLLM engine (tiny Gemma 3: two sliding-window KV
 cache groups and one full-attention group) restored under one request-level commit,
 at TP=1 and TP=2 (two real CPU workers).
 

@@ -1,4 +1,4 @@
-"""Issue 19 items 5, 6 and 8 and issue 20 item 3 on the connector's own parts, with real
+"""The connector's identity, capacity and eviction parts on their own, with real
 vLLM config objects, real SSD tiers on disk and real adapter files (no engine).
 
 - Identity: quantization, the KV-cache dtype and overrides such as rope scaling change

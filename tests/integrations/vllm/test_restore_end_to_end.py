@@ -1,4 +1,5 @@
-"""Issue 12's tests 1-6 on a real vLLM engine, at TP=1 and TP=2 (two real CPU workers).
+"""Restore, foreign KV, corrupt and missing records, a stalled worker, the window
+bound and tenant isolation on a real vLLM engine, at TP=1 and TP=2 (two real CPU workers).
 
 Every assertion compares against a control from the same run: the baseline engine
 (no connector) for outputs, the connector's per-rank event log for what each worker
@@ -26,7 +27,7 @@ def _complete_on_every_rank(phase: dict, tp: int, chunks: int) -> None:
         assert e["chunks"] == chunks and e["chunks_read"] == chunks, e
 
 
-def test_1_restore_used_and_output_identical(run):
+def test_restore_used_and_output_identical(run):
     s, base, tp = run["suite"], run["baseline"], run["tp"]
     first, again = s["t1_first"], s["t1_restore"]
     # The first request computed everything and every rank saved its 10 chunks.
@@ -43,7 +44,7 @@ def test_1_restore_used_and_output_identical(run):
     assert base["A2"] != base["A"]  # the control: the suffix does change the output
 
 
-def test_2_foreign_kv_changes_output(run):
+def test_foreign_kv_changes_output(run):
     """Test double: the donor prefix's KV stored under this prefix's keys."""
     s, base, tp = run["suite"], run["baseline"], run["tp"]
     assert s["t2_planted"] == 10 * tp
@@ -52,7 +53,7 @@ def test_2_foreign_kv_changes_output(run):
     assert s["t2_restore"]["tokens"] != base["C"]
 
 
-def test_3_corrupt_record_fails_every_rank_then_recomputes(run):
+def test_corrupt_record_fails_every_rank_then_recomputes(run):
     s, base, tp = run["suite"], run["baseline"], run["tp"]
     failed = s["t3_failed"]
     loads = _by_rank(failed["loads"])
@@ -72,7 +73,7 @@ def test_3_corrupt_record_fails_every_rank_then_recomputes(run):
     assert again["tokens"] == base["E"]
 
 
-def test_3b_record_missing_at_read_on_one_rank(run):
+def test_record_missing_at_read_on_one_rank(run):
     """Fault double: the last rank's chunk-12 record vanishes after discovery."""
     s, base, tp = run["suite"], run["baseline"], run["tp"]
     phase = s["t3b_missing"]
@@ -82,7 +83,7 @@ def test_3b_record_missing_at_read_on_one_rank(run):
     assert phase["tokens"] == base["F"]
 
 
-def test_4_stalled_worker_times_out_and_request_recomputes(run):
+def test_stalled_worker_times_out_and_request_recomputes(run):
     """Fault double: the last rank's read of chunk 20 sleeps 10 s; the timeout is 4 s."""
     s, base, tp = run["suite"], run["baseline"], run["tp"]
     phase = s["t4_stalled"]
@@ -95,7 +96,7 @@ def test_4_stalled_worker_times_out_and_request_recomputes(run):
     assert phase["tokens"] == base["G"]
 
 
-def test_5_rws_is_w_chunks_per_worker_whatever_the_prefix(run):
+def test_rws_is_w_chunks_per_worker_whatever_the_prefix(run):
     s, base, tp = run["suite"], run["baseline"], run["tp"]
     short, long = s["t5_H1"], s["t5_H2"]
     _complete_on_every_rank(short, tp, WINDOW)
@@ -107,7 +108,7 @@ def test_5_rws_is_w_chunks_per_worker_whatever_the_prefix(run):
     assert short["tokens"] == base["H1"] and long["tokens"] == base["H2"]
 
 
-def test_6_cache_salt_isolates_tenants(run):
+def test_cache_salt_isolates_tenants(run):
     s, base, tp = run["suite"], run["baseline"], run["tp"]
     other, same = s["t6_other_salt"], s["t6_same_salt"]
     assert other["loads"] == [] and other["cached"] == 0  # same tokens, other tenant: miss
