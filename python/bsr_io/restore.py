@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from bsr_io._core import Engine
 from bsr_io.commit import Agreement
@@ -33,12 +33,17 @@ from bsr_io.model.layout import KVLayout
 from bsr_io.save.records import save_records
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
     from torch.distributed import ProcessGroup
 
     from bsr_io.commit import Vote
     from bsr_io.model.keys import ChunkKey
     from bsr_io.store import Store
     from bsr_io.tiers.base import Tier
+
+    # What `chunk_keys` hashes: a sequence of ints or a 1-D integer array.
+    TokenIds: TypeAlias = Sequence[int] | npt.NDArray[np.integer[Any]]
 
 __all__ = ["COMPLETE", "ZERO", "RestoreResult", "Restorer"]
 
@@ -130,10 +135,10 @@ class Restorer:
     def tiers(self) -> list[Tier]:
         return list(self.store.tiers)
 
-    def keys(self, token_ids: Sequence[int]) -> list[ChunkKey]:
+    def keys(self, token_ids: TokenIds) -> list[ChunkKey]:
         return chunk_keys(token_ids, self.layout, self.model, self.rank, self.world_size)
 
-    def probe(self, token_ids: Sequence[int], request_id: str | None = None) -> Plan:
+    def probe(self, token_ids: TokenIds, request_id: str | None = None) -> Plan:
         """The agreed reusable prefix, from metadata only (no payload is read).
 
         `request_id` names the request on every rank (a serving engine's request id);
@@ -236,7 +241,7 @@ class Restorer:
 
     def save(
         self,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         dest: Destination,
         *,
         skip_existing: bool = True,

@@ -45,7 +45,7 @@ from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import fs_type, scratch_base, scratch_dir
 from bsr_io.cli.synthetic import synthetic_tokens
-from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.load.kvcache import Fence, PagedKVCache
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import PRESETS, KVLayout, preset
 from bsr_io.model.record import HEADER_BYTES
@@ -55,8 +55,8 @@ from bsr_io.store import Store
 from bsr_io.tiers import SSDTier
 
 MODEL = "bsr-io-bench-ceiling"
-GOAL = 0.85  # restore / engine at W=32 with the deepseek-v4-flash chunk (issue 13)
-CPU_GOAL = 0.15  # restore CPU s/GiB (issue 21: direct reads leave only the hash)
+GOAL = 0.85  # restore / engine at W=32 with the deepseek-v4-flash chunk
+CPU_GOAL = 0.15  # restore CPU s/GiB (direct reads leave only the hash)
 METHODS = ("engine", "restore", "restore_slots", "restore_unfused", "hash")
 
 
@@ -109,7 +109,7 @@ class _Unfused:
         self.capacity_chunks = inner.capacity_chunks
         self.layout = inner.layout
 
-    def install(self, chunk_index: int, payload: torch.Tensor):
+    def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
         return self.inner.install(chunk_index, payload)
 
     def extract(self, chunk_index: int, out: torch.Tensor) -> None:
@@ -155,7 +155,7 @@ def hash_in_place(dest: PagedKVCache, state: int) -> float:
     while left > 0:
         for v in views:
             n = min(left, v.nbytes)
-            xxh3_64(v[:n])
+            xxh3_64(v[:n].data)
             left -= n
             if left == 0:
                 break
@@ -214,7 +214,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     dest = _destination(lay, tokens, args.dest_cap)
     unfused = _Unfused(dest)
     direct_ok = dest.direct_reads
-    direct: dict[str, list[int]] = {m: [] for m in METHODS}
+    direct_chunks: dict[str, list[int]] = {m: [] for m in METHODS}
     rounds: dict[str, list[dict[str, float]]] = {m: [] for m in METHODS}
     outcomes, rws = set(), 0
     load0 = os.getloadavg()[0]
@@ -244,16 +244,16 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
                 res = restorer.restore(plan, target)
                 secs = time.perf_counter() - t0
                 if r >= 0:
-                    direct[method].append(int(res.timings.get("direct_chunks", 0)))
+                    direct_chunks[method].append(int(res.timings.get("direct_chunks", 0)))
                 outcomes.add(res.outcome)
                 rws = max(rws, res.rws_peak_bytes)
                 if not res.complete:
                     raise RuntimeError(f"{method} did not complete: {res.reason}")
-            cpu = process_cpu_s() - c0
+            cpu_s = process_cpu_s() - c0
             if r < 0:
                 continue
             rounds[method].append(
-                {"gib_s": state / secs / GiB, "seconds": secs, "cpu_s_per_gib": cpu * GiB / state}
+                {"gib_s": state / secs / GiB, "seconds": secs, "cpu_s_per_gib": cpu_s * GiB / state}
             )
         if r >= 0:
             loads.append(snapshot())
@@ -291,7 +291,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
         "engine_cpu_s_per_gib": cpu["engine"],
         # The restore read straight into the cache (chunks per round), against the same
         # restore through the slots.
-        "restore_direct_chunks": direct["restore"],
+        "restore_direct_chunks": direct_chunks["restore"],
         "restore_slots_gib_s": med["restore_slots"],
         "ratio_slots": med["restore_slots"] / med["engine"],
         "restore_slots_cpu_s_per_gib": cpu["restore_slots"],

@@ -23,11 +23,13 @@ import random
 import statistics
 import threading
 import time
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from bsr_io._core import Engine
 from bsr_io.cli.host import process_cpu_s
@@ -36,14 +38,21 @@ from bsr_io.cli.report import write_json
 from bsr_io.cli.synthetic import fill_random, synthetic_tokens
 from bsr_io.engine import as_numpy
 from bsr_io.load.kvcache import PagedKVCache
-from bsr_io.model.keys import chunk_keys
-from bsr_io.model.layout import PRESETS, preset
+from bsr_io.model.keys import ChunkKey, chunk_keys
+from bsr_io.model.layout import PRESETS, KVLayout, preset
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.model.sizes import GiB, fmt_size, parse_size
-from bsr_io.restore import Restorer
+from bsr_io.restore import Restorer, RestoreResult
 from bsr_io.store import Store
-from bsr_io.tiers.mooncake import lower_thread_priority
-from bsr_io.tiers.mooncake_config import IO_PRIORITIES, MooncakeConfig
+from bsr_io.tiers.base import Tier
+from bsr_io.tiers.mooncake import IO_PRIORITIES, MooncakeConfig, lower_thread_priority
+
+if TYPE_CHECKING:
+    import subprocess
+
+    from bsr_io.tiers.mooncake import MooncakeTier
+
+_T = TypeVar("_T")
 
 
 def register(bench_subparsers: Any) -> None:
@@ -186,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if doc["outcome"] == "complete" else 1
 
 
-def _fill(tier, engine: Engine, layout, keys) -> None:
+def _fill(tier: Tier, engine: Engine, layout: KVLayout, keys: Sequence[ChunkKey]) -> None:
     slot = engine.lease()
     slot.set_length(layout.chunk_bytes)
     view = as_numpy(slot)
@@ -196,7 +205,7 @@ def _fill(tier, engine: Engine, layout, keys) -> None:
     del view, slot
 
 
-def _node_cpu_s(node: Any) -> float:
+def _node_cpu_s(node: subprocess.Popen[bytes] | None) -> float:
     """The storage node's CPU time (the pool's side of every read), 0 when not ours."""
     if node is None:
         return 0.0
@@ -208,9 +217,9 @@ def _node_cpu_s(node: Any) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _on_thread(fn: Any, priority: str) -> Any:
+def _on_thread(fn: Callable[[], _T], priority: str) -> _T:
     """`fn()` on a fresh thread at `priority` (as the tier's data calls run)."""
-    out: list[Any] = []
+    out: list[_T] = []
 
     def body() -> None:
         lower_thread_priority(priority)
@@ -224,7 +233,16 @@ def _on_thread(fn: Any, priority: str) -> Any:
     return out[0]
 
 
-def _measure(tier, engine, layout, keys, tokens, args, model, node) -> dict[str, Any]:
+def _measure(
+    tier: MooncakeTier,
+    engine: Engine,
+    layout: KVLayout,
+    keys: Sequence[ChunkKey],
+    tokens: npt.NDArray[np.int64],
+    args: argparse.Namespace,
+    model: str,
+    node: subprocess.Popen[bytes] | None,
+) -> dict[str, Any]:
     n, chunk = len(keys), layout.chunk_bytes
     record = HEADER_BYTES + chunk
     names = [tier.object_name(k) for k in keys]
@@ -245,7 +263,7 @@ def _measure(tier, engine, layout, keys, tokens, args, model, node) -> dict[str,
         if list(got) != [record] * n:
             raise OSError(f"client bulk read failed: {sorted(set(got))}")
 
-    def restore(direct: bool) -> Any:
+    def restore(direct: bool) -> RestoreResult:
         dest.direct_reads = direct
         plan = restorer.probe(tokens)
         res = restorer.restore(plan, dest)
@@ -257,8 +275,8 @@ def _measure(tier, engine, layout, keys, tokens, args, model, node) -> dict[str,
     bulk_read()
     restore(direct_ok)
     restore(False)
-    rounds = []
-    results: dict[str, Any] = {}
+    rounds: list[dict[str, Any]] = []
+    results: dict[str, RestoreResult] = {}
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
     rng = random.Random(seed)
     loads = [snapshot()]

@@ -229,7 +229,9 @@ def measure(
         slot_bytes = eng.slot_bytes
     if not cold:
         print("note: could not drop the page cache (needs root); buffered reads may be warm")
-    results = {m: {"gib_s": statistics.median(v), "rounds_gib_s": v} for m, v in rounds.items()}
+    results: dict[str, dict[str, Any]] = {
+        m: {"gib_s": statistics.median(v), "rounds_gib_s": v} for m, v in rounds.items()
+    }
     fio = results.get("fio", {}).get("gib_s")
     fio_huge = results.get("fio_hugemem", {}).get("gib_s")
     if "fio_hugemem" not in results:

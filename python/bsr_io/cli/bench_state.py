@@ -4,18 +4,22 @@ reference file for fio where it cannot read the records themselves."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bsr_io._core import Engine
+from bsr_io._core import Engine, Pending
 from bsr_io.cli.progress import bar
 from bsr_io.cli.synthetic import fill_chunk, fill_random
 from bsr_io.engine import as_numpy
+from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
-from bsr_io.tiers import SSDTier
+from bsr_io.tiers.base import Tier
 
 
-def write_state(l2: SSDTier, engine: Engine, lay: KVLayout, keys, seed: int, quiet: bool) -> float:
+def write_state(
+    l2: Tier, engine: Engine, lay: KVLayout, keys: Sequence[ChunkKey], seed: int, quiet: bool
+) -> float:
     """Every chunk through the L2 tier (O_DIRECT, durable); a few writers at a time."""
     n = lay.chunk_bytes
 
@@ -37,7 +41,7 @@ def write_state(l2: SSDTier, engine: Engine, lay: KVLayout, keys, seed: int, qui
 def write_fio_file(path: Path, size: int, engine: Engine, quiet: bool) -> None:
     """`size` random bytes with O_DIRECT through the engine, for fio to read back."""
     f = engine.open(path, create=True)
-    pending = []
+    pending: list[Pending] = []
     step = engine.slot_bytes
     with bar(size, "write fio reference file", quiet=quiet) as b:
         for i, off in enumerate(range(0, size, step)):

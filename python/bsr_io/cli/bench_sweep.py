@@ -35,7 +35,7 @@ from bsr_io.cli.progress import bar
 from bsr_io.cli.ranks import launch
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import make_scratch
-from bsr_io.model.layout import preset
+from bsr_io.model.layout import KVLayout, preset
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.model.sizes import GiB, fmt_size, parse_size
 
@@ -102,12 +102,12 @@ def _parse_tokens(text: str) -> list[int]:
     return vals
 
 
-def _say(args, msg: str) -> None:
+def _say(args: argparse.Namespace, msg: str) -> None:
     if not args.quiet:
         print(msg, flush=True)
 
 
-def _check(results: list[dict], what: str) -> list[dict]:
+def _check(results: list[dict[str, Any]], what: str) -> list[dict[str, Any]]:
     bad = [r for r in results if "outcome" not in r]
     if bad:
         raise RuntimeError(f"{what}: rank failed: {bad[0]}")
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         if any("chunks" not in r for r in filled):
             raise RuntimeError(f"fill failed: {filled}")
         _say(args, f"  written in {time.perf_counter() - t0:.1f} s")
-        rows = []
+        rows: list[dict[str, Any]] = []
         with bar(len(tokens), "sweep", quiet=args.quiet, unit="state") as progress:
             for n in tokens:
                 rows.append(_row(args, lay, n, l1, common))
@@ -159,11 +159,11 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(root, ignore_errors=True)
     for r in rows:
         r["vs_ssd"] = r["aggregate_gib_s"] / ref["engine_gib_s"] if ref else None
-    top = rows[-1]
+    top_row = rows[-1]
     for k in ("fio_s", "fio_hugemem_s"):
         # The largest restore's time over fio's for the same bytes (1.0 = at fio's pace).
-        top["restore_over_" + k.removesuffix("_s")] = (
-            top["restore_s"] / records[k] if records.get(k) else None
+        top_row["restore_over_" + k.removesuffix("_s")] = (
+            top_row["restore_s"] / records[k] if records.get(k) else None
         )
     doc = {
         "layout": args.layout,
@@ -186,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r["outcome"] == "complete" for r in rows) else 1
 
 
-def _row(args, lay, n: int, l1: int, common: dict) -> dict[str, Any]:
+def _row(
+    args: argparse.Namespace, lay: KVLayout, n: int, l1: int, common: dict[str, Any]
+) -> dict[str, Any]:
     state = lay.state_bytes(n)
     dest_cap = args.dest_cap // lay.token_bytes
     kw = {
@@ -251,7 +253,9 @@ def _row(args, lay, n: int, l1: int, common: dict) -> dict[str, Any]:
 FIO_DEPTH = 32
 
 
-def _records_fio(args, root: Path, lay, tokens: int, huge: HugeMem) -> dict[str, Any]:
+def _records_fio(
+    args: argparse.Namespace, root: Path, lay: KVLayout, tokens: int, huge: HugeMem
+) -> dict[str, Any]:
     """fio reading every rank's record payloads of the largest state, cold, all ranks'
     at once: on 4 KiB pages and on huge pages."""
     dirs = sorted(p for p in (root / "store" / "l2" / "chunks").iterdir() if p.is_dir())
@@ -289,7 +293,7 @@ def _records_fio(args, root: Path, lay, tokens: int, huge: HugeMem) -> dict[str,
     return out
 
 
-def _reference(args, root: Path, chunk: int, huge: HugeMem) -> dict[str, Any]:
+def _reference(args: argparse.Namespace, root: Path, chunk: int, huge: HugeMem) -> dict[str, Any]:
     """The `bench ssd` engine read (same W, chunk-sized slots) and fio, same run."""
     path = root / "bsr-io-sweep-ref.bin"
     slot = -(-chunk // 4096) * 4096  # the engine's slot for this chunk size
@@ -316,7 +320,7 @@ def _reference(args, root: Path, chunk: int, huge: HugeMem) -> dict[str, Any]:
         path.unlink(missing_ok=True)
 
 
-def _print(doc: dict) -> None:
+def _print(doc: dict[str, Any]) -> None:
     print(
         f"\nlayout {doc['layout']}  W={doc['window']}  chunk {doc['chunk_bytes']} B  "
         f"ranks {doc['ranks']}  cold cache: {doc['cold_cache']}"

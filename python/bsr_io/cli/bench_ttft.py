@@ -3,7 +3,7 @@
 One run writes a long prefix of a KV layout through the L2 tier once, then, with
 the page cache dropped before each measurement:
 
-- naive: the whole-plan baseline (testing/whole_plan.py) as LMCache 0.5.6's local disk
+- naive: the whole-plan baseline (cli/whole_plan.py) as LMCache 0.5.6's local disk
   backend runs it: an L1 buffer for every hit chunk from a resident pool, one buffered
   Python `readinto` per chunk file on 4 reader threads (its `disk_io_threads`), then
   the install of every staged chunk;
@@ -54,8 +54,8 @@ from bsr_io.model.sizes import GiB, fmt_size
 
 METHODS = ("naive", "naive_engine", "fio", "fast", "fio_hugemem")
 DONE_RATIO = 1.15  # the issue's target: fast_s within this factor of fio_s
-HUGE_RATIO = 1.10  # issue 21: fast_s within this factor of fio_hugemem_s
-CPU_GOAL = 0.15  # issue 21: restore CPU s/GiB (direct reads leave only the hash)
+HUGE_RATIO = 1.10  # fast_s within this factor of fio_hugemem_s
+CPU_GOAL = 0.15  # restore CPU s/GiB (direct reads leave only the hash)
 
 
 def register(bench_subparsers: Any) -> None:

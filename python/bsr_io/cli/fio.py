@@ -169,7 +169,9 @@ def huge_page_buffers(buffer_bytes: int) -> Iterator[HugeMem]:
                 NR_HUGEPAGES.write_text(f"{prev}\n")
 
 
-def _run(cmd: list[str], timeout_s: float, stdin: str | None = None) -> tuple[dict, float]:
+def _run(
+    cmd: list[str], timeout_s: float, stdin: str | None = None
+) -> tuple[dict[str, Any], float]:
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, input=stdin)
     wall = time.perf_counter() - t0
@@ -246,7 +248,7 @@ def fio_read(
 
 
 def fio_read_payloads(
-    directory: str | os.PathLike[str] | list,
+    directory: str | os.PathLike[str] | list[str] | list[Path],
     *,
     payload_offset: int,
     payload_bytes: int,
@@ -282,9 +284,9 @@ def fio_read_payloads(
     if tail:
         jobs.append(("tail", payload_offset + body, tail, tail_depth or iodepth, tail))
     text = ""
-    for d, (directory, nfiles) in enumerate(zip(dirs, counts, strict=True)):
+    for d, (one_dir, nfiles) in enumerate(zip(dirs, counts, strict=True)):
         common = (
-            f"opendir={os.fspath(directory)}\nioengine=io_uring\ndirect=1\nfixedbufs=1\n"
+            f"opendir={os.fspath(one_dir)}\nioengine=io_uring\ndirect=1\nfixedbufs=1\n"
             "rw=read\nfile_service_type=sequential\n"
         )
         for name, off, bs, depth, per_file in jobs:

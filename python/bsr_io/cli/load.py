@@ -45,7 +45,7 @@ def busiest(sample_s: float = 0.5, top: int = 5) -> list[dict[str, Any]]:
     before = _cpu_ticks()
     time.sleep(sample_s)
     after = _cpu_ticks()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for pid, (ticks, cmd) in after.items():
         used = ticks - before.get(pid, (ticks, ""))[0]
         if used > 0:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io.cli.scratch import make_scratch
-from bsr_io.tiers.mooncake_config import MooncakeConfig
+from bsr_io.tiers.mooncake import MooncakeConfig
 
 HOST = "127.0.0.1"
 _CLONE_NEWNET = 0x40000000
@@ -56,7 +56,8 @@ def mooncake_binaries() -> Path:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _listening(port: int) -> bool:

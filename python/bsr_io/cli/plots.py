@@ -11,14 +11,20 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bsr_io.model.sizes import GiB, MiB
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from matplotlib.figure import Figure
 
 __all__ = ["plot_sweep", "plot_ttft"]
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
+    """matplotlib.pyplot, on the Agg backend."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)  # files only; never needs a display
@@ -35,7 +41,7 @@ def _need(doc: Mapping[str, Any], keys: tuple[str, ...], what: str) -> None:
         raise ValueError(f"{what}: missing {', '.join(missing)}")
 
 
-def _save(fig, path: str | os.PathLike[str]) -> Path:
+def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     out = Path(path)
     if out.suffix.lower() != ".png":
         raise ValueError(f"plots are written as PNG; {out} does not end in .png")

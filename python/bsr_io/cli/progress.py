@@ -17,15 +17,27 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from tqdm import tqdm
-
-__all__ = ["ProgressWatcher", "RankProgress", "bar"]
+__all__ = ["Bar", "ProgressWatcher", "RankProgress", "bar"]
 
 # A bar appears only once its step has run this long; shorter steps print nothing.
 DELAY_S = 1.0
+
+
+class Bar(Protocol):
+    """What the CLI uses of a bar: a tqdm bar, or `_NoBar` without tqdm."""
+
+    total: float | None
+    n: float
+
+    def update(self, n: float = 1) -> object: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Bar: ...
+
+    def __exit__(self, *exc: object) -> object: ...
 
 
 def bar(
@@ -35,15 +47,15 @@ def bar(
     quiet: bool = False,
     unit: str = "B",
     **kw: Any,
-) -> tqdm:
+) -> Bar:
     """A tqdm bar on stderr; bytes are shown in KiB/MiB/GiB. Disabled when `quiet`, when
     stderr is not a terminal (logs get no carriage-return noise), or without tqdm."""
     try:
         from tqdm import tqdm
     except ModuleNotFoundError:
-        return _NoBar(total)  # type: ignore[return-value]
+        return _NoBar(total)
     byte_unit = unit == "B"
-    return tqdm(
+    b: Bar = tqdm(  # tqdm ships no types (see pyproject.toml): typed here, at the seam
         total=total,
         desc=desc,
         unit=unit,
@@ -56,6 +68,7 @@ def bar(
         file=sys.stderr,
         **kw,
     )
+    return b
 
 
 class _NoBar:
@@ -143,7 +156,7 @@ class ProgressWatcher:
         self._thread: threading.Thread | None = None
         # (rank, seq) -> (phase, done, total, unit); bars by (seq, phase).
         self._seen: dict[tuple[int, int], tuple[str, int, int, str]] = {}
-        self._bars: dict[tuple[int, str], tqdm] = {}
+        self._bars: dict[tuple[int, str], Bar] = {}
         self._finished: set[tuple[int, str]] = set()
 
     def __enter__(self) -> ProgressWatcher:

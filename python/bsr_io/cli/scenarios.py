@@ -12,7 +12,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -21,11 +21,22 @@ from bsr_io.cli.synthetic import fill_state, synthetic_chunk, synthetic_tokens
 from bsr_io.cli.whole_plan import WholePlanRestorer
 from bsr_io.commit import Agreement
 from bsr_io.faults import Fault, FaultPlan
-from bsr_io.load.kvcache import PagedKVCache
-from bsr_io.model.keys import chunk_keys
+from bsr_io.load.kvcache import Destination, Fence, PagedKVCache
+from bsr_io.model.keys import ChunkKey, chunk_keys
 from bsr_io.model.layout import preset
 from bsr_io.restore import Restorer
 from bsr_io.store import Store, open_store
+
+if TYPE_CHECKING:
+    import threading
+
+    from bsr_io.model.layout import KVLayout
+
+
+class _RecordFiles(Protocol):
+    """A tier whose records are files (SSDTier; a FaultyTier forwards `path_of` to it)."""
+
+    def path_of(self, key: ChunkKey) -> Path: ...
 
 
 class _KillAt:
@@ -36,7 +47,7 @@ class _KillAt:
         self.layout = inner.layout
         self.capacity_chunks = inner.capacity_chunks
 
-    def install(self, chunk_index: int, payload: torch.Tensor):
+    def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
         if chunk_index == self.at:
             os.kill(os.getpid(), signal.SIGKILL)
         return self.inner.install(chunk_index, payload)
@@ -64,7 +75,7 @@ def vmhwm_reset() -> int:
     return vmhwm_bytes()
 
 
-def _destination(lay, tokens: int, cap_tokens: int | None) -> PagedKVCache:
+def _destination(lay: KVLayout, tokens: int, cap_tokens: int | None) -> PagedKVCache:
     """A paged cache for `tokens`; with `cap_tokens`, block ids cycle within that many
     tokens' worth of blocks, so every byte is still installed but host memory stays
     bounded (for states larger than this machine's RAM)."""
@@ -88,12 +99,12 @@ def restore_on_rank(
     *,
     root: str,
     layout: str = "tiny",
-    layout_kw: dict | None = None,
+    layout_kw: dict[str, Any] | None = None,
     tokens: int = 320,
     window: int = 4,
     seed: int = 11,
     model: str = "scenario",
-    faults: list[dict] | None = None,
+    faults: list[dict[str, Any]] | None = None,
     l3: str = "none",  # "none": no L3; "empty": an L3 without the state; "copy": L3 holds it
     fill: bool = True,
     mode: str = "bsr",  # or "whole_plan"
@@ -155,12 +166,12 @@ def restore_on_rank(
     t1 = time.perf_counter()
     plan = r.probe(token_ids)
     if fifo_at_chunk is not None and fifo_rank == rank:
-        path = store.tier("L2").path_of(keys[fifo_at_chunk])
+        path = cast(_RecordFiles, store.tier("L2")).path_of(keys[fifo_at_chunk])
         path.unlink()
         os.mkfifo(path)  # no writer: a blocking open would never return
     held = [engine.lease() for _ in range(hold_slots)]
     saver = _save_in_background(r, lay, shared_save_chunks, seed) if shared_save_chunks else None
-    target = dest
+    target: Destination = dest
     if kill_at_chunk is not None and kill_rank == rank:
         target = _KillAt(dest, kill_at_chunk)
     if mode == "bsr":
@@ -209,7 +220,9 @@ def restore_on_rank(
     }
 
 
-def _save_in_background(r: Restorer, lay, chunks: int, seed: int):
+def _save_in_background(
+    r: Restorer, lay: KVLayout, chunks: int, seed: int
+) -> tuple[threading.Thread, list[int]]:
     """(thread, result list): a save of `chunks` chunks of other tokens through `r`'s
     engine, racing the restore for its slots."""
     import threading
@@ -219,9 +232,9 @@ def _save_in_background(r: Restorer, lay, chunks: int, seed: int):
         t.view(torch.uint8).fill_(0x5A)
     other = synthetic_tokens(seed + 99, chunks * lay.chunk_tokens)
     out: list[int] = []
-    t = threading.Thread(target=lambda: out.append(r.save(other, src)), daemon=True)
-    t.start()
-    return t, out
+    thread = threading.Thread(target=lambda: out.append(r.save(other, src)), daemon=True)
+    thread.start()
+    return thread, out
 
 
 def _fault(kind: str, *, tier: str = "L2", **kw: Any) -> dict[str, Any]:
@@ -315,7 +328,7 @@ def fill_on_rank(
     root: str,
     layout: str,
     tokens: int,
-    layout_kw: dict | None = None,
+    layout_kw: dict[str, Any] | None = None,
     seed: int = 11,
     model: str = "scenario",
     window: int = 8,

@@ -62,7 +62,7 @@ def run_stats(args: argparse.Namespace) -> int:
         groups[(key.model, key.world_size, key.rank, key.layout_fingerprint)] += 1
     for header in tier.headers():
         nbytes += header.record_bytes
-    out = {
+    out: dict[str, Any] = {
         "dir": str(tier.root),
         "records": len(tier.keys()),
         "bytes": nbytes,
@@ -107,8 +107,8 @@ def run_verify(args: argparse.Namespace) -> int:
                     ok += 1
                 except ChunkError as exc:
                     bad.append((key.short(), path, str(exc)))
-    for key, path, reason in bad:
-        print(f"CORRUPT {key} {path}: {reason}")
+    for short, path, reason in bad:
+        print(f"CORRUPT {short} {path}: {reason}")
     earlier = len(scan.quarantined_files()) - len(bad)
     print(
         f"{ok} records verified, {len(bad)} corrupt"

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bsr_io._core import Engine
 from bsr_io.cli.bench_remote import add_pool_args, pool_config
 from bsr_io.cli.synthetic import synthetic_chunk, synthetic_tokens
 from bsr_io.errors import ChunkError
-from bsr_io.model.keys import chunk_keys
-from bsr_io.model.layout import PRESETS, preset
+from bsr_io.model.keys import ChunkKey, chunk_keys
+from bsr_io.model.layout import PRESETS, KVLayout, preset
+
+if TYPE_CHECKING:
+    from bsr_io.tiers.mooncake import MooncakeTier
 
 
 def register_pool(store_sub: Any) -> None:
@@ -44,7 +47,7 @@ def register_pool(store_sub: Any) -> None:
         s.set_defaults(func=func)
 
 
-def _open(args: argparse.Namespace):
+def _open(args: argparse.Namespace) -> tuple[MooncakeTier, KVLayout, list[ChunkKey]]:
     from bsr_io.tiers.mooncake import MooncakeTier
 
     cfg = pool_config(args)

@@ -34,9 +34,9 @@ class TtftPaths:
 
     def __init__(self, args: argparse.Namespace, root: Path, lay: KVLayout) -> None:
         self.args, self.root, self.lay = args, root, lay
-        self.chunks = args.tokens // lay.chunk_tokens
-        self.tokens = self.chunks * lay.chunk_tokens
-        self.state = self.chunks * lay.chunk_bytes
+        self.chunks: int = args.tokens // lay.chunk_tokens
+        self.tokens: int = self.chunks * lay.chunk_tokens
+        self.state: int = self.chunks * lay.chunk_bytes
         self.seed = 5
         self.token_ids = synthetic_tokens(self.seed, self.tokens)
         self.keys = chunk_keys(self.token_ids, lay, MODEL, 0, 1)
@@ -81,6 +81,7 @@ class TtftPaths:
         plan = self.fast.probe(self.token_ids)
         if plan.hit_chunks != self.chunks:
             raise RuntimeError(f"probe found {plan.hit_chunks} of {self.chunks} chunks")
+        assert self.dest is not None
         res = wp.restore(plan, self.dest)
         seconds = time.perf_counter() - t0
         growth = vmhwm_bytes() - h0
@@ -125,6 +126,7 @@ class TtftPaths:
         c0 = process_cpu_s()
         t0 = time.perf_counter()
         plan = self.fast.probe(self.token_ids)
+        assert self.dest is not None
         res = self.fast.restore(plan, self.dest)
         seconds = time.perf_counter() - t0
         cpu = process_cpu_s() - c0
@@ -160,8 +162,10 @@ class TtftPaths:
 
     def check(self) -> bool:
         """The first and last chunk in the destination are the bytes that were written."""
+        dest = self.dest
+        assert dest is not None
         return all(
-            self.dest.chunk_bytes(i) == synthetic_chunk(self.lay, self.seed, i).tobytes()
+            dest.chunk_bytes(i) == synthetic_chunk(self.lay, self.seed, i).tobytes()
             for i in {0, self.chunks - 1}
         )
 

@@ -18,7 +18,7 @@ from bsr_io.cli.synthetic import fill_destination, synthetic_tokens
 from bsr_io.cli.whole_plan import WholePlanRestorer
 from bsr_io.commit import Agreement
 from bsr_io.faults import Fault, FaultPlan
-from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.load.kvcache import Fence, PagedKVCache
 from bsr_io.metrics import RestoreMetrics
 from bsr_io.model.layout import preset
 from bsr_io.model.sizes import GiB
@@ -34,7 +34,7 @@ class _Counting:
         self.inner, self.progress, self.chunk_bytes = inner, progress, chunk_bytes
         self.capacity_chunks = inner.capacity_chunks
 
-    def install(self, chunk_index: int, payload: torch.Tensor):
+    def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
         fence = self.inner.install(chunk_index, payload)
         self.progress.advance(self.chunk_bytes)
         return fence
@@ -55,7 +55,8 @@ def _chunk_sums(cache: PagedKVCache, chunks: int) -> list[tuple[int, ...]]:
         sums = []
         for g, t in zip(lay.groups, cache.tensors, strict=True):
             per = lay.chunk_tokens // g.block_tokens
-            sums.append(xxh3_64(t[i * per : (i + 1) * per].reshape(-1).view(torch.uint8).numpy()))
+            chunk = t[i * per : (i + 1) * per].reshape(-1).view(torch.uint8).numpy()
+            sums.append(xxh3_64(chunk.data))
         out.append(tuple(sums))
     return out
 
@@ -219,7 +220,9 @@ def demo_rank(
     prog.finish()
 
     # Fault round: one rank cannot read one chunk from L2.
-    faults = FaultPlan([Fault("error", "L2", chunks=[fault_chunk], ranks=[fault_rank])])
+    faults = FaultPlan(
+        [Fault("error", "L2", chunks=frozenset({fault_chunk}), ranks=frozenset({fault_rank}))]
+    )
     keys = bsr.keys(token_ids)  # the request whose chunk positions the fault names
     runs["fault_no_l3_copy"] = bsr_restore(
         "fault round: no L3 copy",

@@ -8,7 +8,9 @@ from typing import Any
 from bsr_io.model.sizes import GiB, fmt_size
 
 
-def summarize(results: list[dict], wall_s: float, root: Path, kept: bool) -> dict[str, Any]:
+def summarize(
+    results: list[dict[str, Any]], wall_s: float, root: Path, kept: bool
+) -> dict[str, Any]:
     r0 = results[0]
     runs = {name: [r["runs"][name] for r in results] for name in r0["runs"]}
     bsr, half = runs["bsr"], runs["bsr_half"]
@@ -68,11 +70,12 @@ def summarize(results: list[dict], wall_s: float, root: Path, kept: bool) -> dic
     }
 
 
-def _max(xs: list[dict], key: str) -> float:
-    return max(x[key] for x in xs)
+def _max(xs: list[dict[str, Any]], key: str) -> float:
+    peak: float = max(x[key] for x in xs)  # JSON numbers: int or float
+    return peak
 
 
-def _outcomes(xs: list[dict]) -> str:
+def _outcomes(xs: list[dict[str, Any]]) -> str:
     return "/".join(x["outcome"] for x in xs)
 
 
@@ -95,7 +98,7 @@ def print_report(doc: dict[str, Any]) -> None:
     print(hdr)
     print("-" * len(hdr))
 
-    def row(label: str, xs: list[dict], peak_key: str) -> None:
+    def row(label: str, xs: list[dict[str, Any]], peak_key: str) -> None:
         rate = min(x["gib_s"] for x in xs) if all(x["gib_s"] for x in xs) else None
         print(
             f"{label:<34} {_outcomes(xs):<18} {fmt_size(_max(xs, peak_key)):>13} "
