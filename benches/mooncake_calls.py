@@ -1,5 +1,5 @@
 """What the Mooncake client itself gives per call shape on a loopback pool, with no bsr-io
-path around it: the measurement behind the Mooncake tier's calls (tiers/mooncake.py).
+path around it: the measurement behind the Mooncake tier's calls (tiers/mooncake/).
 
 The same objects (one chunk record each) are read into registered buffers: the whole
 state in one `batch_get_into` call (the bulk read `bench remote` compares with), or one

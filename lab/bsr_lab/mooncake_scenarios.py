@@ -33,8 +33,7 @@ from bsr_io.model.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.store import Store
 from bsr_io.tiers import SSDTier
-from bsr_io.tiers.mooncake import MooncakeTier
-from bsr_io.tiers.mooncake_config import MooncakeConfig
+from bsr_io.tiers.mooncake import MooncakeConfig, MooncakeTier
 
 CASES = ("through", "l2_bad", "removed", "node_kill", "node_stop")
 

@@ -6,8 +6,7 @@ from bsr_io.tiers.base import PendingChunk, Tier
 from bsr_io.tiers.files import FileTier
 from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.memory import MemoryTier
-from bsr_io.tiers.mooncake import MooncakeTier
-from bsr_io.tiers.mooncake_config import MooncakeConfig
+from bsr_io.tiers.mooncake import MooncakeConfig, MooncakeTier
 from bsr_io.tiers.ssd import SSDTier
 from bsr_io.tiers.striped import StripedSSDTier
 

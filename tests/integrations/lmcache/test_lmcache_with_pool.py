@@ -16,7 +16,7 @@ mf.require_mooncake()
 
 from bsr_io.integrations.lmcache.config import Settings, lmcache_settings  # noqa: E402
 from bsr_io.integrations.lmcache.plugin import BsrStoragePlugin  # noqa: E402
-from bsr_io.tiers.mooncake_config import MooncakeConfig  # noqa: E402
+from bsr_io.tiers.mooncake import MooncakeConfig  # noqa: E402
 from bsr_lab.lmcache import harness as h  # noqa: E402
 
 _loopback_ns, netns, pool = mf._loopback_ns, mf.netns, mf.pool

@@ -33,7 +33,7 @@ from bsr_io.model.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.store import Store
 from bsr_io.tiers import LowerTier
-from bsr_io.tiers.mooncake_config import MooncakeConfig
+from bsr_io.tiers.mooncake import MooncakeConfig
 
 mf.require_mooncake()
 from bsr_io.tiers.mooncake import MooncakeTier  # noqa: E402

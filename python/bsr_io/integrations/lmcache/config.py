@@ -2,7 +2,8 @@
 
 LMCache loads a storage plugin from `storage_plugins: [<name>]` plus
 `extra_config["storage_plugin.<name>.module_path" / ".class_name"]`. bsr-io's own
-knobs live in the same `extra_config` under `bsr.`:
+knobs live in the same `extra_config` under `bsr.` (the table `KEYS`: types, defaults,
+ranges; an unknown `bsr.` key is refused, LMCache's own keys are left to it):
 
     bsr.path             directory of the SSD tier (required)
     bsr.capacity         SSD tier capacity: bytes or a size such as "64GiB" (default: no cap)
@@ -14,7 +15,7 @@ knobs live in the same `extra_config` under `bsr.`:
     bsr.io_backend       engine backend: "auto", "io_uring", "io_uring_plain", "pread"
     bsr.queue_depth      io_uring queue depth (32)
     bsr.mooncake.*       a Mooncake Store pool as L3 under the SSD tier: master,
-                         metadata_server, protocol, timeout_s... (bsr_io.tiers.mooncake_config)
+                         metadata_server, protocol, timeout_s... (bsr_io.tiers.mooncake.config)
 """
 
 from __future__ import annotations
@@ -23,68 +24,60 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from bsr_io.model.sizes import parse_size
-from bsr_io.tiers.mooncake_config import MooncakeConfig
+from bsr_io.settings import Key, Table, at_least, parse, positive
+from bsr_io.tiers.mooncake import MooncakeConfig
 
 PLUGIN_NAME = "bsr"
 MODULE_PATH = "bsr_io.integrations.lmcache.plugin"
 CLASS_NAME = "BsrStoragePlugin"
 
-
-def _bool(v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    s = str(v).strip().lower()
-    if s in ("1", "true", "yes", "on"):
-        return True
-    if s in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"not a boolean: {v!r}")
-
-
-def _size(v: Any) -> int:
-    return v if isinstance(v, int) else parse_size(str(v))
+KEYS = Table(
+    (
+        Key("path", "str", missing="extra_config needs '{label}' (the SSD tier's directory)"),
+        Key("capacity", "size", None, "bytes or a size such as '64GiB'", at_least(0)),
+        Key("window", "int", 32, "at least 1", at_least(1)),
+        Key("bounded_retrieve", "bool", True, "true or false"),
+        Key("agreement", "str", "none", "'none' or 'world'", choices=("none", "world"), fold=True),
+        Key("timeout_s", "float", 30.0, "positive", positive),
+        Key("io_backend", "str", "auto"),
+        Key("queue_depth", "int", 32, "an int"),
+    ),
+    label="bsr.{name}",
+    unknown="unknown bsr.* keys in extra_config {unknown}; known: {known} and bsr.mooncake.*",
+    missing="extra_config needs 'bsr.{name}'",
+    prefix="bsr.",
+    others=("mooncake.",),
+    text=True,
+)
+"""bsr-io's keys in LMCache's `extra_config` (the module doc says what each does); the
+`bsr.mooncake.*` keys are `MooncakeConfig`'s."""
+_D = KEYS.default
 
 
 @dataclass(frozen=True)
 class Settings:
     path: str
-    capacity: int | None = None
-    window: int = 32
-    bounded_retrieve: bool = True
-    agreement: str = "none"
-    timeout_s: float = 30.0
-    io_backend: str = "auto"
-    queue_depth: int = 32
+    capacity: int | None = _D("capacity")
+    window: int = _D("window")
+    bounded_retrieve: bool = _D("bounded_retrieve")
+    agreement: str = _D("agreement")
+    timeout_s: float = _D("timeout_s")
+    io_backend: str = _D("io_backend")
+    queue_depth: int = _D("queue_depth")
     mooncake: MooncakeConfig | None = None  # a pool as L3 below the SSD tier
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> Settings:
-        """Read `bsr.*` keys; ValueError naming the key when one is missing or bad."""
+        """Read `bsr.*` keys; ValueError naming the key when one is unknown, missing or bad."""
         extra = extra or {}
-        if not extra.get("bsr.path"):
-            raise ValueError("extra_config needs 'bsr.path' (the SSD tier's directory)")
+        values = parse(KEYS, extra)
+        if not values["capacity"]:
+            values["capacity"] = None  # 0: no cap
         try:
-            s = cls(
-                path=str(extra["bsr.path"]),
-                capacity=_size(extra["bsr.capacity"]) if extra.get("bsr.capacity") else None,
-                window=int(extra.get("bsr.window", cls.window)),
-                bounded_retrieve=_bool(extra.get("bsr.bounded_retrieve", cls.bounded_retrieve)),
-                agreement=str(extra.get("bsr.agreement", cls.agreement)).lower(),
-                timeout_s=float(extra.get("bsr.timeout_s", cls.timeout_s)),
-                io_backend=str(extra.get("bsr.io_backend", cls.io_backend)),
-                queue_depth=int(extra.get("bsr.queue_depth", cls.queue_depth)),
-                mooncake=MooncakeConfig.from_extra_config(extra),
-            )
-        except (TypeError, ValueError) as exc:
+            mooncake = MooncakeConfig.from_extra_config(extra)
+        except ValueError as exc:
             raise ValueError(f"bad bsr.* setting in extra_config: {exc}") from None
-        if s.window < 1:
-            raise ValueError(f"bsr.window must be at least 1, got {s.window}")
-        if s.agreement not in ("none", "world"):
-            raise ValueError(f"bsr.agreement must be 'none' or 'world', got {s.agreement!r}")
-        if s.timeout_s <= 0:
-            raise ValueError(f"bsr.timeout_s must be positive, got {s.timeout_s}")
-        return s
+        return cls(**values, mooncake=mooncake)
 
 
 def lmcache_settings(

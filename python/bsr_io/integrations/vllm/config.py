@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
-from bsr_io.tiers.mooncake_config import EXTRA_PREFIX, MooncakeConfig
+from bsr_io.settings import Key, Table, at_least, not_empty, parse, positive
+from bsr_io.tiers.mooncake import EXTRA_PREFIX, MooncakeConfig
 
 DEFAULT_WINDOW = 8
 DEFAULT_CHUNK_TOKENS = 256
@@ -38,54 +39,69 @@ def check_chunk_tokens(
         )
 
 
-@overload
-def _int(extra: dict[str, Any], name: str, default: int, minimum: int = 1) -> int: ...
-@overload
-def _int(extra: dict[str, Any], name: str, default: None, minimum: int = 1) -> int | None: ...
-def _int(extra: dict[str, Any], name: str, default: int | None, minimum: int = 1) -> int | None:
-    value = extra.get(name, default)
-    if value is None and default is None:
-        return None  # optional and not set (an explicit null where a default exists is refused)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(
-            f"kv_connector_extra_config.{name} must be an int >= {minimum}, got {value!r}"
-        )
-    return value
+_INT = "an int >= {}"
+_POSITIVE = "a positive number"
+_TEXT = "a non-empty string"
 
-
-def _float(extra: dict[str, Any], name: str, default: float) -> float:
-    value = extra.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(
-            f"kv_connector_extra_config.{name} must be a positive number, got {value!r}"
-        )
-    return float(value)
+KEYS = Table(
+    (
+        Key(
+            "store_dir",
+            "str",
+            allowed=_TEXT,
+            check=not_empty,
+            missing="{label} (the SSD directory of bsr-io's store) is required",
+        ),
+        Key("lower_dir", "str", None, _TEXT, not_empty),
+        Key("store_bytes", "int", None, _INT.format(1), at_least(1)),
+        Key("window", "int", DEFAULT_WINDOW, _INT.format(1), at_least(1)),
+        Key("chunk_tokens", "int", DEFAULT_CHUNK_TOKENS, _INT.format(1), at_least(1)),
+        Key("load_timeout_s", "float", 30.0, _POSITIVE, positive),
+        Key("save_timeout_s", "float", 120.0, _POSITIVE, positive),
+        Key("save", "bool", True, "true or false"),
+        Key("step_save_budget_s", "float", 0.05, _POSITIVE, positive),
+        Key("rescan_s", "float", 5.0, _POSITIVE, positive),
+        Key("hash_inline_tokens", "int", 32768, _INT.format(0), at_least(0)),
+        Key("model", "str", None, _TEXT, not_empty),
+        Key("events_path", "str", None, _TEXT, not_empty),
+        Key("metrics_port", "int", None, _INT.format(1), at_least(1)),
+        Key("accept_load_errors", "bool", False, "true or false"),
+    ),
+    label="kv_connector_extra_config.{name}",
+    unknown="unknown kv_connector_extra_config keys {unknown}; known: {known}",
+    missing="kv_connector_extra_config.{name} is required",
+    others=(EXTRA_PREFIX,),
+    error=ConfigError,
+)
+"""The connector's `kv_connector_extra_config` keys (values as JSON gives them: no text
+read as numbers); the `bsr.mooncake.*` keys are `MooncakeConfig`'s."""
+_D = KEYS.default
 
 
 @dataclass(frozen=True)
 class ConnectorConfig:
     store_dir: str
-    lower_dir: str | None = None
+    lower_dir: str | None = _D("lower_dir")
     # The SSD tier's cap, per TP rank: each worker counts and evicts only its own rank's
     # records (its `-w<W>r<R>` directories), so a store shared by TP ranks holds at most
     # tp x store_bytes and no rank evicts another's records.
-    store_bytes: int | None = None
-    window: int = DEFAULT_WINDOW
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    load_timeout_s: float = 30.0
-    save_timeout_s: float = 120.0
-    save: bool = True
+    store_bytes: int | None = _D("store_bytes")
+    window: int = _D("window")
+    chunk_tokens: int = _D("chunk_tokens")
+    load_timeout_s: float = _D("load_timeout_s")
+    save_timeout_s: float = _D("save_timeout_s")
+    save: bool = _D("save")
     # Sliding-window records are cut in the step that computed them; a step waits at
     # most this long for a free save slot, then skips the record (a future miss).
-    step_save_budget_s: float = 0.05
-    rescan_s: float = 5.0  # the scheduler re-lists the store for records others wrote
+    step_save_budget_s: float = _D("step_save_budget_s")
+    rescan_s: float = _D("rescan_s")  # the scheduler re-lists the store for records others wrote
     # A new request with more tokens than this still to hash is hashed on a thread of its
     # own, and vLLM is told to ask again next pass (a 512K-token prompt then costs the
     # scheduler thread microseconds, not the hash's milliseconds); shorter ones inline.
-    hash_inline_tokens: int = 32768
-    model: str | None = None  # identity of the weights; default: vLLM's model and revision
-    events_path: str | None = None  # JSON lines, one per load and save outcome
-    metrics_port: int | None = None  # Prometheus on 127.0.0.1:<port + TP rank>
+    hash_inline_tokens: int = _D("hash_inline_tokens")
+    model: str | None = _D("model")  # identity of the weights; default: vLLM's model and revision
+    events_path: str | None = _D("events_path")  # JSON lines, one per load and save outcome
+    metrics_port: int | None = _D("metrics_port")  # Prometheus on 127.0.0.1:<port + TP rank>
     # A Mooncake Store pool below the SSD tier (`bsr.mooncake.*` keys, as the LMCache
     # plugin takes them): saves write through, loads read it where the SSD tier misses.
     mooncake: MooncakeConfig | None = None
@@ -98,14 +114,10 @@ class ConnectorConfig:
         (`BsrIoConnector.get_required_kvcache_layout`) as well as in its constructor."""
         kv = vllm_config.kv_transfer_config
         extra = dict(kv.kv_connector_extra_config or {})
-        known = (set(cls.__dataclass_fields__) - {"mooncake"}) | {"accept_load_errors"}
-        unknown = sorted(k for k in set(extra) - known if not k.startswith(EXTRA_PREFIX))
-        if unknown:
-            raise ConfigError(
-                f"unknown kv_connector_extra_config keys {unknown}; known: {sorted(known)}"
-            )
+        values = parse(KEYS, extra)
+        accept_errors = values.pop("accept_load_errors")
         policy = getattr(kv, "kv_load_failure_policy", "fail")
-        if policy != "recompute" and not extra.get("accept_load_errors", False):
+        if policy != "recompute" and not accept_errors:
             raise ConfigError(
                 f'kv_load_failure_policy is "{policy}": a failed bsr-io load would then end '
                 "the request with an error instead of recomputing it. Set "
@@ -118,13 +130,7 @@ class ConnectorConfig:
                 "prefix caching is off: vLLM would never cache restored blocks nor hand "
                 "bsr-io a local hit to extend; start vLLM with --enable-prefix-caching"
             )
-        store_dir = extra.get("store_dir")
-        if not isinstance(store_dir, str) or not store_dir:
-            raise ConfigError(
-                "kv_connector_extra_config.store_dir (the SSD directory of "
-                "bsr-io's store) is required"
-            )
-        chunk_tokens = _int(extra, "chunk_tokens", DEFAULT_CHUNK_TOKENS)
+        chunk_tokens = values["chunk_tokens"]
         block = int(cache.block_size)
         if chunk_tokens % block:
             raise ConfigError(
@@ -146,31 +152,4 @@ class ConnectorConfig:
             mooncake = MooncakeConfig.from_extra_config(extra)
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config {EXTRA_PREFIX}*: {exc}") from None
-        lower = extra.get("lower_dir")
-        model = extra.get("model")
-        events = extra.get("events_path")
-        for name, value in (("lower_dir", lower), ("model", model), ("events_path", events)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(
-                    f"kv_connector_extra_config.{name} must be a non-empty string, got {value!r}"
-                )
-        save = extra.get("save", True)
-        if not isinstance(save, bool):
-            raise ConfigError(f"kv_connector_extra_config.save must be true or false, got {save!r}")
-        return cls(
-            store_dir=store_dir,
-            lower_dir=lower,
-            store_bytes=_int(extra, "store_bytes", None),
-            window=_int(extra, "window", DEFAULT_WINDOW),
-            chunk_tokens=chunk_tokens,
-            load_timeout_s=_float(extra, "load_timeout_s", 30.0),
-            save_timeout_s=_float(extra, "save_timeout_s", 120.0),
-            step_save_budget_s=_float(extra, "step_save_budget_s", 0.05),
-            rescan_s=_float(extra, "rescan_s", 5.0),
-            hash_inline_tokens=_int(extra, "hash_inline_tokens", 32768, minimum=0),
-            save=save,
-            model=model,
-            events_path=events,
-            metrics_port=_int(extra, "metrics_port", None),
-            mooncake=mooncake,
-        )
+        return cls(**values, mooncake=mooncake)

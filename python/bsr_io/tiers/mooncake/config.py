@@ -4,7 +4,8 @@ Importing this module does not import Mooncake, so a connector can read its conf
 (and report a bad one) before the optional package is needed.
 
 Keys (a plain dict, `MooncakeConfig.from_dict`; in an LMCache / vLLM `extra_config`
-the same keys carry the prefix `bsr.mooncake.`, `MooncakeConfig.from_extra_config`):
+the same keys carry the prefix `bsr.mooncake.`, `MooncakeConfig.from_extra_config`);
+their types, defaults and ranges are the table `KEYS` (`bsr_io.settings`):
 
     master            master RPC address host:port (required)
     metadata_server   transfer-engine metadata: "http://host:port/metadata" (the
@@ -49,91 +50,73 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from bsr_io.settings import REQUIRED, Key, Table, at_least, not_empty, parse, positive, validate
+
 EXTRA_PREFIX = "bsr.mooncake."
 IO_PRIORITIES = ("low", "idle", "normal")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _HOSTPORT = re.compile(r"^[A-Za-z0-9_.:\-\[\]]+:\d{1,5}$")
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+KEYS = Table(
+    (
+        Key("master", "str", REQUIRED, "host:port", lambda v: bool(_HOSTPORT.match(v))),
+        Key(
+            "metadata_server",
+            "str",
+            REQUIRED,
+            check=not_empty,
+            message="{label} is required (e.g. http://HOST:PORT/metadata, the master's "
+            "--enable_http_metadata_server)",
+        ),
+        Key("protocol", "str", "tcp", "'tcp' or 'rdma'", choices=("tcp", "rdma")),
+        Key("device_name", "str", ""),
+        Key("local_hostname", "str", "127.0.0.1"),
+        Key("bind_address", "str", None),
+        Key("timeout_s", "float", 10.0, "positive", positive),
+        Key("transfer_timeout_s", "int", None, "at least 1 s", at_least(1)),
+        Key("replica_num", "int", 1, ">= 1", at_least(1)),
+        Key("key_prefix", "str", "bsr-io", "[A-Za-z0-9_.-]+", lambda v: bool(_NAME.fullmatch(v))),
+        Key("io_threads", "int", 2, ">= 1", at_least(1)),
+        Key("io_priority", "str", "low", f"one of {IO_PRIORITIES}", choices=IO_PRIORITIES),
+        Key("direct_reads", "bool", True, "true or false"),
+        Key("snapshot_s", "float", 1.0, ">= 0", at_least(0)),
+        Key("down_s", "float", 5.0, ">= 0", at_least(0)),
+    ),
+    label="mooncake {name}",
+    unknown="unknown mooncake setting(s) {unknown}; known: {known}",
+    missing="mooncake setting '{name}' is required",
+    text=True,
+    null_is_default=True,
+)
+"""The keys: their types, defaults and ranges (the module doc says what each does)."""
+_D = KEYS.default
 
 
 @dataclass(frozen=True)
 class MooncakeConfig:
     master: str
     metadata_server: str
-    protocol: str = "tcp"
-    device_name: str = ""
-    local_hostname: str = "127.0.0.1"
-    bind_address: str | None = None
-    timeout_s: float = 10.0
-    transfer_timeout_s: int | None = None
-    replica_num: int = 1
-    key_prefix: str = "bsr-io"
-    io_threads: int = 2
-    io_priority: str = "low"
-    direct_reads: bool = True
-    snapshot_s: float = 1.0
-    down_s: float = 5.0
+    protocol: str = _D("protocol")
+    device_name: str = _D("device_name")
+    local_hostname: str = _D("local_hostname")
+    bind_address: str | None = _D("bind_address")
+    timeout_s: float = _D("timeout_s")
+    transfer_timeout_s: int | None = _D("transfer_timeout_s")
+    replica_num: int = _D("replica_num")
+    key_prefix: str = _D("key_prefix")
+    io_threads: int = _D("io_threads")
+    io_priority: str = _D("io_priority")
+    direct_reads: bool = _D("direct_reads")
+    snapshot_s: float = _D("snapshot_s")
+    down_s: float = _D("down_s")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.master, str) or not _HOSTPORT.match(self.master):
-            raise ValueError(f"mooncake master must be host:port, got {self.master!r}")
-        if not self.metadata_server:
-            raise ValueError(
-                "mooncake metadata_server is required (e.g. http://HOST:PORT/metadata, the "
-                "master's --enable_http_metadata_server)"
-            )
-        if self.protocol not in ("tcp", "rdma"):
-            raise ValueError(f"mooncake protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"mooncake timeout_s must be positive, got {self.timeout_s}")
-        if self.transfer_timeout_s is not None and self.transfer_timeout_s < 1:
-            raise ValueError(
-                f"mooncake transfer_timeout_s must be at least 1 s, got {self.transfer_timeout_s}"
-            )
-        if self.replica_num < 1:
-            raise ValueError(f"mooncake replica_num must be >= 1, got {self.replica_num}")
-        if self.io_threads < 1:
-            raise ValueError(f"mooncake io_threads must be >= 1, got {self.io_threads}")
-        if self.io_priority not in IO_PRIORITIES:
-            raise ValueError(
-                f"mooncake io_priority must be one of {IO_PRIORITIES}, got {self.io_priority!r}"
-            )
-        if not isinstance(self.direct_reads, bool):
-            raise ValueError(f"mooncake direct_reads must be a bool, got {self.direct_reads!r}")
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", self.key_prefix or ""):
-            raise ValueError(
-                f"mooncake key_prefix must be [A-Za-z0-9_.-]+, got {self.key_prefix!r}"
-            )
-        if self.snapshot_s < 0:
-            raise ValueError(f"mooncake snapshot_s must be >= 0, got {self.snapshot_s}")
-        if self.down_s < 0:
-            raise ValueError(f"mooncake down_s must be >= 0, got {self.down_s}")
+        validate(KEYS, {f.name: getattr(self, f.name) for f in fields(self)})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MooncakeConfig:
         """From plain keys (see the module doc); ValueError names an unknown or bad key."""
-        names = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(d) - set(names))
-        if unknown:
-            raise ValueError(f"unknown mooncake setting(s) {unknown}; known: {sorted(names)}")
-        for need in ("master", "metadata_server"):
-            if not d.get(need):
-                raise ValueError(f"mooncake setting '{need}' is required")
-        kw: dict[str, Any] = {}
-        try:
-            for k, v in d.items():
-                if v is None:
-                    continue
-                if k in ("timeout_s", "snapshot_s", "down_s"):
-                    kw[k] = float(v)
-                elif k in ("transfer_timeout_s", "replica_num", "io_threads"):
-                    kw[k] = int(v)
-                elif k == "direct_reads":
-                    kw[k] = _bool(k, v)
-                else:
-                    kw[k] = str(v)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"bad mooncake setting: {exc}") from None
-        return cls(**kw)
+        return cls(**parse(KEYS, d))
 
     @classmethod
     def from_extra_config(
@@ -170,12 +153,3 @@ class MooncakeConfig:
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", self.bind_address or self.local_hostname)
         if self.transfer_timeout_s is not None:
             os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(self.transfer_timeout_s))
-
-
-def _bool(name: str, v: Any) -> bool:
-    if isinstance(v, bool):
-        return v
-    text = str(v).strip().lower()
-    if text in _TRUE or text in _FALSE:
-        return text in _TRUE
-    raise ValueError(f"mooncake {name} must be true or false, got {v!r}")

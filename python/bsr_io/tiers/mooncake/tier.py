@@ -24,14 +24,14 @@ the same bytes as a record file: the 4096-byte header, then the payload.
 - Objects are removed only on proof that they are bad (key, header, size, checksum).
   A timeout, a failed RPC or an unreachable node proves nothing: the chunk falls back
   for this restore, the tier reports itself down for `down_s`, and the objects stay.
+
+The pool of threads the calls run on, with their deadlines, is `calls`; the memory
+registered with the pool (header buffers, engine arenas, payloads) is `memory`.
 """
 
 from __future__ import annotations
 
-import os
-import queue
 import socket
-import threading
 import time
 import urllib.parse
 from collections import OrderedDict
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from bsr_io._core import Engine, Slot, xxh3_64
+from bsr_io._core import Engine, Slot
 from bsr_io.errors import (
     ChunkCorrupt,
     ChunkError,
@@ -70,273 +70,21 @@ from bsr_io.tiers.base import (
     Tier,
     check_payload,
     check_slot_fits,
-    payload_view,
 )
-from bsr_io.tiers.mooncake_config import MooncakeConfig
-
-# Mooncake's ErrorCode values (mooncake-store/include/types.h) the tier tells apart.
-NO_HANDLE = -200  # no available handle: pool full, or no storage node
-INVALID_PARAMS = -600  # e.g. buffer sizes that do not add up to the object's size
-NOT_FOUND = -704
-HAS_LEASE = -706
-LEASE_EXPIRED = -707
-TRANSFER_FAIL = -800
-RPC_FAIL = -900
-RPC_TIMEOUT = -901
-_NAMES = {
-    NO_HANDLE: "NO_AVAILABLE_HANDLE",
-    INVALID_PARAMS: "INVALID_PARAMS",
-    NOT_FOUND: "OBJECT_NOT_FOUND",
-    HAS_LEASE: "OBJECT_HAS_LEASE",
-    LEASE_EXPIRED: "LEASE_EXPIRED",
-    TRANSFER_FAIL: "TRANSFER_FAIL",
-    RPC_FAIL: "RPC_FAIL",
-    RPC_TIMEOUT: "RPC_TIMEOUT",
-}
-
-
-def code_name(rc: int) -> str:
-    return f"{_NAMES.get(rc, 'error')} ({rc})"
-
-
-class CallTimeout(Exception):
-    """A pool call passed its deadline (the call itself may still be running)."""
-
-
-class _Call:
-    """One client call on a worker thread. `hold` keeps the memory the call may touch
-    (a slot or a view of one, a header buffer, a payload) alive until the call has
-    returned; then the waiter takes it back, or, when the waiter gave up, `after(hold)`
-    gives it back (header buffers, registrations) on the worker and it is let go. A slot
-    in `hold` goes back to the ring only then: never while the pool may touch it."""
-
-    __slots__ = (
-        "fn",
-        "args",
-        "hold",
-        "after",
-        "done",
-        "result",
-        "error",
-        "started",
-        "abandoned",
-        "_lock",
-    )
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        hold: tuple[Any, ...],
-        after: Callable[[tuple[Any, ...]], None] | None = None,
-    ) -> None:
-        self.fn, self.args, self.hold, self.after = fn, args, hold, after
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self.started = False
-        self.abandoned = False
-        self._lock = threading.Lock()
-
-    def run(self) -> None:
-        with self._lock:
-            skip = self.abandoned
-            self.started = not skip
-        try:
-            if not skip:
-                self.result = self.fn(*self.args)
-            elif isinstance(self.fn, _Transfer):
-                self.fn.skip()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            self.error = exc
-        finally:
-            with self._lock:
-                orphan = self.abandoned
-                self.done.set()
-            if orphan:
-                self._let_go()  # nobody waits: give the memory back now
-
-    def wait(self, timeout: float | None) -> Any:
-        if not self.done.wait(timeout):
-            raise CallTimeout
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-    def wait_by(self, deadline: float, timeout: float | None, key: ChunkKey) -> Any:
-        """`wait` for a read due by `deadline`: TimeoutError (still in flight, ask again)
-        when the caller's own `timeout` ends first, CallTimeout once the deadline passes."""
-        left = deadline - time.monotonic()
-        try:
-            return self.wait(max(0.0, left if timeout is None else min(timeout, left)))
-        except CallTimeout:
-            if timeout is not None and timeout < left:
-                raise TimeoutError(f"chunk {key.short()} still in flight") from None
-            raise
-
-    def take(self) -> tuple[Any, ...]:
-        """The memory the call held (once it has returned); the waiter gives it back."""
-        with self._lock:
-            hold, self.hold, self.after = self.hold, (), None
-        return hold
-
-    def abandon(self) -> None:
-        """Give up waiting. A call not yet started never runs and lets go of its memory;
-        a running one lets go when it returns."""
-        with self._lock:
-            self.abandoned = True
-            orphan = not self.started or self.done.is_set()
-        if orphan:
-            self._let_go()
-
-    def _let_go(self) -> None:
-        with self._lock:
-            hold, self.hold = self.hold, ()
-            after, self.after = self.after, None
-        if after is not None:
-            try:
-                after(hold)
-            except Exception:  # noqa: BLE001, S110 - best effort on a worker thread
-                pass
-        del hold
-
-
-class _Transfer:
-    """A client call that targets registered memory; `ended` runs once, when it
-    returned or when it will never run."""
-
-    def __init__(self, fn: Callable[..., Any], ended: Callable[[], None]) -> None:
-        self.fn, self._ended = fn, ended
-
-    def __call__(self, *args: Any) -> Any:
-        try:
-            return self.fn(*args)
-        finally:
-            self._ended()
-
-    def skip(self) -> None:
-        self._ended()
-
-
-def lower_thread_priority(how: str) -> None:
-    """Lower the calling thread's CPU priority ("low": nice 19, "idle": SCHED_IDLE;
-    "normal" leaves it). Linux applies both per thread. Best effort: a platform that
-    refuses keeps the thread as it is."""
-    tid = threading.get_native_id()
-    try:
-        if how == "low":
-            os.setpriority(os.PRIO_PROCESS, tid, 19)
-        elif how == "idle":
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-    except (OSError, AttributeError):
-        pass
-
-
-class _Workers:
-    """Daemon threads running client calls, so a stuck call cannot hold up exit.
-
-    `priority` (see `lower_thread_priority`) is set in each thread before its first
-    call. Threads Mooncake starts itself (its transfer engine's) are started by
-    `setup`, on another thread, and keep that thread's priority."""
-
-    def __init__(self, n: int, name: str, priority: str = "normal") -> None:
-        self._q: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
-        self._priority = priority
-        self.native_ids: list[int] = []
-        self._threads = [
-            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True) for i in range(n)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _loop(self) -> None:
-        self.native_ids.append(threading.get_native_id())
-        lower_thread_priority(self._priority)
-        while (call := self._q.get()) is not None:
-            call.run()
-
-    def submit(
-        self,
-        fn: Callable[..., Any],
-        *args: Any,
-        hold: tuple[Any, ...] = (),
-        after: Callable[[tuple[Any, ...]], None] | None = None,
-    ) -> _Call:
-        call = _Call(fn, args, hold, after)
-        self._q.put(call)
-        return call
-
-    def stop(self) -> None:
-        for _ in self._threads:
-            self._q.put(None)
-
-
-class _HeaderBuffers:
-    """Registered 4 KiB buffers for record headers, allocated in blocks and reused."""
-
-    BLOCK = 32
-
-    def __init__(self, register: Callable[[int, int], int]) -> None:
-        self._register = register
-        self._blocks: list[npt.NDArray[np.uint8]] = []
-        self._free: list[npt.NDArray[np.uint8]] = []
-        self._lock = threading.Lock()
-
-    def take(self) -> npt.NDArray[np.uint8]:
-        with self._lock:
-            if not self._free:
-                block = np.zeros(self.BLOCK * HEADER_BYTES, dtype=np.uint8)
-                rc = self._register(block.ctypes.data, block.nbytes)
-                if rc != 0:
-                    raise TierDown(f"cannot register header buffers with the pool: {code_name(rc)}")
-                self._blocks.append(block)
-                self._free += [
-                    block[i * HEADER_BYTES : (i + 1) * HEADER_BYTES] for i in range(self.BLOCK)
-                ]
-            return self._free.pop()
-
-    def give(self, buf: npt.NDArray[np.uint8]) -> None:
-        with self._lock:
-            self._free.append(buf)
-
-    def blocks(self) -> list[npt.NDArray[np.uint8]]:
-        return list(self._blocks)
-
-    def counts(self) -> tuple[int, int]:
-        """(buffers allocated, buffers free): equal when none is out."""
-        with self._lock:
-            return len(self._blocks) * self.BLOCK, len(self._free)
-
-
-def _run_addresses(
-    bufs: Sequence[Any], runs: Sequence[tuple[int, int, int, int]], n: int, what: str
-) -> tuple[list[int], list[int]]:
-    """Addresses and lengths of `runs` in `bufs` (writable host byte arrays), which must
-    lie inside their buffers and cover an n-byte payload in order, once; else LayoutError."""
-    ptrs, sizes, at = [], [], 0
-    for bi, off, pos, length in runs:
-        buf = bufs[bi]
-        if not isinstance(buf, np.ndarray) or not buf.flags.writeable or not buf.flags.c_contiguous:
-            raise LayoutError(f"{what}: destination buffer {bi} is not writable host memory")
-        if pos != at or length <= 0 or off < 0 or off + length > buf.nbytes:
-            raise LayoutError(
-                f"{what}: run ({bi}, {off}, {pos}, {length}) does not continue the payload "
-                f"at {at} inside its {buf.nbytes}-byte buffer"
-            )
-        ptrs.append(buf.ctypes.data + off)
-        sizes.append(length)
-        at += length
-    if at != n:
-        raise LayoutError(f"{what} holds {n} payload bytes, the destination's runs {at}")
-    return ptrs, sizes
-
-
-def _release_views(owner: object) -> None:
-    """Release the buffer views in `owner` (a slot's view held for a put)."""
-    if isinstance(owner, tuple):
-        for part in owner:
-            if isinstance(part, memoryview):
-                part.release()
+from bsr_io.tiers.mooncake.calls import (
+    INVALID_PARAMS,
+    NO_HANDLE,
+    NOT_FOUND,
+    RPC_FAIL,
+    RPC_TIMEOUT,
+    TRANSFER_FAIL,
+    Call,
+    CallTimeout,
+    Workers,
+    code_name,
+)
+from bsr_io.tiers.mooncake.config import MooncakeConfig
+from bsr_io.tiers.mooncake.memory import RegisteredMemory, run_addresses
 
 
 def _check_reachable(config: MooncakeConfig) -> None:
@@ -397,12 +145,12 @@ class MooncakeTier(Tier):
         super().__init__(name)
         self.config = config
         self._counts.update(exist_calls=0, timeouts=0, marked_down=0, arenas_unregistered=0)
-        self._meta = _Workers(2, f"bsr-mc-meta-{name}")
+        self._meta = Workers(2, f"bsr-mc-meta-{name}")
         # Data calls busy-poll for their transfer's end (Mooncake 0.3.13's
         # TransferEngineOperationState::wait_for_completion spins in the calling thread):
         # at low priority the spinning yields the cores to the transfer engine's own
         # threads and to verification, and several calls can be in flight at once.
-        self._data = _Workers(config.io_threads, f"bsr-mc-data-{name}", config.io_priority)
+        self._data = Workers(config.io_threads, f"bsr-mc-data-{name}", config.io_priority)
         try:
             self.client = client if client is not None else self._open(config)
         except BaseException:
@@ -410,11 +158,10 @@ class MooncakeTier(Tier):
             self._data.stop()
             raise
         self._replicas = self._replicate_config()
-        self._headers = _HeaderBuffers(self.client.register_buffer)
-        # Registered engine arenas: address -> (bytes, engine); an arena is unregistered
-        # once its engine is closed and no transfer of this tier targets it.
-        self._arenas: dict[int, tuple[int, Engine]] = {}
-        self._inflight: dict[int, int] = {}  # arena address -> transfers not yet returned
+        self._memory = RegisteredMemory(
+            self.client, name, lambda: self._count(arenas_unregistered=1)
+        )
+        self._headers = self._memory.headers
         self._layouts: dict[str, KVLayout] = {}
         self._payload_len: dict[str, int] = {}  # layout fingerprint -> payload bytes
         if layout is not None:
@@ -553,66 +300,9 @@ class MooncakeTier(Tier):
         Puts from its slots then register nothing: a payload outside a registered arena
         is registered and unregistered around its put, and each registration is a round
         trip to the metadata server, which, slow under load, fails the put."""
-        self._register_arena(engine)
+        self._memory.register_arena(engine)
 
     # -- reads --------------------------------------------------------------------------
-    def _register_arena(self, engine: Engine) -> None:
-        self._sweep_arenas()
-        addr, nbytes = engine.arena_address, engine.arena_bytes
-        with self._lock:
-            known = self._arenas.get(addr)
-            if known is not None and known[1] is engine:
-                return
-            rc = self.client.register_buffer(addr, nbytes)
-            if rc != 0:
-                raise TierDown(
-                    f"cannot register the engine's staging arena with the pool: {code_name(rc)}",
-                    tier=self.name,
-                )
-            self._arenas[addr] = (nbytes, engine)
-
-    def _sweep_arenas(self, everything: bool = False) -> None:
-        """Unregister the arenas of closed engines (every one when `everything`) that no
-        transfer of this tier still targets, and let go of those engines."""
-        with self._lock:
-            gone = [
-                a
-                for a, (_, eng) in self._arenas.items()
-                if (everything or eng.closed) and not self._inflight.get(a)
-            ]
-            for a in gone:
-                del self._arenas[a]
-        for a in gone:
-            try:
-                self.client.unregister_buffer(a)
-            except Exception:  # noqa: BLE001, S110 - the client may be gone at exit
-                pass
-            self._count(arenas_unregistered=1)
-
-    def _arena_of(self, addr: int) -> int | None:
-        with self._lock:
-            return next((a for a, (n, _) in self._arenas.items() if a <= addr < a + n), None)
-
-    def _transfer_started(self, arena: int | None) -> None:
-        if arena is not None:
-            with self._lock:
-                self._inflight[arena] = self._inflight.get(arena, 0) + 1
-
-    def _transfer_returned(self, arena: int | None) -> None:
-        if arena is not None:
-            with self._lock:
-                left = self._inflight.get(arena, 0) - 1
-                if left > 0:
-                    self._inflight[arena] = left
-                else:
-                    self._inflight.pop(arena, None)
-
-    def _tracked(self, arena: int | None, fn: Callable[..., Any]) -> _Transfer:
-        """`fn`, counted as a transfer into `arena` from now until it returns (or is
-        skipped, abandoned before it started)."""
-        self._transfer_started(arena)
-        return _Transfer(fn, lambda: self._transfer_returned(arena))
-
     def _expected_len(self, key: ChunkKey, name: str) -> int:
         with self._lock:
             n = self._payload_len.get(key.layout_fingerprint)
@@ -631,7 +321,7 @@ class MooncakeTier(Tier):
             if name in self._withdrawn:
                 raise ChunkMissing("invalidated here", key=key, tier=self.name)
         self._check_up(key)
-        self._register_arena(engine)
+        self._memory.register_arena(engine)
         n = self._expected_len(key, name)
         check_slot_fits(self.name, engine, key, n)
         slot = engine.lease()  # NoFreeSlot / EngineClosedError: the caller's state
@@ -641,8 +331,9 @@ class MooncakeTier(Tier):
         except BaseException:
             del slot
             raise
+        mem = self._memory
         call = self._data.submit(
-            self._tracked(self._arena_of(slot.address), self.client.batch_get_into_multi_buffers),
+            mem.tracked(mem.arena_of(slot.address), self.client.batch_get_into_multi_buffers),
             [name],
             [[hdr.ctypes.data, slot.address]],
             [[HEADER_BYTES, n]],
@@ -672,7 +363,7 @@ class MooncakeTier(Tier):
                 ) from exc
             return self._verify(key, name, n, call, out)
 
-        return PendingChunk(key, finish, call.done.is_set)
+        return PendingChunk(key, finish, call.done)
 
     def _after_read(self, hold: tuple[Any, ...]) -> None:
         """An abandoned read returned: its header buffer goes back; its slot goes back to
@@ -680,7 +371,7 @@ class MooncakeTier(Tier):
         if len(hold) == 2:
             self._headers.give(hold[1])
 
-    def _verify(self, key: ChunkKey, name: str, n: int, call: _Call, out: list[int]) -> Slot:
+    def _verify(self, key: ChunkKey, name: str, n: int, call: Call, out: list[int]) -> Slot:
         slot: Slot
         slot, hdr = call.take()  # the call has returned: its memory is ours again
         try:
@@ -753,7 +444,7 @@ class MooncakeTier(Tier):
                 raise ChunkMissing("invalidated here", key=key, tier=self.name)
         self._check_up(key)
         n = self._expected_len(key, name)
-        ptrs, sizes = _run_addresses(bufs, runs, n, f"{self.name}: chunk {key.short()}")
+        ptrs, sizes = run_addresses(bufs, runs, n, f"{self.name}: chunk {key.short()}")
         hdr = self._headers.take()
         call = self._data.submit(
             self.client.batch_get_into_multi_buffers,
@@ -786,13 +477,13 @@ class MooncakeTier(Tier):
         direct = DirectChunk(
             key,
             finish,
-            call.done.is_set,
+            call.done,
             expected_xxh3=-1,  # set from the header the read brings
             reject=lambda why: self._corrupt(key, name, why),
         )
         return direct
 
-    def _stalled_direct(self, key: ChunkKey, call: _Call) -> ChunkReadError:
+    def _stalled_direct(self, key: ChunkKey, call: Call) -> ChunkReadError:
         """A direct read past `timeout_s`: wait until the call returns (the pool may write
         the destination until then), then fail the chunk; nothing is withdrawn."""
         self._count(timeouts=1)
@@ -887,21 +578,22 @@ class MooncakeTier(Tier):
             self._touch(key, layout.chunk_bytes)
             return False
         n = layout.chunk_bytes
-        addr, keep, checksum, registered = self._payload_memory(payload, layout)
+        addr, keep, checksum, registered = self._memory.payload(payload, layout)
         try:
             hdr = self._headers.take()
         except BaseException:
-            self._let_go_payload((keep, None, addr if registered else None))
+            self._memory.let_go_payload((keep, None, addr if registered else None))
             raise
         hdr[:] = np.frombuffer(make_header(key, layout, checksum).encode(), dtype=np.uint8)
+        mem = self._memory
         call = self._data.submit(
-            self._tracked(self._arena_of(addr), self.client.batch_put_from_multi_buffers),
+            mem.tracked(mem.arena_of(addr), self.client.batch_put_from_multi_buffers),
             [name],
             [[hdr.ctypes.data, addr]],
             [[HEADER_BYTES, n]],
             self._replicas,
             hold=(keep, hdr, addr if registered else None),
-            after=self._let_go_payload,
+            after=mem.let_go_payload,
         )
         del keep, hdr
         try:
@@ -917,8 +609,8 @@ class MooncakeTier(Tier):
         except Exception as exc:  # noqa: BLE001 - the binding raised
             raise ChunkWriteError("pool put raised", key=key, tier=self.name, cause=exc) from exc
         finally:
-            if call.done.is_set() and not call.abandoned:
-                self._let_go_payload(call.take())
+            if call.done() and not call.abandoned:
+                mem.let_go_payload(call.take())
         rc = int(out[0]) if out else RPC_FAIL
         if rc != 0:
             why = "pool full or no storage node" if rc == NO_HANDLE else "pool put failed"
@@ -928,48 +620,6 @@ class MooncakeTier(Tier):
         self._touch(key, n)
         self._count(writes=1, bytes_written=n)
         return True
-
-    def _payload_memory(self, payload: Payload, layout: KVLayout) -> tuple[int, Any, int, bool]:
-        """(address, owner to keep alive, xxh3, registered here) of the payload bytes.
-
-        A slot is held through a buffer view, which the engine honours: the caller's
-        `release()` is refused (and `give_back` leaves the slot to the view's end) while
-        a put that may still read it runs. Memory outside a registered engine arena is
-        registered for the put (RDMA needs it; TCP does not care) and unregistered after."""
-        n = layout.chunk_bytes
-        owner: object
-        if isinstance(payload, Slot):
-            addr, checksum = payload.address, payload.checksum(0, n)
-            owner = (payload, memoryview(payload))
-        else:
-            arr = np.frombuffer(payload_view(payload, layout), dtype=np.uint8)
-            addr, owner, checksum = arr.ctypes.data, arr, xxh3_64(arr.data)
-        with self._lock:
-            inside = any(a <= addr and addr + n <= a + b for a, (b, _) in self._arenas.items())
-        if inside:
-            return addr, owner, checksum, False
-        rc = self.client.register_buffer(addr, n)
-        if rc != 0:
-            _release_views(owner)
-            raise ChunkWriteError(
-                f"cannot register the payload with the pool: {code_name(rc)}", tier=self.name
-            )
-        return addr, owner, checksum, True
-
-    def _let_go_payload(self, hold: tuple[Any, ...]) -> None:
-        """A put returned (or never ran): its header buffer, its payload registration and
-        its view of a slot go back."""
-        if not hold:
-            return
-        keep, hdr, registered_at = hold
-        if hdr is not None:
-            self._headers.give(hdr)
-        if registered_at is not None:
-            try:
-                self.client.unregister_buffer(registered_at)
-            except Exception:  # noqa: BLE001, S110 - the client may be gone at exit
-                pass
-        _release_views(keep)
 
     def _touch(self, key: ChunkKey, n: int) -> None:
         with self._lock:
@@ -1033,7 +683,7 @@ class MooncakeTier(Tier):
         with self._lock:
             out = self._stats(len(self._index), sum(self._index.values()), None)
             out["withdrawn"] = len(self._withdrawn)
-            out["arenas"] = len(self._arenas)
+            out["arenas"] = self._memory.arenas
             allocated, free = self._headers.counts()
             out["header_buffers_out"] = allocated - free
         out["master"] = self.config.master
@@ -1046,6 +696,6 @@ class MooncakeTier(Tier):
         # The client is left to its destructor: closing it while a transfer to a
         # stalled node is in flight crashed the process (SIGSEGV) in Mooncake 0.3.13.
         # Arenas no transfer targets are unregistered now (their engines let go).
-        self._sweep_arenas(everything=True)
+        self._memory.sweep_arenas(everything=True)
         self._meta.stop()
         self._data.stop()
