@@ -3,9 +3,9 @@
 Loaded by LMCache's `storage_plugin_launcher` from config (see `config.py`). Chunks
 are bsr-io records (header, checksum, atomic publish) in an `SSDTier`, read and
 written by the Rust engine with O_DIRECT and io_uring, through bsr-io's one load and
-save path (`restore.load_records` / `save_records`): reads go through an engine of W
-slots, W deep, installed (copied and verified in one pass) into LMCache L1 memory
-objects allocated with `busy_loop=False`, so a get can fail but never spins; puts are
+save path (`load_records` / `save_records`): reads go through an engine of W slots,
+W deep, installed (copied and verified in one pass) into LMCache L1 memory objects
+allocated with `busy_loop=False`, so a get can fail but never spins; puts are
 written W at a time through a second engine of W slots.
 
 Rules kept toward LMCache's retrieve:

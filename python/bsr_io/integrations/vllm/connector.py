@@ -138,7 +138,7 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        sending, recving, failed = self._worker.results()
+        sending, recving, failed = self._worker.results(finished_req_ids)
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )

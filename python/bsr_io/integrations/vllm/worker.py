@@ -5,12 +5,17 @@ Design (one path, two lanes, nothing unbounded):
   and one per (group, chunk boundary) for window groups (layout.py). Each worker
   reads and writes its own rank's records; a group every rank holds the same bytes of
   (MLA) is written by rank 0 and read by all.
+- Jobs: every load and finished-request save is a job of the job table (jobs.py), its
+  deadline counted from submission; `get_transfer_results` polls the table, which
+  reports each job once, when it ends or when its deadline passes (its blocks closed
+  to it first), so vLLM never waits on a transfer that will not end.
 - Loads run on the load lane (a thread) through the core's `load_records`: metadata
   discovery, then the windowed, verified install through the load engine's W slots
   straight into the request's blocks (`RequestPages`: per-group block ids, runs of
   consecutive blocks coalesced, vLLM's own local hit and null blocks skipped; fused
-  copy-and-verify on the host). Its deadline counts from when the load starts. Any
-  failure on any group is reported in `failed_recving`, and vLLM's aggregator fails
+  copy-and-verify on the host). It reads on past a bad record, so that every bad
+  record of the request is withdrawn by one load, and stops when vLLM aborts the
+  request. Any failure on any group is reported in `failed_recving`, and vLLM's aggregator fails
   the request on every rank: that is the request-level commit, no group committed
   alone. A load abandoned at its deadline closes the request's `Guard` first, so no
   late install touches blocks vLLM hands to another request.
@@ -39,12 +44,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,6 +57,7 @@ from bsr_io.engine import as_tensor, give_back, lease
 from bsr_io.errors import EngineBusy, TierDown
 from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
+from bsr_io.integrations.vllm.jobs import Details, Job, JobTable
 from bsr_io.integrations.vllm.layout import GroupLayout
 from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
 from bsr_io.integrations.vllm.ranktier import RankTier
@@ -65,7 +69,7 @@ from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.ssd import SSDTier
 
 log = logging.getLogger("bsr_io.vllm")
-_GRACE_S = 2.0  # past a job's own deadline, the watchdog gives up on it
+_GRACE_S = 2.0  # past a running job's deadline, the table gives up on it
 
 
 def _fault_double(tiers: list[Any], rank: int) -> list[Any]:
@@ -80,22 +84,6 @@ def _fault_double(tiers: list[Any], rank: int) -> list[Any]:
     plan = FaultPlan.from_env()
     log.warning("bsr-io: fault injection (BSR_IO_FAULTS) on rank %d: %s", rank, plan.to_json())
     return list(plan.wrap_all(tiers, rank))
-
-
-@dataclass
-class _Job:
-    kind: str  # "load" | "save"
-    transfer: Transfer
-    timeout_s: float
-    guard: Guard = field(default_factory=Guard)
-    started: float | None = None  # time.monotonic() when a lane took it
-    done: bool = False
-    ok: bool = False
-    reason: str = ""
-
-    @property
-    def deadline(self) -> float | None:
-        return None if self.started is None else self.started + self.timeout_s
 
 
 def describe(g: GroupLayout) -> dict[str, Any]:
@@ -182,30 +170,16 @@ class WorkerSide:
             )
         self.pages: KVPages | None = None
         self._lock = threading.Lock()
-        self._jobs: dict[tuple[str, str], _Job] = {}
         self._saved: dict[str, set[int]] = {}
-        self._skipped = 0
-        self._stuck = ""  # why the load lane is wedged (watchdog), "" when it is not
-        self._loads: queue.Queue[_Job | None] = queue.Queue()
-        self._saves: queue.Queue[_Job | None] = queue.Queue()
+        self._skipped = 0  # window records not saved (no slot in budget, or an error)
         self._writers = ThreadPoolExecutor(cfg.window, thread_name_prefix=f"bsr-w{rank}")
         self._writing: dict[str, list[Future[None]]] = {}  # request -> its window writes
-        self._lanes = [
-            threading.Thread(
-                target=self._lane,
-                args=(self._loads, self._load),
-                name=f"bsr-load-r{rank}",
-                daemon=True,
-            ),
-            threading.Thread(
-                target=self._lane,
-                args=(self._saves, self._save),
-                name=f"bsr-save-r{rank}",
-                daemon=True,
-            ),
-        ]
-        for t in self._lanes:
-            t.start()
+        self.jobs = JobTable(
+            {"load": self._load, "save": self._save},
+            self._ended,
+            grace_s=_GRACE_S,
+            name=f"bsr-r{rank}",
+        )
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
@@ -245,15 +219,10 @@ class WorkerSide:
                 for h in hashes
                 for g in self.groups.values()
             )
-        for kind, transfers, timeout, lane in (
-            ("load", meta.loads, self.cfg.load_timeout_s, self._loads),
-            ("save", meta.finish_saves, self.cfg.save_timeout_s, self._saves),
-        ):
-            for t in transfers:
-                job = _Job(kind, t, timeout)
-                with self._lock:
-                    self._jobs[(kind, t.request_id)] = job
-                lane.put(job)
+        for t in meta.loads:
+            self.jobs.submit("load", t, self.cfg.load_timeout_s)
+        for t in meta.finish_saves:
+            self.jobs.submit("save", t, self.cfg.save_timeout_s)
 
     def save_step(self, meta: BsrMetadata) -> None:
         """Cut this step's window-group records while their blocks still hold them
@@ -265,25 +234,36 @@ class WorkerSide:
             for r in t.records:
                 if not self._mine(r):
                     continue
-                g = self.groups[r.group]
                 try:
-                    slot = lease(self.save_engine, budget_end)
-                except EngineBusy:
+                    self._cut(t, r, budget_end)
+                except Exception as exc:  # noqa: BLE001 - saves are best effort
+                    # A save that fails here must not fail vLLM's forward: the record
+                    # is a future miss, counted and logged.
                     with self._lock:
                         self._skipped += 1
-                    continue
-                try:
-                    dest = self._dest(t, [r], Guard())
-                    view = as_tensor(slot, length=g.record_bytes)
-                    dest.extract(0, view)
-                    del view
-                    slot.set_length(g.record_bytes)
-                except BaseException:
-                    give_back(slot)
-                    raise
-                fut = self._writers.submit(self._write, self.key(t, r), g, slot)
-                with self._lock:
-                    self._writing.setdefault(t.request_id, []).append(fut)
+                    log.warning("bsr-io: rank %d: step save failed: %s", self.rank, exc)
+
+    def _cut(self, t: Transfer, r: RecordOrder, budget_end: float) -> None:
+        """Extract record `r` into a save slot now and hand it to a writer."""
+        g = self.groups[r.group]
+        try:
+            slot = lease(self.save_engine, budget_end)
+        except EngineBusy:
+            with self._lock:
+                self._skipped += 1
+            return
+        try:
+            dest = self._dest(t, [r], Guard())
+            view = as_tensor(slot, length=g.record_bytes)
+            dest.extract(0, view)
+            del view
+            slot.set_length(g.record_bytes)
+        except BaseException:
+            give_back(slot)
+            raise
+        fut = self._writers.submit(self._write, self.key(t, r), g, slot)
+        with self._lock:
+            self._writing.setdefault(t.request_id, []).append(fut)
 
     def _write(self, key: ChunkKey, g: GroupLayout, slot: Slot) -> None:
         try:
@@ -298,41 +278,21 @@ class WorkerSide:
         with self._lock:
             self._saved.setdefault(key.namespace(), set()).add(key.chunk_hash)
 
-    def results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) since the last call."""
-        sending: set[str] = set()
-        recving: set[str] = set()
-        failed: set[str] = set()
-        now = time.monotonic()
+    def results(self, finished: set[str] | None = None) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call.
+        `finished`: requests vLLM finished this step; a load still running for one of
+        them (an abort) is stopped."""
+        if finished:
+            self.jobs.abort(finished, "load")
         with self._lock:
-            jobs = list(self._jobs.items())
             for rid in [r for r, fs in self._writing.items() if all(f.done() for f in fs)]:
                 del self._writing[rid]  # written, and no finished-request save waits on them
-        for key, job in jobs:
-            deadline = job.deadline
-            if not job.done and deadline is not None and now > deadline + _GRACE_S:
-                # The lane is past its own deadline (a wait without one): give up on the
-                # job; from here on nothing touches its blocks.
-                job.guard.close()
-                with self._lock:
-                    if not job.done:
-                        job.done, job.ok = True, False
-                        job.reason = f"{job.kind} did not end within {job.timeout_s} s"
-                        if job.kind == "load":
-                            self._stuck = job.reason
-                self._event(job, {"outcome": ZERO, "reason": job.reason})
-            if not job.done:
-                continue
-            rid = job.transfer.request_id
-            if job.kind == "load":
-                recving.add(rid)
-                if not job.ok:
-                    failed.add(rid)
-            else:
-                sending.add(rid)
-            with self._lock:
-                self._jobs.pop(key, None)
-        return sending, recving, failed
+        return self.jobs.poll()
+
+    def _ended(self, job: Job, details: Details) -> None:
+        """The table's report of a job's end: the event log line."""
+        outcome = COMPLETE if job.ok else ZERO
+        self._event(job, {"outcome": outcome, "reason": job.reason, **details})
 
     def worker_meta(self) -> BsrWorkerMeta:
         with self._lock:
@@ -343,46 +303,19 @@ class WorkerSide:
 
     def health(self) -> str:
         """Why this worker's loads cannot be trusted to finish now ("" when they can)."""
-        if self._stuck:
-            return self._stuck
-        with self._lock:
-            loading = any(
-                j.kind == "load" and j.started is not None and not j.done
-                for j in self._jobs.values()
-            )
+        stuck = self.jobs.stuck("load")
+        if stuck:
+            return stuck
         free = self.load_engine.free_slots()
-        if not loading and free < self.cfg.window:
+        if not self.jobs.running("load") and free < self.cfg.window:
             return f"{self.cfg.window - free} read(s) still in flight after their load ended"
         return ""
 
-    # -- the lanes --------------------------------------------------------------------
-    def _lane(self, jobs: queue.Queue[_Job | None], run: Any) -> None:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            if job.done:
-                continue
-            job.started = time.monotonic()
-            try:
-                ok, reason, extra = run(job)
-            except Exception as exc:  # noqa: BLE001 - any failure is a zero-reuse outcome
-                log.exception("bsr-io %s of %s failed", job.kind, job.transfer.request_id)
-                ok, reason, extra = False, f"{type(exc).__name__}: {exc}", {}
-            with self._lock:
-                if job.kind == "load":
-                    self._stuck = ""  # the lane is moving again
-                if job.done:
-                    continue  # the watchdog reported it already
-                job.ok, job.reason, job.done = ok, reason, True
-            self._event(job, {"outcome": COMPLETE if ok else ZERO, "reason": reason, **extra})
-
-    def _load(self, job: _Job) -> tuple[bool, str, dict[str, Any]]:
+    def _load(self, job: Job) -> tuple[bool, str, Details]:
         t = job.transfer
         records = list(t.records)
         dest = self._dest(t, records, job.guard)
         keys = [self.key(t, r) for r in records]
-        assert job.deadline is not None
         res = load_records(
             self.load_engine,
             self.load_tiers,
@@ -393,7 +326,7 @@ class WorkerSide:
                 chunk_bytes=self.slot_bytes,
                 width=self.cfg.window,
                 deadline=job.deadline,
-                should_stop=lambda: job.done or not job.guard.open,
+                should_stop=job.should_stop,
                 committed_tokens=t.committed_tokens,
                 keep_going=True,
             ),
@@ -424,11 +357,10 @@ class WorkerSide:
         }
         return res.complete, res.reason, extra
 
-    def _save(self, job: _Job) -> tuple[bool, str, dict[str, Any]]:
+    def _save(self, job: Job) -> tuple[bool, str, Details]:
         t = job.transfer
         with self._lock:
             writing = self._writing.pop(t.request_id, [])
-        assert job.deadline is not None
         # The request's window records first: once it is reported saved, all of it is.
         wait_all(writing, timeout=max(0.0, job.deadline - time.monotonic()))
         records = [r for r in t.records if self._mine(r)]
@@ -459,13 +391,13 @@ class WorkerSide:
         extra = {"records": len(records), "written": written, "failed": len(failures)}
         return not failures, "; ".join(failures[:3]), extra
 
-    def _event(self, job: _Job | None, fields: dict[str, Any]) -> None:
+    def _event(self, job: Job | None, fields: dict[str, Any]) -> None:
         if not self.cfg.events_path:
             return
         try:
             doc: dict[str, Any] = {"rank": self.rank, "time": time.time()}
             if job is not None:
-                doc |= {"kind": job.kind, "request_id": job.transfer.request_id}
+                doc |= {"kind": job.kind, "request_id": job.request_id}
             doc |= fields
             line = (json.dumps(doc, default=str) + "\n").encode()
             fd = os.open(self.cfg.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -477,10 +409,7 @@ class WorkerSide:
             log.exception("bsr-io: could not write an event")
 
     def close(self) -> None:
-        self._loads.put(None)
-        self._saves.put(None)
-        for t in self._lanes:
-            t.join(timeout=5)
+        self.jobs.close()
         self._writers.shutdown(wait=True)
         for tier in dict.fromkeys([*self.load_tiers, self.save_tier]):
             try:

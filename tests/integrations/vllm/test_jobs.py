@@ -1,0 +1,194 @@
+"""The worker's job table (integrations/vllm/jobs.py), with real lane threads: every job
+is reported exactly once and by its deadline counted from submission, whatever the job
+in front of it does; a stuck lane takes no new work; an aborted request's load stops.
+
+The jobs' work is a function that blocks on an event on purpose (a save whose write or
+sync never returns), the one double here, standing in for a hung device.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from bsr_io.integrations.vllm.jobs import Job, JobTable
+from bsr_io.integrations.vllm.metadata import Transfer
+
+GRACE = 0.3
+
+
+def transfer(rid: str) -> Transfer:
+    return Transfer(rid, "model", ())
+
+
+class Work:
+    """Lane work that records what ran and blocks while `hold` is clear."""
+
+    def __init__(self) -> None:
+        self.hold = threading.Event()
+        self.ran: list[str] = []
+        self.ended: list[tuple[str, bool, str]] = []
+
+    def run(self, job: Job) -> tuple[bool, str, dict[str, object]]:
+        self.ran.append(job.request_id)
+        while not self.hold.wait(0.01):
+            if job.should_stop():
+                return True, "", {}  # a load that noticed the stop and returned
+        return True, "", {}
+
+    def hung(self, job: Job) -> tuple[bool, str, dict[str, object]]:
+        """A wait that polls nothing (a device that never answers): ends on `hold` only."""
+        self.ran.append(job.request_id)
+        self.hold.wait()
+        return True, "", {}
+
+    def fast(self, job: Job) -> tuple[bool, str, dict[str, object]]:
+        self.ran.append(job.request_id)
+        return True, "", {}
+
+    def on_end(self, job: Job, details: dict[str, object]) -> None:
+        self.ended.append((job.request_id, job.ok, job.reason))
+
+
+def table(work: Work, load=None, save=None) -> JobTable:
+    return JobTable(
+        {"load": load or work.fast, "save": save or work.fast}, work.on_end, grace_s=GRACE
+    )
+
+
+def poll_until(t: JobTable, want: int, timeout_s: float = 10.0) -> tuple[set, set, set]:
+    """Poll like vLLM does each step until `want` jobs were reported."""
+    sending, recving, failed = set(), set(), set()
+    end = time.monotonic() + timeout_s
+    while len(sending) + len(recving) < want and time.monotonic() < end:
+        s, r, f = t.poll()
+        sending |= s
+        recving |= r
+        failed |= f
+        time.sleep(0.02)
+    return sending, recving, failed
+
+
+def test_a_queued_save_is_reported_by_its_own_deadline_behind_a_hung_one():
+    work = Work()
+    t = table(work, save=work.hung)
+    try:
+        t.submit("save", transfer("hung"), 0.4)
+        time.sleep(0.05)  # the lane took it and hangs
+        t0 = time.monotonic()
+        queued = t.submit("save", transfer("queued"), 0.4)
+        sending, _, _ = poll_until(t, 1)
+        took = time.monotonic() - t0
+        # Reported at its own deadline (0.4 s), not when the hung save ends (never).
+        assert sending == {"queued"} and took < 0.4 + GRACE, took
+        assert not queued.ok and "queued" in queued.reason
+        assert queued.guard.open is False  # nothing may touch its blocks any more
+        assert work.ran == ["hung"]  # the queued one never started
+    finally:
+        work.hold.set()
+        t.close()
+
+
+def test_a_hung_job_is_given_up_on_then_its_lane_takes_no_new_saves():
+    work = Work()
+    t = table(work, save=work.hung)
+    try:
+        hung = t.submit("save", transfer("hung"), 0.2)
+        sending, _, _ = poll_until(t, 1)
+        assert sending == {"hung"} and not hung.ok and "running" in hung.reason
+        assert "save of hung" in t.stuck("save")
+        # While the lane is stuck a new finish-save ends at once, as a future miss.
+        late = t.submit("save", transfer("late"), 30)
+        assert late.done and not late.ok and "stuck" in late.reason
+        assert t.poll()[0] == {"late"}
+        # The hung save returns at last: it is not reported a second time.
+        work.hold.set()
+        time.sleep(0.2)
+        assert t.poll() == (set(), set(), set())
+        assert [e[0] for e in work.ended] == ["hung", "late"]
+        assert t.stuck("save") == ""
+        # The lane works again.
+        t.submit("save", transfer("after"), 5)
+        assert poll_until(t, 1)[0] == {"after"}
+        assert work.ran == ["hung", "after"]
+    finally:
+        work.hold.set()
+        t.close()
+
+
+def test_a_hung_load_fails_its_request_and_marks_the_load_lane_stuck():
+    work = Work()
+    t = table(work, load=work.hung)
+    try:
+        t.submit("load", transfer("r1"), 0.2)
+        _, recving, failed = poll_until(t, 1)
+        assert recving == failed == {"r1"}
+        assert t.stuck("load") and t.running("load")
+    finally:
+        work.hold.set()
+        t.close()
+
+
+def test_an_aborted_request_stops_its_running_load_and_never_starts_a_queued_one():
+    work = Work()
+    t = table(work, load=work.run)
+    try:
+        running = t.submit("load", transfer("running"), 30)
+        time.sleep(0.05)
+        queued = t.submit("load", transfer("queued"), 30)
+        assert t.abort({"running", "queued", "unknown"}) == 2
+        _, recving, failed = poll_until(t, 2)
+        assert recving == failed == {"running", "queued"}
+        assert "aborted" in running.reason and "aborted" in queued.reason
+        assert work.ran == ["running"]
+        assert not t.running("load")  # the running load stopped at once, not at 30 s
+    finally:
+        work.hold.set()
+        t.close()
+
+
+def test_abort_leaves_saves_alone():
+    # vLLM's finished requests are the ones whose saves run now: never stop those.
+    work = Work()
+    t = table(work)
+    try:
+        t.submit("save", transfer("r"), 30)
+        assert t.abort({"r"}) == 0
+        assert poll_until(t, 1)[0] == {"r"}
+        assert work.ended == [("r", True, "")]
+    finally:
+        t.close()
+
+
+def test_a_job_that_raises_is_a_failed_load_and_the_lane_goes_on():
+    work = Work()
+
+    def boom(job: Job) -> tuple[bool, str, dict[str, object]]:
+        if job.request_id == "bad":
+            raise RuntimeError("extract failed")
+        return work.fast(job)
+
+    t = table(work, load=boom)
+    try:
+        t.submit("load", transfer("bad"), 5)
+        t.submit("load", transfer("good"), 5)
+        _, recving, failed = poll_until(t, 2)
+        assert recving == {"bad", "good"} and failed == {"bad"}
+        assert ("bad", False, "RuntimeError: extract failed") in work.ended
+    finally:
+        t.close()
+
+
+def test_without_deadlines_from_submission_the_queued_save_would_wait():
+    """Control: the same hung lane, with the queued save's deadline pushed far out,
+    is not reported while the hung one runs: the first test's bound is the deadline's."""
+    work = Work()
+    t = table(work, save=work.hung)
+    try:
+        t.submit("save", transfer("hung"), 30)
+        time.sleep(0.05)
+        t.submit("save", transfer("queued"), 30)
+        assert poll_until(t, 1, timeout_s=1.0) == (set(), set(), set())
+    finally:
+        work.hold.set()
+        t.close()
