@@ -28,12 +28,19 @@ destination's, so even past the deadline the run waits for it to end. A destinat
 that lasts across restores (`lasting`) has its host buffers registered with the
 engine's ring at its first direct read, for as long as it lives, so the kernel pins its
 pages once instead of per request.
+
+Each window position holds one of three reads (`_Read`): a read into a ring slot
+(`_SlotRead`), a read straight into the destination (`_DirectRead`: a file's O_DIRECT
+read or a pool's scatter read, both a tier's `DirectChunk`), or a read that never
+started (`_NotStarted`, its cause kept for the fallback). Each knows how it lands
+(waits, is verified, is installed) and how it ends unused when the run stops early.
 """
 
 from __future__ import annotations
 
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,18 +65,6 @@ from bsr_io.model.keys import ChunkKey
 from bsr_io.tiers.base import ENGINE_ERRORS, DirectChunk, DirectUnavailable, PendingChunk, Tier
 
 
-class _NotStarted(str):
-    """Why a read could not start, and which record failed (for exact invalidation)."""
-
-    record: object | None = None
-
-
-def _not_started(text: str, exc: BaseException) -> _NotStarted:
-    out = _NotStarted(text)
-    out.record = _record_of(exc)
-    return out
-
-
 def _record_of(exc: BaseException) -> object | None:
     """The failed record to withdraw: a ChunkError names it (its tier decides whether the
     error proves it bad); any other error (a copy into the destination failed, an
@@ -77,18 +72,6 @@ def _record_of(exc: BaseException) -> object | None:
     if isinstance(exc, ChunkError):
         return getattr(exc, "record", None)
     return Unproven(None, type(exc).__name__)
-
-
-class _ParallelInstall:
-    """A fused install running on an install thread: its fence. `synchronize` raises the
-    tier's ChunkCorrupt when the hash differs from the record header's."""
-
-    def __init__(self, future: Future[int], pending: PendingChunk) -> None:
-        self.future, self.pending = future, pending
-
-    def synchronize(self) -> None:
-        if self.future.result() != self.pending.expected_xxh3:
-            raise self.pending.reject("payload checksum mismatch after the install copy")
 
 
 class ReadTimedOut(Exception):
@@ -110,6 +93,151 @@ class ChunkUnavailable(Exception):
         self.key = key
         self.causes = causes
         super().__init__(f"chunk {index} unavailable in every tier: {'; '.join(causes)}")
+
+
+@dataclass
+class _Trail:
+    """Chunk `index`'s failed tries so far. Causes are kept as text, never as exceptions,
+    whose frames could keep a slot or the destination's memory alive."""
+
+    index: int
+    key: ChunkKey
+    causes: list[str] = field(default_factory=list)
+    record: object | None = None  # the last failed record, to withdraw exactly that one
+
+    def failed(self, cause: str, record: object | None) -> None:
+        self.causes.append(cause)
+        self.record = record
+
+    def failed_in(self, tier: Tier, exc: BaseException) -> None:
+        self.failed(f"{tier.name}: {exc}", _record_of(exc))
+
+
+@dataclass
+class _Landed:
+    """A chunk installed from tier `source`. `slot` is None for a direct read; `fence`,
+    when set, is an install still copying out of (or, in parallel, hashing) the slot."""
+
+    source: int
+    causes: list[str]  # why the tiers above `source` failed, empty without a fallback
+    slot: Slot | None = None
+    fence: Fence | None = None
+
+
+@dataclass
+class _Held:
+    """An install whose copy may still read `slot`: the slot goes back after `fence`."""
+
+    slot: Slot
+    fence: Fence
+    index: int
+    key: ChunkKey
+    source: int
+
+
+class _ParallelInstall:
+    """A fused install running on an install thread: its fence. `synchronize` raises the
+    tier's ChunkCorrupt when the hash differs from the record header's."""
+
+    def __init__(self, future: Future[int], pending: PendingChunk) -> None:
+        self.future, self.pending = future, pending
+
+    def synchronize(self) -> None:
+        if self.future.result() != self.pending.expected_xxh3:
+            raise self.pending.reject("payload checksum mismatch after the install copy")
+
+
+@dataclass
+class _Read(ABC):
+    """One window position: chunk `index`'s first read, from tier `source`."""
+
+    index: int
+    key: ChunkKey
+    source: int
+
+    @abstractmethod
+    def land(self, window: Window, trail: _Trail) -> _Landed | None:
+        """Wait for the read (ReadTimedOut at the deadline), verify and install the
+        chunk; None when it failed here, with the cause on `trail`."""
+
+    @abstractmethod
+    def drain(self, timeout: float) -> None:
+        """The run ended before this read landed: let it end, unused. May raise the
+        read's ChunkError or OSError, which the ended run ignores."""
+
+
+@dataclass
+class _SlotRead(_Read):
+    """A read into a ring slot, installed from there; verified by its tier, or by the
+    install where the tier defers that (`handle.expected_xxh3`)."""
+
+    handle: PendingChunk
+
+    def wait(self, timeout: float) -> Slot:
+        """The read's slot, or ReadTimedOut at the deadline (the read stays in flight)."""
+        try:
+            return self.handle.wait(timeout)
+        except TimeoutError:
+            raise ReadTimedOut(self.index, self.key) from None
+
+    def land(self, window: Window, trail: _Trail) -> _Landed | None:
+        return window._attempt(
+            self.source, trail, lambda: self.wait(window._remaining()), self.handle
+        )
+
+    def drain(self, timeout: float) -> None:
+        # The engine keeps a slot the kernel may still write until its completion arrives.
+        give_back(self.handle.wait(timeout))
+
+
+@dataclass
+class _DirectRead(_Read):
+    """A read straight into the destination's blocks along `where` (an O_DIRECT file read
+    or a pool's scatter read): no slot, no copy; hashed where the bytes lie."""
+
+    handle: DirectChunk
+    where: HostRuns
+
+    def wait(self, timeout: float) -> None:
+        """The bytes are in place, or ReadTimedOut at the deadline once the read ended."""
+        try:
+            self.handle.wait(timeout)
+        except TimeoutError:
+            # Never abandoned: until it ends the read may still write these blocks.
+            try:
+                self.handle.wait(None)
+            except (ChunkError, OSError):
+                pass
+            raise ReadTimedOut(self.index, self.key) from None
+
+    def land(self, window: Window, trail: _Trail) -> _Landed | None:
+        try:
+            self.wait(window._remaining())
+            # A pool's header arrives with its payload: the expected hash is final only now.
+            if window._hash_in_place(self.where) != self.handle.expected_xxh3:
+                raise self.handle.reject("payload checksum mismatch after a direct read")
+        except ChunkError as exc:
+            trail.failed_in(window.tiers[self.source], exc)
+            return None
+        return _Landed(self.source, trail.causes)
+
+    def drain(self, timeout: float) -> None:
+        self.handle.wait(None)  # the destination's own memory: wait, deadline or not
+
+
+@dataclass
+class _NotStarted(_Read):
+    """A read its tier refused to start: the chunk goes straight to the fallback."""
+
+    cause: str
+    record: object | None  # the failed record (for exact invalidation)
+
+    def land(self, window: Window, trail: _Trail) -> _Landed | None:
+        trail.failed(self.cause, self.record)
+        return None
+
+    def drain(self, timeout: float) -> None:
+        pass  # nothing in flight
 
 
 # Per engine, the lasting destinations whose buffers are registered with its ring (None:
@@ -153,6 +281,16 @@ class InstallReport:
 class Window:
     """Reads hit chunks through `engine` (W slots) and installs them in order."""
 
+    # One run's state, set by `_begin`.
+    _keys: Sequence[ChunkKey]
+    _sources: Sequence[int]
+    _dest: Destination
+    _report: InstallReport
+    _reads: deque[_Read]  # started reads, in chunk order
+    _held: deque[_Held]  # installs still copying out of their slots
+    _next: int  # the next chunk to start reading
+    _direct_done: int
+
     def __init__(
         self,
         engine: Engine,
@@ -178,228 +316,10 @@ class Window:
         self.direct = direct  # read straight into destinations that allow it
         self._direct_now = False  # ... and this run's destination does, so far
         self._register = False  # ... and lasts: register it before its first direct read
-        self._direct_runs: dict[int, HostRuns] = {}  # chunk -> the memory its read fills
         self._pool: ThreadPoolExecutor | None = None
         self._install_s = 0.0
         self._sizes: Sequence[int] | None = None
         self._deadline = self._read_deadline = time.monotonic() + 30.0
-
-    def _size(self, index: int) -> int:
-        return self.chunk_bytes if self._sizes is None else self._sizes[index]
-
-    def _remaining(self) -> float:
-        return max(0.0, self._read_deadline - time.monotonic())
-
-    def _wait(self, pending: PendingChunk, index: int) -> Slot:
-        """The read's slot, or ReadTimedOut at the deadline (the read stays in flight)."""
-        try:
-            return pending.wait(self._remaining())
-        except TimeoutError:
-            raise ReadTimedOut(index, pending.key) from None
-
-    def _read_bounded(self, tier: Tier, key: ChunkKey, index: int) -> Slot:
-        """A fallback read from `tier`, checked by the tier, waiting for a free slot and
-        for the read itself no later than the deadline."""
-        while True:
-            try:
-                pending = tier.submit_read(key, self.engine)
-                break
-            except NoFreeSlot:
-                wait_for_slot(self.engine, self._deadline)
-        return self._wait(pending, index)
-
-    def _submit(
-        self, key: ChunkKey, source: int, dest: Destination | None = None, index: int = -1
-    ) -> PendingChunk | DirectChunk | _NotStarted:
-        """Start the read in the source tier (straight into the destination where both
-        allow it); a failure to start is kept for `_finish`."""
-        tier = self.tiers[source]
-        into = getattr(tier, "submit_read_into", None)
-        if self._direct_now and into is not None and dest is not None:
-            where = fused_runs(dest, index)
-            if where is not None and all(b is not None for b in where[0]):
-                if self._register:
-                    register_once(self.engine, dest, where[0])
-                    self._register = False
-                try:
-                    direct: DirectChunk = into(key, self.engine, *where)
-                    self._direct_runs[index] = where  # hashed there once the read ends
-                    return direct
-                except ENGINE_ERRORS:
-                    raise
-                except (AlignmentError, LayoutError):
-                    self._direct_now = False  # this destination's memory: slots from here
-                except DirectUnavailable:
-                    pass  # this tier (drive) reads through a slot
-                except (ChunkError, OSError) as exc:
-                    return _not_started(f"{tier.name}: {exc}", exc)
-        try:
-            if tier.defers_verify:
-                # Only tiers that defer the check (record-file tiers) take `verify`.
-                return tier.submit_read(key, self.engine, verify=False)  # type: ignore[call-arg]
-            return tier.submit_read(key, self.engine)
-        except ENGINE_ERRORS:
-            raise  # the engine's own state (full, closed): never a failed chunk
-        except (ChunkError, OSError) as exc:
-            return _not_started(f"{self.tiers[source].name}: {exc}", exc)
-
-    def _install(
-        self, dest: Destination, index: int, slot: Slot, pending: PendingChunk | None = None
-    ) -> Fence | None:
-        t0 = time.perf_counter()
-        try:
-            if self._pool is not None and pending is not None and pending.expected_xxh3 is not None:
-                where = fused_runs(dest, index) if self.fused else None
-                if where is not None:
-                    job = self._pool.submit(scoped(dest, slot.install_xxh3), *where)
-                    return _ParallelInstall(job, pending)
-            return install_chunk(dest, index, slot, self._size(index), pending, self.fused)
-        finally:
-            self._install_s += time.perf_counter() - t0
-
-    def _attempt(
-        self,
-        source: int,
-        dest: Destination,
-        index: int,
-        causes: list[str],
-        read: Callable[[], Slot],
-        pending: PendingChunk | None = None,
-    ) -> tuple[tuple[Slot, Fence | None] | None, object | None]:
-        """One try at chunk `index` from tier `source`: ((slot, fence), None) once it is
-        installed, else (None, the failed record) with the cause appended to `causes`.
-        A failed try's slot goes back at once, also when the destination raised: the
-        caller may keep that exception, whose frames must not keep the slot."""
-        slot = None
-        try:
-            slot = read()
-            return (slot, self._install(dest, index, slot, pending)), None
-        except ENGINE_ERRORS:
-            raise
-        except (ChunkError, OSError) as exc:
-            causes.append(f"{self.tiers[source].name}: {exc}")
-            record = _record_of(exc)
-        except BaseException:
-            if slot is not None:
-                give_back(slot)
-            raise
-        if slot is not None:
-            give_back(slot)
-        return None, record
-
-    def _finish(
-        self,
-        index: int,
-        key: ChunkKey,
-        source: int,
-        pending: PendingChunk | DirectChunk | _NotStarted,
-        dest: Destination,
-    ) -> tuple[Slot | None, Fence | None, int, list[str]]:
-        """Install chunk `index` verified, from its source tier, else from a lower one.
-        Returns (slot, fence of the install or None, tier index, causes); no slot when
-        the chunk was read straight into the destination."""
-        causes: list[str] = []
-        if isinstance(pending, str):
-            causes.append(pending)
-            record = getattr(pending, "record", None)
-        elif isinstance(pending, DirectChunk):
-            try:
-                self._verify_in_place(index, pending)
-                return None, None, source, causes
-            except ChunkError as exc:
-                causes.append(f"{self.tiers[source].name}: {exc}")
-                record = _record_of(exc)
-        else:
-            read = partial(self._wait, pending, index)
-            done, record = self._attempt(source, dest, index, causes, read, pending)
-            if done is not None:
-                return *done, source, causes
-            del pending  # the failed read's slot must be free for the fallback read
-        return self._fallback(index, key, source, causes, record, dest)
-
-    def _verify_in_place(self, index: int, pending: DirectChunk) -> None:
-        """Wait for a direct read (ReadTimedOut at the deadline) and hash its bytes where
-        they lie; the tier's ChunkCorrupt when the hash is not the header's."""
-        where = self._direct_runs.pop(index)
-        try:
-            pending.wait(self._remaining())
-        except TimeoutError:
-            # Never abandoned: until it ends the read may still write these blocks.
-            try:
-                pending.wait(None)
-            except (ChunkError, OSError):
-                pass
-            raise ReadTimedOut(index, pending.key) from None
-        t0 = time.perf_counter()
-        got = xxh3_runs(*where)
-        self._install_s += time.perf_counter() - t0
-        self._direct_done += 1
-        if got != pending.expected_xxh3:
-            raise pending.reject("payload checksum mismatch after a direct read")
-
-    def _fallback(
-        self,
-        index: int,
-        key: ChunkKey,
-        source: int,
-        causes: list[str],
-        record: object | None,
-        dest: Destination,
-    ) -> tuple[Slot, Fence | None, int, list[str]]:
-        """Chunk `index` failed in tier `source`: withdraw that record and install the
-        chunk from the next tier that holds a good copy, into the same blocks."""
-        self._invalidate(source, key, causes[-1], record)
-        for ti in range(source + 1, len(self.tiers)):
-            tier = self.tiers[ti]
-            if not holds(tier, key):
-                continue
-            # Checked by the tier itself (no deferred verification on a fallback).
-            read = partial(self._read_bounded, tier, key, index)
-            done, record = self._attempt(ti, dest, index, causes, read)
-            if done is not None:
-                return *done, ti, causes
-            self._invalidate(ti, key, causes[-1], record)
-        raise ChunkUnavailable(index, key, causes)
-
-    def _invalidate(self, ti: int, key: ChunkKey, reason: str, record: object | None) -> None:
-        """Withdraw exactly the record that failed (a newer one at its place stays)."""
-        try:
-            if record is None:
-                self.tiers[ti].invalidate(key, reason)
-            else:
-                self.tiers[ti].invalidate(key, reason, record=record)
-        except (ChunkError, OSError):
-            pass  # a tier that is down cannot record the loss; discovery skips it anyway
-
-    def _settle(
-        self,
-        entry: tuple[Slot, Fence, int, ChunkKey, int],
-        dest: Destination,
-        report: InstallReport,
-    ) -> None:
-        """Wait for one held install; a chunk that fails its check after a parallel
-        install is re-read from a lower tier into the same blocks (synchronously)."""
-        slot, fence, index, key, source = entry
-        t0 = time.perf_counter()
-        try:
-            fence.synchronize()
-            return
-        except ChunkError as exc:
-            causes = [f"{self.tiers[source].name}: {exc}"]
-            record = _record_of(exc)
-        finally:
-            give_back(slot)
-            del slot, entry
-            report.install_s += time.perf_counter() - t0
-        slot, fence2, ti, causes = self._fallback(index, key, source, causes, record, dest)
-        if fence2 is not None:
-            fence2.synchronize()
-        give_back(slot)
-        del slot
-        name = self.tiers[ti].name
-        report.fallbacks.append({"chunk": index, "tier": name, "causes": causes})
-        report.sources[index] = name
-        report.bytes_read[name] = report.bytes_read.get(name, 0) + self._size(index)
 
     def run(
         self,
@@ -424,9 +344,45 @@ class Window:
         `keep_going`: after a chunk no tier can deliver, go on through the rest, so one
         failed load finds (and its tiers withdraw) every bad record, not the first only;
         the run still reports the failure."""
+        self._begin(keys, sources, dest, sizes, slot_deadline, read_deadline)
+        report = self._report
+        stop_every = stop_every or self.width
+        try:
+            for i in range(len(keys)):
+                self._fill()
+                if not self._install_next(i, keep_going):
+                    continue  # chunk i failed in every tier and the run goes on
+                if (i + 1) % stop_every == 0 and should_stop():
+                    report.error = "a peer rank aborted the restore"
+                    break
+            while self._held:
+                self._settle(self._held.popleft())
+            dest.synchronize()
+        except ChunkUnavailable as exc:
+            report.failed_chunks.append(exc.index)
+            report.error = str(exc)
+        except ReadTimedOut as exc:
+            report.timed_out = True
+            report.error = str(exc)
+        finally:
+            self._end()
+        if report.failed_chunks and not report.error:
+            report.error = f"chunks {report.failed_chunks[:8]} unavailable in every tier"
+        return report
+
+    # -- one run, in order -------------------------------------------------------------
+
+    def _begin(
+        self,
+        keys: Sequence[ChunkKey],
+        sources: Sequence[int],
+        dest: Destination,
+        sizes: Sequence[int] | None,
+        slot_deadline: float | None,
+        read_deadline: float | None,
+    ) -> None:
+        """Check the sizes and set up this run's state."""
         n = len(keys)
-        self._deadline = time.monotonic() + 30.0 if slot_deadline is None else slot_deadline
-        self._read_deadline = self._deadline if read_deadline is None else read_deadline
         if sizes is not None:
             if len(sizes) != n:
                 raise ValueError(f"{len(sizes)} record sizes for {n} keys")
@@ -436,111 +392,270 @@ class Window:
                     f"a record of {big} bytes does not fit the engine's "
                     f"{self.engine.slot_bytes}-byte slots"
                 )
-        self._sizes = sizes
+        self._deadline = time.monotonic() + 30.0 if slot_deadline is None else slot_deadline
+        self._read_deadline = self._deadline if read_deadline is None else read_deadline
+        self._keys, self._sources, self._dest, self._sizes = keys, sources, dest, sizes
         self._direct_now = self.direct and bool(getattr(dest, "direct_reads", False))
         self._register = self._direct_now and bool(getattr(dest, "lasting", False))
         self._direct_done = 0
-        report = InstallReport()
-        stop_every = stop_every or self.width
-        # started reads, in chunk order
-        reads: deque[PendingChunk | DirectChunk | _NotStarted] = deque()
-        # (slot, fence, chunk, key, source tier) of installs still running
-        held: deque[tuple[Slot, Fence, int, ChunkKey, int]] = deque()
-        next_read = 0
+        self._report = InstallReport()
+        self._reads, self._held, self._next = deque(), deque(), 0
         if self.install_threads > 1:
             self._pool = ThreadPoolExecutor(self.install_threads, "bsr-install")
+
+    def _fill(self) -> None:
+        """Every free window position gets a read before the next chunk is installed."""
+        while self._next < len(self._keys) and len(self._reads) + len(self._held) < self.width:
+            try:
+                self._reads.append(self._submit(self._next))
+            except NoFreeSlot:
+                # Back-pressure: finish what is ours first; with nothing of ours in
+                # flight, wait for someone else's slot.
+                if self._reads:
+                    return
+                if self._held:
+                    self._settle(self._held.popleft())
+                else:
+                    wait_for_slot(self.engine, self._deadline)
+                continue
+            self._next += 1
+
+    def _submit(self, index: int) -> _Read:
+        """Start chunk `index`'s read in its source tier, straight into the destination
+        where both allow it; a failure to start is kept for the fallback."""
+        key, source = self._keys[index], self._sources[index]
+        tier = self.tiers[source]
+        if self._direct_now:
+            direct = self._submit_direct(index, key, source, tier)
+            if direct is not None:
+                return direct
         try:
-            for i in range(n):
-                # Every free window position gets a read before chunk i is installed.
-                while next_read < n and len(reads) + len(held) < self.width:
-                    try:
-                        key, src = keys[next_read], sources[next_read]
-                        reads.append(self._submit(key, src, dest, next_read))
-                    except NoFreeSlot:
-                        # Back-pressure: finish what is ours first; with nothing of
-                        # ours in flight, wait for someone else's slot.
-                        if reads:
-                            break
-                        if held:
-                            self._settle(held.popleft(), dest, report)
-                            continue
-                        wait_for_slot(self.engine, self._deadline)
-                        continue
-                    next_read += 1
-                t0 = time.perf_counter()
-                self._install_s = 0.0
-                try:
-                    slot, fence, tier_index, causes = self._finish(
-                        i, keys[i], sources[i], reads.popleft(), dest
-                    )
-                except ChunkUnavailable as exc:
-                    if not keep_going:
-                        raise
-                    report.failed_chunks.append(i)
-                    report.error = report.error or str(exc)
-                    continue
-                t1 = time.perf_counter()
-                report.read_wait_s += t1 - t0 - self._install_s
-                name = self.tiers[tier_index].name
-                if causes:
-                    report.fallbacks.append({"chunk": i, "tier": name, "causes": causes})
-                report.bytes_read[name] = report.bytes_read.get(name, 0) + self._size(i)
-                if fence is not None:
-                    assert slot is not None  # an install's fence is a slot's copy
-                    held.append((slot, fence, i, keys[i], tier_index))
-                    parallel = isinstance(fence, _ParallelInstall)
-                    if len(held) >= (self.install_threads if parallel else self.width):
-                        self._settle(held.popleft(), dest, report)
-                if fence is None and slot is not None:
-                    give_back(slot)  # installed: the slot returns to the ring now
-                del slot
-                report.install_s += self._install_s + time.perf_counter() - t1
-                report.installed += 1
-                report.sources.append(name)  # a parallel install's fallback rewrites it
-                if (i + 1) % stop_every == 0 and should_stop():
-                    report.error = "a peer rank aborted the restore"
-                    break
-            while held:
-                self._settle(held.popleft(), dest, report)
-            dest.synchronize()
+            if tier.defers_verify:
+                # Only tiers that defer the check (record-file tiers) take `verify`.
+                pending = tier.submit_read(key, self.engine, verify=False)  # type: ignore[call-arg]
+            else:
+                pending = tier.submit_read(key, self.engine)
+        except ENGINE_ERRORS:
+            raise  # the engine's own state (full, closed): never a failed chunk
+        except (ChunkError, OSError) as exc:
+            return _NotStarted(index, key, source, f"{tier.name}: {exc}", _record_of(exc))
+        return _SlotRead(index, key, source, pending)
+
+    def _submit_direct(self, index: int, key: ChunkKey, source: int, tier: Tier) -> _Read | None:
+        """A read of chunk `index` straight into its blocks, or None: read it through a
+        slot (the tier cannot, or the destination's memory is not plain host memory)."""
+        into = getattr(tier, "submit_read_into", None)
+        if into is None:
+            return None
+        where = fused_runs(self._dest, index)
+        if where is None or not all(b is not None for b in where[0]):
+            return None
+        if self._register:
+            register_once(self.engine, self._dest, where[0])
+            self._register = False
+        try:
+            return _DirectRead(index, key, source, into(key, self.engine, *where), where)
+        except ENGINE_ERRORS:
+            raise
+        except (AlignmentError, LayoutError):
+            self._direct_now = False  # this destination's memory: slots from here
+        except DirectUnavailable:
+            pass  # this tier (drive) reads through a slot
+        except (ChunkError, OSError) as exc:
+            return _NotStarted(index, key, source, f"{tier.name}: {exc}", _record_of(exc))
+        return None
+
+    def _install_next(self, index: int, keep_going: bool) -> bool:
+        """Reap, verify and install chunk `index`, from a lower tier where its read failed.
+        False when no tier had it and `keep_going` lets the run go on."""
+        report = self._report
+        t0 = time.perf_counter()
+        self._install_s = 0.0
+        try:
+            landed = self._land(self._reads.popleft())
         except ChunkUnavailable as exc:
-            report.failed_chunks.append(exc.index)
-            report.error = str(exc)
-        except ReadTimedOut as exc:
-            report.timed_out = True
-            report.error = str(exc)
+            if not keep_going:
+                raise
+            report.failed_chunks.append(index)
+            report.error = report.error or str(exc)
+            return False
+        t1 = time.perf_counter()
+        report.read_wait_s += t1 - t0 - self._install_s
+        name = self._credit(index, landed)
+        self._hold(index, landed)
+        del landed  # a slot not held is back in the ring: nothing here keeps it
+        report.install_s += self._install_s + time.perf_counter() - t1
+        report.installed += 1
+        report.sources.append(name)  # a parallel install's fallback rewrites it
+        return True
+
+    def _land(self, read: _Read) -> _Landed:
+        """Chunk `read.index` installed verified, from its source tier, else a lower one."""
+        trail = _Trail(read.index, read.key)
+        landed = read.land(self, trail)
+        if landed is not None:
+            return landed
+        source = read.source
+        del read  # the failed read's slot must be free for the fallback read
+        return self._fallback(trail, source)
+
+    def _fallback(self, trail: _Trail, source: int) -> _Landed:
+        """The chunk failed in tier `source`: withdraw that record and install the chunk
+        from the next tier that holds a good copy, into the same blocks."""
+        self._invalidate(source, trail)
+        for ti in range(source + 1, len(self.tiers)):
+            if not holds(self.tiers[ti], trail.key):
+                continue
+            # Checked by the tier itself (no deferred verification on a fallback).
+            landed = self._attempt(ti, trail, partial(self._read_bounded, ti, trail))
+            if landed is not None:
+                return landed
+            self._invalidate(ti, trail)
+        raise ChunkUnavailable(trail.index, trail.key, trail.causes)
+
+    def _hold(self, index: int, landed: _Landed) -> None:
+        """Keep the slot an install still copies out of; any other slot goes back now."""
+        if landed.fence is None:
+            if landed.slot is not None:
+                give_back(landed.slot)
+            return
+        assert landed.slot is not None  # an install's fence is a slot's copy
+        self._held.append(_Held(landed.slot, landed.fence, index, self._keys[index], landed.source))
+        parallel = isinstance(landed.fence, _ParallelInstall)
+        if len(self._held) >= (self.install_threads if parallel else self.width):
+            self._settle(self._held.popleft())
+
+    def _settle(self, held: _Held) -> None:
+        """Wait for one held install; a chunk that fails its check after a parallel
+        install is re-read from a lower tier into the same blocks (synchronously)."""
+        index, key, source = held.index, held.key, held.source
+        t0 = time.perf_counter()
+        try:
+            held.fence.synchronize()
+            return
+        except ChunkError as exc:
+            trail = _Trail(index, key)
+            trail.failed_in(self.tiers[source], exc)
         finally:
-            if self._pool is not None:
-                # Installs still running write into the destination: let them finish.
-                self._pool.shutdown(wait=True)
-                self._pool = None
-            # An asynchronous copy (CUDA) may still read a held slot: wait for it before
-            # the slot goes back to the ring, whatever ended the run.
-            while held:
-                slot, fence = held[0][0], held[0][1]
-                held.popleft()
-                try:
-                    fence.synchronize()
-                except (ChunkError, OSError):
-                    pass  # the outcome is already a failure; only the wait mattered
+            give_back(held.slot)
+            del held
+            self._report.install_s += time.perf_counter() - t0
+        landed = self._fallback(trail, source)
+        assert landed.slot is not None  # a fallback reads through a slot
+        if landed.fence is not None:
+            landed.fence.synchronize()
+        give_back(landed.slot)
+        self._report.sources[index] = self._credit(index, landed)
+
+    def _end(self) -> None:
+        """However the run ended, what still touches memory ends before it is let go."""
+        if self._pool is not None:
+            # Installs still running write into the destination: let them finish.
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        # An asynchronous copy (CUDA) may still read a held slot: wait for it before
+        # the slot goes back to the ring, whatever ended the run.
+        while self._held:
+            held = self._held.popleft()
+            try:
+                held.fence.synchronize()
+            except (ChunkError, OSError):
+                pass  # the outcome is already a failure; only the wait mattered
+            give_back(held.slot)
+            del held
+        # Reads already started own their memory until they complete: a slot read is
+        # waited for until the deadline, then dropped (the engine keeps its slot); a
+        # direct read writes the destination's own memory, so it is waited for to its end.
+        while self._reads:
+            read = self._reads.popleft()
+            try:
+                read.drain(self._remaining())
+            except (ChunkError, OSError):
+                pass
+            del read  # the destination's memory is not the window's to keep
+        self._report.direct = self._direct_done
+
+    # -- one try at a chunk ----------------------------------------------------------------
+
+    def _attempt(
+        self,
+        source: int,
+        trail: _Trail,
+        read: Callable[[], Slot],
+        pending: PendingChunk | None = None,
+    ) -> _Landed | None:
+        """One try at the chunk from tier `source`: installed, or None with the cause on
+        `trail`. `read()` gives its slot. A failed try's slot goes back at once,
+        also when the destination raised: the caller may keep that exception, whose
+        frames must not keep the slot."""
+        slot = None
+        try:
+            slot = read()
+            return _Landed(source, trail.causes, slot, self._install(trail.index, slot, pending))
+        except ENGINE_ERRORS:
+            raise
+        except (ChunkError, OSError) as exc:
+            trail.failed_in(self.tiers[source], exc)
+        except BaseException:
+            if slot is not None:
                 give_back(slot)
-                del slot, fence
-            # Reads already started own their slots until they complete: wait for them
-            # until the deadline, then drop them (the engine keeps a slot the kernel may
-            # still write until its completion arrives). A direct read writes the
-            # destination's own memory: wait for it to end, deadline or not.
-            while reads:
-                p = reads.popleft()
-                try:
-                    if isinstance(p, DirectChunk):
-                        p.wait(None)
-                    elif not isinstance(p, str):
-                        give_back(p.wait(self._remaining()))
-                except (ChunkError, OSError):
-                    pass
-                del p
-            report.direct = self._direct_done
-            self._direct_runs.clear()  # the destination's memory is not the window's to keep
-        if report.failed_chunks and not report.error:
-            report.error = f"chunks {report.failed_chunks[:8]} unavailable in every tier"
-        return report
+            raise
+        if slot is not None:
+            give_back(slot)
+        return None
+
+    def _read_bounded(self, source: int, trail: _Trail) -> Slot:
+        """A fallback read from tier `source`, checked by the tier, waiting for a free
+        slot and for the read itself no later than the deadline."""
+        while True:
+            try:
+                pending = self.tiers[source].submit_read(trail.key, self.engine)
+                break
+            except NoFreeSlot:
+                wait_for_slot(self.engine, self._deadline)
+        return _SlotRead(trail.index, trail.key, source, pending).wait(self._remaining())
+
+    def _install(self, index: int, slot: Slot, pending: PendingChunk | None) -> Fence | None:
+        t0 = time.perf_counter()
+        try:
+            if self._pool is not None and pending is not None and pending.expected_xxh3 is not None:
+                where = fused_runs(self._dest, index) if self.fused else None
+                if where is not None:
+                    job = self._pool.submit(scoped(self._dest, slot.install_xxh3), *where)
+                    return _ParallelInstall(job, pending)
+            return install_chunk(self._dest, index, slot, self._size(index), pending, self.fused)
+        finally:
+            self._install_s += time.perf_counter() - t0
+
+    def _hash_in_place(self, where: HostRuns) -> int:
+        """xxh3 of a direct read's bytes where they lie (counted as install time)."""
+        t0 = time.perf_counter()
+        got = xxh3_runs(*where)
+        self._install_s += time.perf_counter() - t0
+        self._direct_done += 1
+        return got
+
+    def _credit(self, index: int, landed: _Landed) -> str:
+        """Count chunk `index`'s bytes (and its fallback) to the tier that delivered it."""
+        name = self.tiers[landed.source].name
+        report = self._report
+        if landed.causes:
+            report.fallbacks.append({"chunk": index, "tier": name, "causes": landed.causes})
+        report.bytes_read[name] = report.bytes_read.get(name, 0) + self._size(index)
+        return name
+
+    def _invalidate(self, ti: int, trail: _Trail) -> None:
+        """Withdraw exactly the record that failed (a newer one at its place stays)."""
+        try:
+            if trail.record is None:
+                self.tiers[ti].invalidate(trail.key, trail.causes[-1])
+            else:
+                self.tiers[ti].invalidate(trail.key, trail.causes[-1], record=trail.record)
+        except (ChunkError, OSError):
+            pass  # a tier that is down cannot record the loss; discovery skips it anyway
+
+    def _size(self, index: int) -> int:
+        return self.chunk_bytes if self._sizes is None else self._sizes[index]
+
+    def _remaining(self) -> float:
+        return max(0.0, self._read_deadline - time.monotonic())
