@@ -1,15 +1,19 @@
 """Scheduler-side discovery: the hit rule over groups and ranks, from the in-memory
-catalog, with no file-system call once it is built.
+catalog fed only by the workers' inventories, with no file-system call on the scheduler
+side.
 
-Records are files named as the store names them (the catalog lists names only); the
-group layouts come from vLLM's real KV cache objects (kv_shapes.py). Requests are the
-few fields of vLLM's Request the scheduler side reads.
+Records are files named as the store names them (inventories list names only); each
+rank's inventory is the worker's own (`StoreInventory`, the one a worker runs), handed
+to the scheduler side as vLLM hands it: in the handshake, then in every step's worker
+metadata. The group layouts come from vLLM's real KV cache objects (kv_shapes.py).
+Requests are the few fields of vLLM's Request the scheduler side reads.
 """
 
 from __future__ import annotations
 
 import builtins
 import os
+import random
 import sys
 import threading
 import time
@@ -23,8 +27,9 @@ from bsr_io.integrations.vllm import kv_shapes, scheduler
 from bsr_io.integrations.vllm.catalog import RecordCatalog
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import key_model
+from bsr_io.integrations.vllm.inventory import StoreInventory, list_records
 from bsr_io.integrations.vllm.layout import group_layouts
-from bsr_io.integrations.vllm.metadata import BsrWorkerMeta
+from bsr_io.integrations.vllm.metadata import BsrHandshake, BsrWorkerMeta, Inventory
 from bsr_io.integrations.vllm.scheduler import SchedulerSide
 from bsr_io.model.keys import ChunkKey, prefix_hashes
 from bsr_io.tiers.files.records import record_path
@@ -33,6 +38,13 @@ from bsr_lab.vllm.harness import tokens
 CHUNK = 256
 MODEL = "m"
 TP = 2
+
+
+NO_STEP = SimpleNamespace(
+    scheduled_new_reqs=[],
+    scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+    num_scheduled_tokens={},
+)
 
 
 def _request(rid: str, toks: list[int]) -> SimpleNamespace:
@@ -80,8 +92,32 @@ def setup(tmp_path):
     return groups, cfg, toks, store
 
 
-def _side(cfg, groups) -> SchedulerSide:
-    return SchedulerSide(cfg, groups, MODEL, TP)
+def _inventories(groups, roots) -> dict[int, StoreInventory]:
+    """Each rank's worker inventory over its own store (`roots[rank]`, or one shared)."""
+    out = {}
+    for r in range(TP):
+        root = roots[r] if isinstance(roots, list) else roots
+        out[r] = StoreInventory([root], {f"-w{TP}r{g.key_rank(r)}" for g in groups})
+    return out
+
+
+def _side(cfg, groups, invs=None, ranks=range(TP)) -> SchedulerSide:
+    """A scheduler side fed, as vLLM feeds it, by the handshakes of `ranks`' workers."""
+    side = SchedulerSide(cfg, groups, MODEL, TP)
+    invs = invs or _inventories(groups, cfg.store_dir)
+    side.handshake({r: BsrHandshake(r, invs[r].take(cfg.handshake_batch)) for r in ranks})
+    return side
+
+
+def _step(side, invs, ranks=range(TP), batch=None) -> None:
+    """One engine step's worker metadata, aggregated over `ranks` as vLLM does."""
+    meta = None
+    for r in ranks:
+        one = BsrWorkerMeta({r: invs[r].take(batch or side.cfg.report_batch)}, ranks={r})
+        meta = one if meta is None else meta.aggregate(one)
+    side.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=meta, finished_recving=None, failed_recving=set())
+    )
 
 
 def test_hit_needs_every_full_chunk_and_the_window_record_at_the_end(setup):
@@ -103,21 +139,26 @@ def test_hit_needs_every_full_chunk_and_the_window_record_at_the_end(setup):
 
 
 def test_catalog_answers_for_every_rank_of_a_group(setup):
-    groups, _, _, store = setup
+    groups, cfg, _, store = setup
     dirs = [store.path(2, r, 0).parent.name for r in range(TP)]  # the full group's ranks
     h = store.hashes
-    cat = RecordCatalog([store.root])
+    invs = _inventories(groups, cfg.store_dir)
+    cat = RecordCatalog()
+    for r, inv in invs.items():
+        cat.report(r, inv.take(10**6))
     assert cat.leading(dirs, h, 0, 10) == 10
     # One rank's record gone (a failed load dropped it): the prefix stops there for the
     # group, while the other rank alone still holds it.
     cat.drop(dirs[1], [h[4]])
     assert (cat.leading(dirs, h, 0, 10), cat.leading(dirs[:1], h, 0, 10)) == (4, 10)
     assert (cat.holds(dirs, h[4]), cat.holds(dirs[:1], h[4])) == (False, True)
-    cat.add(dirs[1], [h[4]])  # a worker's save
+    invs[1].recheck(dirs[1], [h[4]])  # the worker still has it: reported again
+    cat.report(1, invs[1].take(100))
     assert cat.leading(dirs, h, 2, 10) == 10
-    # From the listing: rank 0's file removed by another process.
+    # Rank 0's file removed by another process: rank 0's worker re-lists and reports it.
     store.path(2, 0, 6).unlink()
-    cat.rescan()
+    invs[0].relist()
+    cat.report(0, invs[0].take(100))
     assert (cat.leading(dirs, h, 0, 10), cat.leading(dirs[1:], h, 0, 10)) == (6, 10)
 
 
@@ -194,7 +235,8 @@ def test_a_long_prompt_is_hashed_off_the_scheduler_thread(setup):
 
 def test_unhealthy_worker_and_failed_load_mean_no_hit(setup):
     groups, cfg, toks, _ = setup
-    side = _side(cfg, groups)
+    invs = _inventories(groups, cfg.store_dir)
+    side = _side(cfg, groups, invs)
     side.update_connector_output(
         SimpleNamespace(
             kv_connector_worker_meta=BsrWorkerMeta(unhealthy={1: "a read in flight"}, ranks={0, 1}),
@@ -213,7 +255,7 @@ def test_unhealthy_worker_and_failed_load_mean_no_hit(setup):
     req = _request("b", toks)
     assert side.get_num_new_matched_tokens(req, 0)[0] == 10 * CHUNK
     # The load fails on some rank: the request is a miss from then on, and its records
-    # leave the catalog until a rescan finds them on disk again.
+    # leave the catalog until the workers report again those they still hold.
     blocks = SimpleNamespace(get_block_ids=lambda: tuple(list(range(1, 12)) for _ in groups))
     side.update_state_after_alloc(req, blocks, 10 * CHUNK)
     side.update_connector_output(
@@ -221,7 +263,12 @@ def test_unhealthy_worker_and_failed_load_mean_no_hit(setup):
     )
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert side.get_num_new_matched_tokens(_request("c", toks), 0) == (0, False)
-    side.catalog.rescan()
+    meta = side.build_connector_meta(NO_STEP)
+    assert meta.recheck  # every dropped record goes back to its workers to check
+    for inv in invs.values():
+        for ns, hashes in meta.recheck.items():
+            inv.recheck(ns, hashes)
+    _step(side, invs)
     assert side.get_num_new_matched_tokens(_request("d", toks), 0)[0] == 10 * CHUNK
 
 
@@ -248,3 +295,115 @@ def test_load_plan_skips_vllm_local_blocks_and_nulls(setup):
     assert [r.chunk for r in full_records] == list(range(4, 10))  # vLLM has chunks 0-3
     assert full_records[0].ids == (108, 109)
     assert [(r.chunk, r.ids) for r in load.records if r.group < 2] == [(9, (200, 201))] * 2
+
+
+# -- the workers' inventories: what every rank holds, from that rank alone -------------------
+def _truth(store, upto: int = 10) -> int:
+    """The hit from the files themselves: the longest prefix whose every record of every
+    group and rank exists (full groups), with the window groups' record at its end."""
+    n = 0
+    while n < upto and all(store.path(g, r, n).exists() for g in (2,) for r in range(TP)):
+        n += 1
+    while n > 0 and not all(store.path(g, r, n - 1).exists() for g in (0, 1) for r in range(TP)):
+        n -= 1
+    return n * CHUNK
+
+
+def test_reports_answer_what_a_listing_of_every_drive_answers(setup):
+    """The catalog fed only by worker reports, in small batches over many steps, gives
+    the hits of the files themselves, and holds the same entries as one listing of every
+    rank's directories (what the scheduler side listed before)."""
+    groups, cfg, toks, store = setup
+    rng = random.Random(7)
+    for _ in range(6):  # records missing here and there, on both ranks
+        store.path(rng.randrange(3), rng.randrange(TP), rng.randrange(10)).unlink(missing_ok=True)
+    invs = _inventories(groups, cfg.store_dir)
+    side = _side(replace(cfg, handshake_batch=5), groups, invs)
+    steps = 0
+    while any(inv.pending() for inv in invs.values()):
+        _step(side, invs, batch=7)
+        steps += 1
+    assert steps > 3  # it took several bounded reports
+    want = _truth(store)
+    assert 0 < want < 10 * CHUNK  # records are missing, but not all from the start
+    got = side.get_num_new_matched_tokens(_request("a", toks), 0)[0]
+    assert got == want
+    listed = RecordCatalog()
+    every = list_records([Path(cfg.store_dir) / "chunks"])
+    listed.report(0, Inventory(1, {ns: sorted(h) for ns, h in every.items()}))
+    assert side.catalog._masks == listed._masks
+
+
+def test_a_rank_that_never_reported_holds_nothing(setup):
+    groups, cfg, toks, _ = setup
+    assert _side(cfg, groups, ranks=[0]).get_num_new_matched_tokens(_request("a", toks), 0) == (
+        0,
+        False,
+    )
+    # Control: the same records with rank 1's report in.
+    assert _side(cfg, groups).get_num_new_matched_tokens(_request("a", toks), 0)[0] == 10 * CHUNK
+
+
+def test_node_local_drives_are_found_through_their_workers(tmp_path):
+    """Two nodes, each with its own drive at the same path in its own eyes: rank 0's
+    records only on drive 0, rank 1's only on drive 1. The scheduler side (on node 0)
+    sees both ranks' records because each worker reports its own; a listing of node 0's
+    drive alone (what the scheduler side did before) sees no rank 1 record."""
+    groups = group_layouts(kv_shapes.gemma3(), CHUNK)
+    toks = tokens(5, 10 * CHUNK + 17)
+    drives = [tmp_path / "node0", tmp_path / "node1"]
+    for r, drive in enumerate(drives):
+        store = Store(drive, groups, toks)
+        for g in range(len(groups)):
+            for c in range(10):
+                p = store.path(g, r, c)
+                p.parent.mkdir(parents=True, exist_ok=True)
+                p.touch()
+    cfg = ConnectorConfig(store_dir=str(drives[0]), chunk_tokens=CHUNK)
+    invs = _inventories(groups, [str(d) for d in drives])
+    side = _side(cfg, groups, invs)
+    assert side.get_num_new_matched_tokens(_request("a", toks), 0)[0] == 10 * CHUNK
+    node0 = list_records([drives[0] / "chunks"])
+    assert all(ns.endswith("r0") for ns in node0)  # the old listing: rank 0's only
+
+
+def test_a_restarted_worker_reports_afresh_and_a_silent_one_holds_nothing(setup):
+    groups, cfg, toks, store = setup
+    invs = _inventories(groups, cfg.store_dir)
+    side = _side(cfg, groups, invs)
+    assert side.get_num_new_matched_tokens(_request("a", toks), 0)[0] == 10 * CHUNK
+    # Node 1 restarts with records deleted meanwhile: its new epoch replaces its view.
+    for c in range(5, 10):
+        store.path(2, 1, c).unlink()
+    invs[1] = _inventories(groups, cfg.store_dir)[1]
+    _step(side, invs)
+    assert side.get_num_new_matched_tokens(_request("b", toks), 0)[0] == 5 * CHUNK
+    # Rank 1 stops reporting (its steps come without it): after a few steps it holds
+    # nothing, and it is asked to report everything again.
+    for _ in range(3):
+        _step(side, invs, ranks=[0])
+    assert side.get_num_new_matched_tokens(_request("c", toks), 0) == (0, False)
+    meta = side.build_connector_meta(NO_STEP)
+    assert meta.resync == {1}
+    invs[1].resync()
+    _step(side, invs)
+    assert side.get_num_new_matched_tokens(_request("d", toks), 0)[0] == 5 * CHUNK
+
+
+def test_pool_records_survive_relisting_until_a_failed_load(tmp_path):
+    """Records written through to a pool are on no drive: the worker keeps them (pinned)
+    across re-listings; a recheck after a failed load that finds neither file nor pin
+    drops the record; a pinned one is reported again."""
+    inv = StoreInventory([tmp_path], {"-w1r0"})
+    ns = "0" * 32 + "-" + "1" * 32 + "-w1r0"
+    inv.saved(ns, 1, pinned=True)
+    inv.saved(ns, 3)
+    cat = RecordCatalog()
+    cat.report(0, inv.take(100))
+    inv.relist()  # the drive holds none of them
+    cat.report(0, inv.take(100))
+    assert [cat.holds([ns], h) for h in (1, 3)] == [True, False]
+    cat.drop(ns, [1])
+    inv.recheck(ns, [1])
+    cat.report(0, inv.take(100))
+    assert cat.holds([ns], 1)

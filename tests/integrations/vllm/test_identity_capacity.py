@@ -7,7 +7,6 @@ vLLM config objects, real SSD tiers on disk and real adapter files (no engine).
 - Capacity: two TP workers' tiers sharing one store directory, each capped, never evict
   each other's records (control: a tier that indexes the whole directory does); a
   touched record (vLLM's local hit, a restore) outlives an untouched one.
-- The catalog keeps records written through to a pool across rescans.
 - Configuration: Mooncake keys as the LMCache plugin takes them; no `faults` key.
 """
 
@@ -22,7 +21,6 @@ from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import synthetic_chunk
-from bsr_io.integrations.vllm.catalog import RecordCatalog
 from bsr_io.integrations.vllm.config import ConfigError, ConnectorConfig
 from bsr_io.integrations.vllm.identity import key_model, model_identity, request_key_model
 from bsr_io.integrations.vllm.ranktier import RankTier
@@ -162,17 +160,6 @@ def test_touched_records_are_evicted_last(tmp_path):
     # the next-oldest goes instead. Control: untouched, the leading chunk goes first.
     assert run(tmp_path / "t", True) == [True, False, True, True]
     assert run(tmp_path / "c", False) == [False, True, True, True]
-
-
-def test_catalog_keeps_pool_records_across_rescans(tmp_path):
-    cat = RecordCatalog([tmp_path])
-    cat.add("ns", [1, 2], keep=True)
-    cat.add("ns", [3])
-    cat.rescan()  # the directory holds none of them
-    assert [cat.holds(["ns"], h) for h in (1, 2, 3)] == [True, True, False]
-    cat.drop("ns", [1])  # a failed load drops a pool record for good
-    cat.rescan()
-    assert [cat.holds(["ns"], h) for h in (1, 2)] == [False, True]
 
 
 # -- configuration --------------------------------------------------------------------------

@@ -1,31 +1,29 @@
-"""The scheduler side's record catalog: which records exist, without I/O on vLLM's
-scheduler thread.
+"""The scheduler side's record catalog: which records every rank holds, without I/O on
+vLLM's scheduler thread, and without ever listing a directory.
 
 A record directory is one model and context, one group layout and one rank
 (`ChunkKey.namespace()`, `...-w{world}r{rank}`). The catalog keeps, per directory name
 without its rank (a "base"), one map from chunk hash to a bitmask of the ranks that hold
 it, so asking whether a prefix is held on every rank is one dictionary look-up per chunk,
-not one per chunk and rank. It is built at start by one listing of the store's
-directories (file names only, no header read), fed by the saves the workers confirm and
-emptied of a request's records when its load fails. A background thread lists the
-directories again every few seconds and swaps the maps in, so records written or removed
-by other processes are seen. A stale entry costs one failed load (records are verified
-when read), never wrong data.
+not one per chunk and rank.
 
-A pool below the SSD tier (Mooncake) cannot be listed: saves written through to it are
-added with `keep=True` and survive rescans (an SSD record evicted or deleted is still
-served from the pool) until a failed load drops them.
+It is fed only by the workers, which alone can list their own node's drive
+(inventory.py): each worker's inventory arrives at start with vLLM's handshake metadata
+and then, in bounded batches, with every step's worker metadata: what it found, what it
+saved, what left its store. A rank that has not reported holds nothing. A report under a
+new epoch (the worker restarted) first drops everything its ranks held; so does `forget`
+(a worker that stopped reporting). A failed load drops the request's records here until
+the workers report again those they still hold. A stale entry costs one failed load
+(records are verified when read), never wrong data.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
-from bsr_io.tiers.files.records import NS_RE, STEM_RE, SUFFIX
+from bsr_io.integrations.vllm.metadata import Inventory
 
 Masks = dict[str, dict[int, int]]  # base -> chunk hash -> bitmask of the ranks holding it
 _RANK_RE = re.compile(r"^(.*r)(\d+)$")
@@ -35,30 +33,6 @@ def _split(ns: str) -> tuple[str, int]:
     """A directory name as (base, rank bit); a name without a rank is rank 0."""
     m = _RANK_RE.match(ns)
     return (m.group(1), 1 << int(m.group(2))) if m else (ns, 1)
-
-
-def _list(chunks_dirs: Sequence[Path]) -> Masks:
-    out: Masks = {}
-    for d in chunks_dirs:
-        try:
-            namespaces = list(os.scandir(d))
-        except OSError:
-            continue  # a tier that is down holds nothing for discovery
-        for ns in namespaces:
-            if not NS_RE.match(ns.name):
-                continue
-            try:
-                names = os.listdir(ns.path)
-            except OSError:
-                continue
-            base, bit = _split(ns.name)
-            masks = out.setdefault(base, {})
-            for name in names:
-                stem = name[: -len(SUFFIX)]
-                if name.endswith(SUFFIX) and STEM_RE.match(stem):
-                    h = int(stem, 16)
-                    masks[h] = masks.get(h, 0) | bit
-    return out
 
 
 def _apply(masks: Masks, add: bool, ns: str, hashes: frozenset[int]) -> None:
@@ -79,16 +53,10 @@ def _apply(masks: Masks, add: bool, ns: str, hashes: frozenset[int]) -> None:
 
 
 class RecordCatalog:
-    def __init__(self, roots: Iterable[str | os.PathLike[str]]) -> None:
-        self._dirs = [Path(os.path.abspath(r)) / "chunks" for r in roots]
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._masks: Masks = _list(self._dirs)
-        # Changes made while a rescan runs, replayed onto its result before the swap.
-        self._journal: list[tuple[bool, str, frozenset[int]]] | None = None
-        self._kept: Masks = {}  # written through to a pool: no listing sees them
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.rescans = 0
+        self._masks: Masks = {}
+        self._epochs: dict[int, int] = {}  # worker rank -> the epoch of its reports
         self.version = 0  # bumped on every change: a memoized answer is stale after one
 
     # -- lookups (no system call; called on vLLM's scheduler thread) ---------------------
@@ -120,59 +88,50 @@ class RecordCatalog:
         return end
 
     # -- feeding ---------------------------------------------------------------------
-    def add(self, ns: str, hashes: Iterable[int], keep: bool = False) -> None:
-        """`keep`: the records are also in a pool no rescan lists; they stay until dropped."""
-        got = frozenset(hashes)
-        if keep and got:
-            with self._lock:
-                _apply(self._kept, True, ns, got)
-        self._change(True, ns, got)
+    def report(self, worker: int, inv: Inventory) -> None:
+        """Apply worker `worker`'s report. Under a new epoch (the worker restarted and
+        reports afresh) its rank's records are dropped first."""
+        with self._lock:
+            known = self._epochs.get(worker)
+            if known != inv.epoch:
+                if known is not None:
+                    self._clear(1 << worker)
+                self._epochs[worker] = inv.epoch
+            for ns, hashes in inv.removed.items():
+                _apply(self._masks, False, ns, frozenset(hashes))
+            for ns, hashes in inv.added.items():
+                _apply(self._masks, True, ns, frozenset(hashes))
+            self.version += 1
+
+    def forget(self, worker: int) -> None:
+        """Worker `worker` stopped reporting: its rank holds nothing until it reports
+        under a new epoch."""
+        with self._lock:
+            if self._epochs.pop(worker, None) is not None:
+                self._clear(1 << worker)
+                self.version += 1
+
+    def reporting(self) -> set[int]:
+        """The workers whose reports the catalog holds."""
+        return set(self._epochs)
+
+    def _clear(self, bits: int) -> None:
+        for held in self._masks.values():
+            for h in [h for h, m in held.items() if m & bits]:
+                if left := held[h] & ~bits:
+                    held[h] = left
+                else:
+                    del held[h]
 
     def drop(self, ns: str, hashes: Iterable[int]) -> None:
+        """Forget these records (a failed load met them) until a worker reports them."""
         got = frozenset(hashes)
-        if got:
-            with self._lock:
-                _apply(self._kept, False, ns, got)
-        self._change(False, ns, got)
-
-    def _change(self, add: bool, ns: str, hashes: frozenset[int]) -> None:
-        if not hashes:
+        if not got:
             return
         with self._lock:
-            _apply(self._masks, add, ns, hashes)
+            _apply(self._masks, False, ns, got)
             self.version += 1
-            if self._journal is not None:
-                self._journal.append((add, ns, hashes))
 
-    def rescan(self) -> None:
-        with self._lock:
-            self._journal = []
-        fresh = _list(self._dirs)
-        with self._lock:
-            for base, kept in self._kept.items():
-                masks = fresh.setdefault(base, {})
-                for h, bits in kept.items():
-                    masks[h] = masks.get(h, 0) | bits
-            for add, ns, hashes in self._journal or []:
-                _apply(fresh, add, ns, hashes)
-            self._journal = None
-            if fresh != self._masks:
-                self.version += 1
-            self._masks = fresh
-            self.rescans += 1
-
-    def start(self, interval_s: float) -> None:
-        def loop() -> None:
-            while not self._stop.wait(interval_s):
-                try:
-                    self.rescan()
-                except Exception:  # noqa: BLE001 - a failed listing keeps the old sets
-                    pass
-
-        self._thread = threading.Thread(target=loop, name="bsr-vllm-catalog", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+    def entries(self) -> int:
+        """(base, chunk) entries held: the catalog's size."""
+        return sum(map(len, self._masks.values()))

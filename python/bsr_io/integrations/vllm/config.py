@@ -61,6 +61,8 @@ KEYS = Table(
         Key("save", "bool", True, "true or false"),
         Key("step_save_budget_s", "float", 0.05, _POSITIVE, positive),
         Key("rescan_s", "float", 5.0, _POSITIVE, positive),
+        Key("report_batch", "int", 8192, _INT.format(1), at_least(1)),
+        Key("handshake_batch", "int", 131072, _INT.format(0), at_least(0)),
         Key("hash_inline_tokens", "int", 32768, _INT.format(0), at_least(0)),
         Key("model", "str", None, _TEXT, not_empty),
         Key("events_path", "str", None, _TEXT, not_empty),
@@ -94,7 +96,13 @@ class ConnectorConfig:
     # Sliding-window records are cut in the step that computed them; a step waits at
     # most this long for a free save slot, then skips the record (a future miss).
     step_save_budget_s: float = _D("step_save_budget_s")
-    rescan_s: float = _D("rescan_s")  # the scheduler re-lists the store for records others wrote
+    # Each worker re-lists its own records this often and reports what changed (records
+    # evicted, quarantined, deleted by hand, written by another process).
+    rescan_s: float = _D("rescan_s")
+    # Chunk hashes a worker reports per step, and in its handshake before serving: a
+    # store of a million records is reported over several steps, none of them stalled.
+    report_batch: int = _D("report_batch")
+    handshake_batch: int = _D("handshake_batch")
     # A new request with more tokens than this still to hash is hashed on a thread of its
     # own, and vLLM is told to ask again next pass (a 512K-token prompt then costs the
     # scheduler thread microseconds, not the hash's milliseconds); shorter ones inline.

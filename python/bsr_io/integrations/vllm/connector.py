@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import model_identity
 from bsr_io.integrations.vllm.layout import REQUIRED_LAYOUT, group_layouts
-from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta
+from bsr_io.integrations.vllm.metadata import BsrHandshake, BsrMetadata, BsrWorkerMeta
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -145,6 +145,14 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_worker_meta(self) -> BsrWorkerMeta | None:
         return self._worker.worker_meta() if self._worker is not None else None
+
+    # -- what each worker holds, before serving ----------------------------------------
+    def get_handshake_metadata(self) -> BsrHandshake | None:
+        return self._worker.handshake() if self._worker is not None else None
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        if self._scheduler is not None:
+            self._scheduler.handshake(metadata)
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
@@ -43,13 +44,42 @@ class BsrMetadata(KVConnectorMetadata):
     # key model -> chunk hashes vLLM's own prefix cache served to requests scheduled this
     # step: each worker refreshes those records' recency in its SSD tier (no I/O).
     touches: dict[str, list[int]] = field(default_factory=dict)
+    # record dir -> chunk hashes the scheduler side dropped after a failed load: each
+    # worker owning the dir reports again those of them its store still holds.
+    recheck: dict[str, list[int]] = field(default_factory=dict)
+    # Worker ranks whose reports the scheduler side stopped trusting: they report their
+    # whole store again under a new epoch.
+    resync: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Inventory:
+    """One worker's report of what its own store holds (inventory.py): first the records
+    it found at start, in bounded batches, then what changed (saves, evictions,
+    quarantines, files removed by hand)."""
+
+    epoch: int  # new at every worker start: a new one resets that rank's view
+    added: dict[str, list[int]] = field(default_factory=dict)  # record dir -> hashes held
+    removed: dict[str, list[int]] = field(default_factory=dict)  # record dir -> not held
+    synced: bool = False  # every record found at start has been reported
+
+    def size(self) -> int:
+        return sum(map(len, self.added.values())) + sum(map(len, self.removed.values()))
+
+
+@dataclass
+class BsrHandshake(KVConnectorHandshakeMetadata):
+    """From each worker once, before serving: its rank and its inventory's first batch."""
+
+    rank: int
+    inventory: Inventory
 
 
 @dataclass
 class BsrWorkerMeta(KVConnectorWorkerMetadata):
     """Per step, from every worker (vLLM aggregates them) to the scheduler side."""
 
-    saved: dict[str, set[int]] = field(default_factory=dict)  # record dir -> hashes stored
+    inventory: dict[int, Inventory] = field(default_factory=dict)  # worker rank -> report
     unhealthy: dict[int, str] = field(default_factory=dict)  # rank -> why its I/O is stuck
     ranks: set[int] = field(default_factory=set)  # ranks that reported
     skipped_saves: int = 0  # window records dropped for want of a slot (future misses)
@@ -57,11 +87,8 @@ class BsrWorkerMeta(KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> BsrWorkerMeta:
         if not isinstance(other, BsrWorkerMeta):
             return self
-        saved = {ns: set(h) for ns, h in self.saved.items()}
-        for ns, hashes in other.saved.items():
-            saved.setdefault(ns, set()).update(hashes)
         return BsrWorkerMeta(
-            saved,
+            {**self.inventory, **other.inventory},
             {**self.unhealthy, **other.unhealthy},
             self.ranks | other.ranks,
             self.skipped_saves + other.skipped_saves,

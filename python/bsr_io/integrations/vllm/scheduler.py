@@ -4,8 +4,10 @@ The hit is the largest number n of whole chunks (leaving at least one token to
 compute) such that on every TP rank every full group holds the chunks vLLM does not
 already have locally, [local // chunk, n), and every window group holds its record at
 boundary n - 1: exactly what a restore to n * chunk_tokens reads. Nothing here touches
-the file system after start (catalog.py). While any worker reports its I/O stuck, the
-answer is 0: vLLM recomputes rather than queue loads behind a wedged read.
+the file system: what each rank holds comes from that rank's worker (catalog.py), so
+ranks on other nodes, with drives of their own, are known as well as local ones. While
+any worker reports its I/O stuck, the answer is 0: vLLM recomputes rather than queue
+loads behind a wedged read.
 
 Saves: each step, for every scheduled request, the chunk boundaries this step
 completes (from the request's tokens and its computed and scheduled counts, read
@@ -26,10 +28,17 @@ from bsr_io.integrations.vllm.catalog import RecordCatalog
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import request_key_model
 from bsr_io.integrations.vllm.layout import FULL, WINDOW, GroupLayout
-from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
+from bsr_io.integrations.vllm.metadata import (
+    BsrHandshake,
+    BsrMetadata,
+    BsrWorkerMeta,
+    RecordOrder,
+    Transfer,
+)
 from bsr_io.model.keys import extend_prefix_hashes, model_digest
 
 log = logging.getLogger("bsr_io.vllm")
+_SILENT_STEPS = 3  # steps in a row a worker may miss before its rank holds nothing
 
 
 @dataclass
@@ -64,8 +73,7 @@ class SchedulerSide:
         self.model = model
         self.world_size = world_size
         self.chunk = cfg.chunk_tokens
-        roots = [cfg.store_dir] + ([cfg.lower_dir] if cfg.lower_dir else [])
-        self.catalog = catalog if catalog is not None else RecordCatalog(roots)
+        self.catalog = catalog if catalog is not None else RecordCatalog()
         self._ns: dict[str, dict[int, list[str]]] = {}  # key_model -> group -> dirs
         self._reqs: dict[str, _Request] = {}
         self._loads: list[Transfer] = []
@@ -73,13 +81,21 @@ class SchedulerSide:
         self._touches: dict[str, list[int]] = {}
         self.unhealthy: dict[int, str] = {}
         self.skipped_saves = 0
+        self._recheck: dict[str, list[int]] = {}  # dropped after a failed load
+        self._resync: set[int] = set()
+        self._silent: dict[int, int] = {}  # worker rank -> steps in a row without its report
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bsr-io-hash")
 
     def start(self) -> None:
-        self.catalog.start(self.cfg.rescan_s)
+        """Nothing to list: the workers' handshakes bring what each rank holds."""
+
+    def handshake(self, metadata: dict[int, Any]) -> None:
+        """Each worker's first inventory batch, gathered by vLLM before serving."""
+        for hs in metadata.values():
+            if isinstance(hs, BsrHandshake):
+                self.catalog.report(hs.rank, hs.inventory)
 
     def close(self) -> None:
-        self.catalog.close()
         self._hasher.shutdown(wait=False, cancel_futures=True)
 
     # -- names --------------------------------------------------------------------------
@@ -231,9 +247,15 @@ class SchedulerSide:
     # -- per step ---------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> BsrMetadata:
         meta = BsrMetadata(
-            self._loads, self._step_saves(scheduler_output), self._finish, touches=self._touches
+            self._loads,
+            self._step_saves(scheduler_output),
+            self._finish,
+            touches=self._touches,
+            recheck=self._recheck,
+            resync=self._resync,
         )
         self._loads, self._finish, self._touches = [], [], {}
+        self._recheck, self._resync = {}, set()
         return meta
 
     def _scheduled(self, so: Any) -> list[tuple[str, int]]:
@@ -280,8 +302,19 @@ class SchedulerSide:
     def update_connector_output(self, output: Any) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, BsrWorkerMeta):
-            for ns, hashes in meta.saved.items():
-                self.catalog.add(ns, hashes, keep=self.cfg.mooncake is not None)
+            for rank, inv in meta.inventory.items():
+                self.catalog.report(rank, inv)
+            for rank in range(self.world_size):
+                if rank in meta.ranks:
+                    self._silent.pop(rank, None)
+                    continue
+                # A worker missing from steps it took part in: what it holds may have
+                # changed unseen. Its rank holds nothing until it reports afresh.
+                self._silent[rank] = self._silent.get(rank, 0) + 1
+                if self._silent[rank] == _SILENT_STEPS and rank in self.catalog.reporting():
+                    log.warning("bsr-io: worker %d sent no report; it holds nothing now", rank)
+                    self.catalog.forget(rank)
+                    self._resync.add(rank)
             for rank in meta.ranks:
                 why = meta.unhealthy.get(rank)
                 if why and rank not in self.unhealthy:
@@ -305,12 +338,14 @@ class SchedulerSide:
             if st is None:
                 continue
             # The next lookup for this request is a miss: it is recomputed, not reloaded;
-            # its records leave the catalog until a rescan finds the good ones again.
+            # its records leave the catalog until the workers report again those they
+            # still hold (the bad ones are quarantined by then).
             st.failed = True
             if st.key_model is not None:
                 for gi, c in st.loaded:
                     for ns in self.dirs(st.key_model, self.groups_by_index[gi]):
                         self.catalog.drop(ns, [st.hashes[c]])
+                        self._recheck.setdefault(ns, []).append(st.hashes[c])
             log.warning("bsr-io: load of request %s failed on a rank; recomputing", rid)
 
     @property

@@ -27,6 +27,10 @@ Design (one path, two lanes, nothing unbounded):
   miss, counted), then written (checksummed, crash-safe) by up to W writers.
   Full-group records of a finished request go through the core's `save_records`;
   vLLM keeps the blocks until the worker reports the request in `finished_sending`.
+- Inventory: the worker alone lists its own records (its ranks' directories on its own
+  node's drive) and reports them to the scheduler side: in its handshake before
+  serving, then in bounded batches with every step's worker metadata, with what its
+  saves, evictions and re-listings change (inventory.py).
 - Health: a worker whose load timed out with a read still in flight (the load
   engine has fewer free slots than W with no load running) reports itself unhealthy
   in its per-step worker metadata; the scheduler answers 0 external tokens until it
@@ -57,9 +61,16 @@ from bsr_io.engine import as_tensor, give_back, lease
 from bsr_io.errors import EngineBusy, TierDown
 from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
+from bsr_io.integrations.vllm.inventory import StoreInventory
 from bsr_io.integrations.vllm.jobs import Details, Job, JobTable
 from bsr_io.integrations.vllm.layout import GroupLayout
-from bsr_io.integrations.vllm.metadata import BsrMetadata, BsrWorkerMeta, RecordOrder, Transfer
+from bsr_io.integrations.vllm.metadata import (
+    BsrHandshake,
+    BsrMetadata,
+    BsrWorkerMeta,
+    RecordOrder,
+    Transfer,
+)
 from bsr_io.integrations.vllm.ranktier import RankTier
 from bsr_io.load.records import COMPLETE, ZERO, LoadOptions, load_records
 from bsr_io.metrics import RestoreMetrics
@@ -161,6 +172,9 @@ class WorkerSide:
                     exc,
                 )
         self.load_tiers = _fault_double(load_tiers, rank)
+        roots = [cfg.store_dir] + ([cfg.lower_dir] if cfg.lower_dir else [])
+        self.inventory = StoreInventory(roots, {f"-w{world_size}r{r}" for r in owned})
+        self.inventory.start(cfg.rescan_s)
         self.metrics = RestoreMetrics()
         if cfg.metrics_port is not None:
             from prometheus_client import start_http_server
@@ -170,7 +184,6 @@ class WorkerSide:
             )
         self.pages: KVPages | None = None
         self._lock = threading.Lock()
-        self._saved: dict[str, set[int]] = {}
         self._skipped = 0  # window records not saved (no slot in budget, or an error)
         self._writers = ThreadPoolExecutor(cfg.window, thread_name_prefix=f"bsr-w{rank}")
         self._writing: dict[str, list[Future[None]]] = {}  # request -> its window writes
@@ -213,6 +226,10 @@ class WorkerSide:
     # -- called by vLLM's model runner, once per step ----------------------------------
     def submit(self, meta: BsrMetadata) -> None:
         """Queue this step's loads and finished requests' saves (start_load_kv)."""
+        if self.rank in meta.resync:
+            self.inventory.resync()
+        for ns, hashes in meta.recheck.items():
+            self.inventory.recheck(ns, hashes)
         for key_model, hashes in meta.touches.items():
             self.ssd.touch(
                 ChunkKey(key_model, self.world_size, g.key_rank(self.rank), g.fingerprint(), h)
@@ -275,8 +292,8 @@ class WorkerSide:
             give_back(slot)
 
     def _note_saved(self, key: ChunkKey) -> None:
-        with self._lock:
-            self._saved.setdefault(key.namespace(), set()).add(key.chunk_hash)
+        # Written through to a pool too: no re-listing of the drive may take it back.
+        self.inventory.saved(key.namespace(), key.chunk_hash, pinned=self.pool is not None)
 
     def results(self, finished: set[str] | None = None) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call.
@@ -296,10 +313,14 @@ class WorkerSide:
 
     def worker_meta(self) -> BsrWorkerMeta:
         with self._lock:
-            saved, self._saved = self._saved, {}
             skipped, self._skipped = self._skipped, 0
         why = self.health()
-        return BsrWorkerMeta(saved, {self.rank: why} if why else {}, {self.rank}, skipped)
+        report = {self.rank: self.inventory.take(self.cfg.report_batch)}
+        return BsrWorkerMeta(report, {self.rank: why} if why else {}, {self.rank}, skipped)
+
+    def handshake(self) -> BsrHandshake:
+        """Before serving: this worker's rank and its inventory's first batch."""
+        return BsrHandshake(self.rank, self.inventory.take(self.cfg.handshake_batch))
 
     def health(self) -> str:
         """Why this worker's loads cannot be trusted to finish now ("" when they can)."""
@@ -410,6 +431,7 @@ class WorkerSide:
 
     def close(self) -> None:
         self.jobs.close()
+        self.inventory.close()
         self._writers.shutdown(wait=True)
         for tier in dict.fromkeys([*self.load_tiers, self.save_tier]):
             try:

@@ -1,0 +1,197 @@
+"""What one worker's own store holds, reported to the scheduler side in bounded batches.
+
+Each rank's records live on its own node's drive, which no other process can list (the
+paper's two nodes shared no file system). So the worker, never the scheduler, lists its
+record directories: those of the key ranks it owns (`-w{world}r{rank}`), under the store
+and the lower tier, file names only (a record's name is its chunk hash; no header is
+read). At start it lists them once; every `rescan_s` a thread lists them again and
+queues what changed (a record evicted, quarantined or deleted by hand; one written by
+another process sharing the directory). Saves the worker confirms are queued at once,
+and so are records written through to a pool, which no listing can see ("pinned": only
+a failed load removes them).
+
+`take(limit)` hands out at most `limit` chunk hashes per call, one call per engine step:
+the start listing first, then the changes in the order they happened (a change queued
+while the start listing is still going out waits for it, so no removal overtakes the
+addition it undoes). A store of a million records then neither stalls a step nor makes
+one message large. Each start draws a new `epoch`; the scheduler side drops what it knew
+of this worker's ranks when it sees a new one, so a restarted node reports afresh.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from bsr_io.integrations.vllm.metadata import Inventory
+from bsr_io.tiers.files.records import NS_RE, STEM_RE, SUFFIX
+
+Held = dict[str, set[int]]  # record dir -> chunk hashes
+
+
+def list_records(chunks_dirs: Sequence[Path], suffixes: Iterable[str] | None = None) -> Held:
+    """The records under `chunks_dirs` (directories ending in one of `suffixes`; all when
+    None), by file name only. A directory that cannot be listed holds nothing."""
+    ends = tuple(suffixes) if suffixes is not None else None
+    out: Held = {}
+    for d in chunks_dirs:
+        try:
+            dirs = list(os.scandir(d))
+        except OSError:
+            continue
+        for ns in dirs:
+            if not NS_RE.match(ns.name) or (ends is not None and not ns.name.endswith(ends)):
+                continue
+            try:
+                names = os.listdir(ns.path)
+            except OSError:
+                continue
+            held = out.setdefault(ns.name, set())
+            for name in names:
+                stem = name[: -len(SUFFIX)]
+                if name.endswith(SUFFIX) and STEM_RE.match(stem):
+                    held.add(int(stem, 16))
+    return out
+
+
+class StoreInventory:
+    def __init__(self, roots: Iterable[str | os.PathLike[str]], suffixes: Iterable[str]) -> None:
+        self._dirs = [Path(os.path.abspath(r)) / "chunks" for r in roots]
+        self._suffixes = tuple(sorted(set(suffixes)))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.relists = 0
+        self._restart()
+
+    def _restart(self) -> None:
+        """A fresh epoch: everything held goes out again, from the first batch."""
+        held = list_records(self._dirs, self._suffixes)
+        with self._lock:
+            self.epoch = secrets.randbits(62)
+            self._held = held
+            self._pinned: Held = getattr(self, "_pinned", {})
+            for ns, hashes in self._pinned.items():
+                self._held.setdefault(ns, set()).update(hashes)
+            # The start listing, sent in order: (dir, its hashes) and a cursor into it.
+            self._sync = [(ns, sorted(h)) for ns, h in sorted(self._held.items()) if h]
+            self._at = (0, 0)
+            self._added: Held = {}
+            self._removed: Held = {}
+
+    # -- what changes ------------------------------------------------------------------
+    def saved(self, ns: str, chunk_hash: int, pinned: bool = False) -> None:
+        """The worker stored a record (`pinned`: also in a pool no listing sees)."""
+        with self._lock:
+            self._held.setdefault(ns, set()).add(chunk_hash)
+            if pinned:
+                self._pinned.setdefault(ns, set()).add(chunk_hash)
+            self._queue(ns, chunk_hash, True)
+
+    def recheck(self, ns: str, hashes: Iterable[int]) -> None:
+        """The scheduler side dropped these after a failed load: report again those this
+        store still holds (a bad one was quarantined, so its file is gone)."""
+        d = self._dir_of(ns)
+        if d is None:
+            return
+        with self._lock:
+            for h in hashes:
+                present = (d / ns / f"{h:032x}{SUFFIX}").exists()
+                pinned = h in self._pinned.get(ns, ())
+                if present or pinned:
+                    self._queue(ns, h, True)
+                else:
+                    self._held.get(ns, set()).discard(h)
+                    self._pinned.get(ns, set()).discard(h)
+
+    def _dir_of(self, ns: str) -> Path | None:
+        if not ns.endswith(self._suffixes):
+            return None  # another rank's directory: never looked at here
+        for d in self._dirs:
+            if (d / ns).is_dir():
+                return d
+        return self._dirs[0] if self._pinned.get(ns) else None
+
+    def relist(self) -> None:
+        """List the directories again and queue what changed since the last listing."""
+        fresh = list_records(self._dirs, self._suffixes)
+        with self._lock:
+            for ns, hashes in self._pinned.items():
+                fresh.setdefault(ns, set()).update(hashes)
+            for ns in set(self._held) | set(fresh):
+                old, new = self._held.get(ns, set()), fresh.get(ns, set())
+                for h in new - old:
+                    self._queue(ns, h, True)
+                for h in old - new:
+                    self._queue(ns, h, False)
+            self._held = fresh
+            self.relists += 1
+
+    def _queue(self, ns: str, h: int, add: bool) -> None:
+        # The latest change of a record wins: a removal cancels a queued addition.
+        into, out = (self._added, self._removed) if add else (self._removed, self._added)
+        out.get(ns, set()).discard(h)
+        into.setdefault(ns, set()).add(h)
+
+    # -- what goes out -----------------------------------------------------------------
+    def take(self, limit: int) -> Inventory:
+        """The next report: at most `limit` chunk hashes (the start listing first)."""
+        report = Inventory(self.epoch)
+        left = limit
+        with self._lock:
+            i, j = self._at
+            while left > 0 and i < len(self._sync):
+                ns, hashes = self._sync[i]
+                part = hashes[j : j + left]
+                report.added.setdefault(ns, []).extend(part)
+                left -= len(part)
+                j += len(part)
+                if j >= len(hashes):
+                    i, j = i + 1, 0
+            self._at = (i, j)
+            report.synced = i >= len(self._sync)
+            if not report.synced:
+                return report
+            for src, dst in ((self._removed, report.removed), (self._added, report.added)):
+                for ns in list(src):
+                    if left <= 0:
+                        break
+                    queued = src[ns]
+                    while queued and left > 0:
+                        dst.setdefault(ns, []).append(queued.pop())
+                        left -= 1
+                    if not queued:
+                        del src[ns]
+        return report
+
+    def pending(self) -> int:
+        """Chunk hashes not yet handed out."""
+        with self._lock:
+            i, j = self._at
+            sync = sum(len(h) for _, h in self._sync[i:]) - j
+            changes = sum(map(len, self._added.values())) + sum(map(len, self._removed.values()))
+            return sync + changes
+
+    def resync(self) -> None:
+        """Report everything again under a new epoch (the scheduler side lost track)."""
+        self._restart()
+
+    # -- the re-listing thread ---------------------------------------------------------
+    def start(self, interval_s: float) -> None:
+        def loop() -> None:
+            while not self._stop.wait(interval_s):
+                try:
+                    self.relist()
+                except Exception:  # noqa: BLE001 - a failed listing keeps the old view
+                    pass
+
+        self._thread = threading.Thread(target=loop, name="bsr-vllm-inventory", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
