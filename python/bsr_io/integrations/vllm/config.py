@@ -61,7 +61,7 @@ KEYS = Table(
         Key("save", "bool", True, "true or false"),
         Key("step_save_budget_s", "float", 0.05, _POSITIVE, positive),
         Key("rescan_s", "float", 5.0, _POSITIVE, positive),
-        Key("report_batch", "int", 8192, _INT.format(1), at_least(1)),
+        Key("report_batch", "int", 4096, _INT.format(1), at_least(1)),
         Key("handshake_batch", "int", 131072, _INT.format(0), at_least(0)),
         Key("hash_inline_tokens", "int", 32768, _INT.format(0), at_least(0)),
         Key("model", "str", None, _TEXT, not_empty),
