@@ -83,11 +83,31 @@ def test_hash_is_stable_across_processes():
         ([1.5] * 8, "integers"),
         ([1] * 7 + ["x"], "integers"),
         ([2**64] * 8, "integers"),
+        ([True] * 8, "integers, got bool at index 0"),
+        ([1, 2, 3, False, 5, 6, 7, 8], "integers, got bool at index 3"),
+        (np.ones(8, dtype=bool), "integers, got dtype bool"),
     ],
 )
 def test_bad_token_ids(bad, msg):
     with pytest.raises(ValueError, match=msg):
         prefix_hashes(bad, 4)
+
+
+def test_the_restorer_refuses_bools_as_token_ids(tmp_path):
+    """Through the API a user calls: probe and save refuse a list of bools (Python's
+    bool is an int, so the list would otherwise hash as ones and zeros)."""
+    from bsr_io import Engine, PagedKVCache, Restorer, open_store, preset
+
+    layout = preset("tiny")
+    with Engine(2, layout.chunk_bytes) as engine:
+        store = open_store(engine, tmp_path / "l2", layout=layout)
+        restorer = Restorer(store, layout, engine=engine, model="m")
+        tokens = [True, False] * layout.chunk_tokens
+        with pytest.raises(ValueError, match="got bool"):
+            restorer.probe(tokens)
+        with pytest.raises(ValueError, match="got bool"):
+            restorer.save(tokens, PagedKVCache.allocate(layout, len(tokens)))
+        store.close()
 
 
 def test_bad_chunk_tokens():

@@ -79,7 +79,10 @@ def extend_prefix_hashes(
         # hash a 512K-token prompt without stalling the engine's other threads.
         hashes += _core.prefix_hashes(tail, chunk_tokens, hashes[-1] if hashes else 0)
     except (TypeError, OverflowError) as exc:
-        raise ValueError(f"token ids must be int64 integers: {exc}") from None
+        why = str(exc)
+        raise ValueError(
+            why if why.startswith("token ids") else f"token ids must be int64 integers: {why}"
+        ) from None
     return hashes
 
 

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBool, PyBytes, PyList};
 
 use bsr_io_core::{align, checksum, prefix};
 
@@ -74,7 +74,13 @@ fn prefix_hashes(
         PyTypeError::new_err("tokens must be a list of ints or little-endian int64 bytes")
     })?;
     let mut le = Vec::with_capacity(list.len() * 8);
-    for t in list.iter() {
+    for (i, t) in list.iter().enumerate() {
+        // Python's bool is an int: refuse it, as numpy's dtype check does for arrays.
+        if t.is_instance_of::<PyBool>() {
+            return Err(PyTypeError::new_err(format!(
+                "token ids must be integers, got bool at index {i}"
+            )));
+        }
         le.extend_from_slice(&t.extract::<i64>()?.to_le_bytes());
     }
     Ok(py.detach(move || prefix::chain(prev, &le, chunk)))

@@ -124,7 +124,7 @@ class JobTable:
             late = [j for j in self._jobs if not j.done and now > self._limit(j)]
         for job in late:
             where = "queued" if job.started is None else "running"
-            self._end(job, False, f"{job.kind} did not end by its deadline ({where})", {})
+            self._end(job, False, f"{job.kind} did not end within its deadline ({where})", {})
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
