@@ -4,14 +4,39 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 
+def source_commit() -> str:
+    """The git commit of the bsr-io source that is running ("+dirty" when it has
+    uncommitted changes), or "unknown" outside a checkout: every result names it."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def write_json(path: str | os.PathLike[str] | None, doc: Any) -> None:
-    """Write `doc` to `path` (parents created) and say so; nothing when `path` is None."""
+    """Write `doc` to `path` (parents created), with the commit it measured, and say so;
+    nothing when `path` is None."""
     if path is None:
         return
+    if isinstance(doc, dict) and "commit" not in doc:
+        doc = {**doc, "commit": source_commit()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
