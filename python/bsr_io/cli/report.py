@@ -14,13 +14,14 @@ def source_commit() -> str:
     uncommitted changes), or "unknown" outside a checkout: every result names it."""
     here = Path(__file__).resolve().parent
     try:
+        git = ["git", "-C", str(here)]
         head = subprocess.run(
-            ["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
         )
         if head.returncode != 0:
             return "unknown"
         dirty = subprocess.run(
-            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            [*git, "status", "--porcelain", "--untracked-files=no"],
             capture_output=True,
             text=True,
             timeout=10,
