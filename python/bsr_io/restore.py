@@ -93,8 +93,21 @@ class Restorer:
     ) -> None:
         if window is None:
             window = engine.window if engine is not None else 32
-        if window < 1:
-            raise ValueError(f"window must be at least 1 chunk, got {window}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an int of at least 1 chunk, got {window!r}")
+        # A deadline of zero or less would end every restore `zero` without a read.
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, int | float)
+            or not (timeout_s > 0)
+        ):
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        if (
+            isinstance(install_threads, bool)
+            or not isinstance(install_threads, int)
+            or (install_threads < 1)
+        ):
+            raise ValueError(f"install_threads must be an int >= 1, got {install_threads!r}")
         self.store = store
         self.layout = layout
         self.model = model

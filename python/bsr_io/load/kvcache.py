@@ -47,6 +47,8 @@ def _page_aligned(shape: tuple[int, ...], dtype: torch.dtype, zero: bool) -> tor
     virtio disk's queue takes (torch's own allocations are also only 64-aligned).
     Fresh anonymous memory reads as zeros, whatever `zero` says."""
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)  # no blocks (a miss): nothing to map
     huge = 2 << 20
     size = max(huge, -(-nbytes // huge) * huge)
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -133,7 +135,11 @@ class PagedKVCache:
         spare_blocks: int = 0,
         zero: bool = True,
     ) -> PagedKVCache:
-        """A cache holding `num_tokens` tokens in consecutive blocks (after `spare_blocks`)."""
+        """A cache holding `num_tokens` tokens in consecutive blocks (after `spare_blocks`).
+        `num_tokens` 0 (a miss: `plan.hit_tokens` is 0) gives a cache of no blocks."""
+        for what, value in (("num_tokens", num_tokens), ("spare_blocks", spare_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{what} must be an int >= 0, got {value!r}")
         tensors, ids = [], []
         for g in layout.groups:
             n = -(-num_tokens // g.block_tokens)

@@ -337,4 +337,10 @@ def preset(
         raise ValueError(
             f"unknown layout preset {name!r}; choose one of {sorted(PRESETS)}"
         ) from None
-    return build(chunk_tokens or default_chunk, block_tokens)
+    for what, value in (("chunk_tokens", chunk_tokens), ("block_tokens", block_tokens)):
+        # None keeps the preset's size; 0 is not "the default" but a mistake.
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{what} must be an int >= 1 (or None: the preset's), got {value!r}")
+    return build(default_chunk if chunk_tokens is None else chunk_tokens, block_tokens)

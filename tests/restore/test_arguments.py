@@ -1,0 +1,77 @@
+"""Arguments are checked where they enter: one line naming the argument and what it
+allows, before anything is read or written; a miss is an ordinary case of the API."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bsr_io import Engine, PagedKVCache, Restorer, open_store, preset
+
+LAYOUT = preset("tiny")
+
+
+@pytest.fixture
+def store(tmp_path):
+    with Engine(2, LAYOUT.chunk_bytes) as engine:
+        s = open_store(engine, tmp_path / "l2", layout=LAYOUT)
+        yield engine, s
+        s.close()
+
+
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"timeout_s": -1}, "timeout_s must be a number of seconds > 0, got -1"),
+        ({"timeout_s": 0}, "timeout_s must be a number of seconds > 0, got 0"),
+        ({"timeout_s": math.nan}, "timeout_s must be a number of seconds > 0, got nan"),
+        ({"timeout_s": True}, "timeout_s must be a number of seconds > 0, got True"),
+        ({"timeout_s": "30"}, "timeout_s must be a number of seconds > 0, got '30'"),
+        ({"window": 0}, "window must be an int of at least 1 chunk, got 0"),
+        ({"window": 1.5}, "window must be an int of at least 1 chunk, got 1.5"),
+        ({"install_threads": 0}, "install_threads must be an int >= 1, got 0"),
+    ],
+)
+def test_a_restorer_refuses_bad_arguments_by_name(store, kw, msg):
+    engine, s = store
+    with pytest.raises(ValueError) as err:
+        Restorer(s, LAYOUT, engine=engine, **kw)
+    assert str(err.value) == msg
+
+
+def test_good_arguments_still_build_a_restorer(store):
+    engine, s = store
+    r = Restorer(s, LAYOUT, engine=engine, timeout_s=0.5, window=2, install_threads=2)
+    assert (r.window, r.install_threads) == (2, 2)
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True])
+def test_a_preset_refuses_a_chunk_size_that_is_no_size(bad):
+    with pytest.raises(ValueError, match=rf"chunk_tokens must be an int >= 1 .*got {bad!r}"):
+        preset("tiny", chunk_tokens=bad)
+    with pytest.raises(ValueError, match=rf"block_tokens must be an int >= 1 .*got {bad!r}"):
+        preset("tiny", block_tokens=bad)
+
+
+def test_a_preset_without_sizes_keeps_its_own():
+    assert preset("tiny").chunk_tokens == preset("tiny", chunk_tokens=None).chunk_tokens > 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_allocate_refuses_a_size_that_is_no_size(bad):
+    with pytest.raises(ValueError, match=rf"num_tokens must be an int >= 0, got {bad!r}"):
+        PagedKVCache.allocate(LAYOUT, bad)
+
+
+def test_a_miss_allocates_nothing_and_restores_zero(store):
+    """The README's pattern on a miss: probe, allocate what the plan hit (nothing),
+    restore: `zero`, no exception, and a cache of no blocks."""
+    engine, s = store
+    restorer = Restorer(s, LAYOUT, engine=engine, model="m")
+    plan = restorer.probe(list(range(4 * LAYOUT.chunk_tokens)))
+    assert plan.hit_tokens == 0
+    dest = PagedKVCache.allocate(LAYOUT, plan.hit_tokens)
+    assert dest.capacity_chunks == 0 and all(t.shape[0] == 0 for t in dest.tensors)
+    result = restorer.restore(plan, dest)
+    assert result.outcome == "zero" and result.committed_tokens == 0
