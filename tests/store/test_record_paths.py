@@ -246,3 +246,68 @@ def test_quarantine_puts_back_a_record_that_replaced_the_bad_one(tmp_path):
     l2.invalidate(keys[0], "test", record=old)
     assert path.exists() and l2.quarantined_files() == []
     assert l2.contains(keys[0])
+
+
+# -- links: never followed, also when one is swapped in between probe and read ------------
+def _swap_in_link(path, to):
+    os.unlink(path)
+    os.symlink(to, path)
+
+
+def test_engine_open_never_follows_a_link(tmp_path, backend):
+    engine = Engine(1, 4096, backend=backend)
+    target = tmp_path / "target"
+    target.write_bytes(bytes(8192))
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    for kw in ({}, {"write": True}, {"create": True}):
+        with pytest.raises(OSError) as exc:
+            engine.open(link, **kw)
+        assert exc.value.errno == errno.ELOOP and "symbolic link" in str(exc.value)
+    engine.open(target).close()  # control: the file itself opens
+    engine.close()
+
+
+@pytest.mark.parametrize("to", ["valid record", "outside file", "directory"])
+def test_a_link_swapped_in_after_the_probe_is_never_read(tmp_path, backend, to):
+    """After the probe saw a regular file, the record's path becomes a link: to a valid
+    record of the same key kept elsewhere, to a file outside the store, to a directory.
+    The read refuses it: the chunk comes from the lower copy (with one), or the restore
+    ends zero (without), on every backend; the link's target is never what is restored."""
+    engine = Engine(2, LAYOUT.chunk_bytes, backend=backend)
+    store = open_store(engine, tmp_path / "l2", layout=LAYOUT, lower_dir=tmp_path / "l3")
+    tokens, keys = fill_state(store.tier("L2"), LAYOUT, CHUNKS * 16, seed=7, model="m")
+    fill_state(store.tier("L3"), LAYOUT, CHUNKS * 16, seed=7, model="m")
+    path = store.tier("L2").path_of(keys[BAD])
+    target = {
+        "valid record": tmp_path / "kept.chunk",
+        "outside file": tmp_path / "passwd",
+        "directory": tmp_path / "somewhere",
+    }[to]
+    if to == "valid record":
+        shutil.copyfile(path, target)  # the same key's record, but out of the store
+    elif to == "outside file":
+        target.write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 200)
+    else:
+        target.mkdir()
+    r = Restorer(store, LAYOUT, window=2, engine=engine, model="m", timeout_s=5)
+    plan = r.probe(tokens)
+    assert plan.hit_chunks == CHUNKS
+    _swap_in_link(path, target)
+    dest = PagedKVCache.allocate(LAYOUT, CHUNKS * 16)
+    res = _restore_in_thread(r, plan, dest)
+    assert res.outcome == "complete", res.reason
+    assert res.source_tiers[BAD] == "L3" and res.fallbacks[0]["chunk"] == BAD
+    assert "symbolic link" in str(res.fallbacks[0]), res.fallbacks
+    assert dest.chunk_bytes(BAD) == synthetic_chunk(LAYOUT, 7, BAD).tobytes()
+    # Without a lower copy the same swap ends the restore zero.
+    l2 = SSDTier(tmp_path / "l2", None, engine, layout=LAYOUT)
+    alone = Restorer(Store([l2]), LAYOUT, window=2, engine=engine, model="m", timeout_s=5)
+    plan = alone.probe(tokens)
+    assert plan.hit_chunks == BAD  # chunk BAD's link was withdrawn by the first restore
+    _swap_in_link(l2.path_of(keys[BAD - 1]), target)
+    res = _restore_in_thread(alone, plan, PagedKVCache.allocate(LAYOUT, CHUNKS * 16))
+    assert res.outcome == "zero" and f"chunk {BAD - 1}" in res.reason, res.reason
+    assert target.exists()  # never moved or removed: it is not the store's
+    store.close()
+    engine.close()

@@ -62,6 +62,19 @@ fn open_raw(c: &CString, flags: i32) -> std::result::Result<OwnedFd, i32> {
     }
 }
 
+/// The error of a failed open: a link at the path (ELOOP under O_NOFOLLOW) says so.
+fn open_error(path: &str, errno: i32) -> Error {
+    if errno == libc::ELOOP {
+        Error::os(
+            "open (a symbolic link: files are never opened through one)",
+            Some(path),
+            errno,
+        )
+    } else {
+        Error::os("open", Some(path), errno)
+    }
+}
+
 /// Back to blocking mode: io_uring would otherwise answer EAGAIN instead of waiting.
 fn clear_nonblock(fd: RawFd, path: &str) -> Result<()> {
     // SAFETY: F_GETFL/F_SETFL on a descriptor we own; no memory is passed.
@@ -79,8 +92,12 @@ impl EngineFile {
         let write = opts.write || opts.create;
         // O_NONBLOCK: a FIFO (or device) at `path` must not block the open; it is refused
         // below, before any byte moves, and the flag is cleared for regular files.
-        let mut flags =
-            libc::O_CLOEXEC | libc::O_NONBLOCK | if write { libc::O_RDWR } else { libc::O_RDONLY };
+        // O_NOFOLLOW: a link swapped in at a record's path (after a probe that refused
+        // links) must not be followed to a file elsewhere.
+        let mut flags = libc::O_CLOEXEC
+            | libc::O_NONBLOCK
+            | libc::O_NOFOLLOW
+            | if write { libc::O_RDWR } else { libc::O_RDONLY };
         if opts.create {
             flags |= libc::O_CREAT;
         }
@@ -90,9 +107,9 @@ impl EngineFile {
             // Filesystems without direct I/O (some tmpfs, overlay) refuse with EINVAL.
             Err(libc::EINVAL) if direct => {
                 direct = false;
-                open_raw(&c, flags).map_err(|e| Error::os("open", Some(path), e))?
+                open_raw(&c, flags).map_err(|e| open_error(path, e))?
             }
-            Err(e) => return Err(Error::os("open", Some(path), e)),
+            Err(e) => return Err(open_error(path, e)),
         };
         // SAFETY: stat is plain data, zero is valid; fstat writes into our local.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
@@ -256,6 +273,28 @@ impl Drop for EngineFile {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_link_at_the_path_is_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("record");
+        std::fs::write(&target, vec![7u8; 8192]).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        for (write, create) in [(false, false), (true, false), (true, true)] {
+            let opts = OpenOptions {
+                write,
+                create,
+                direct: true,
+                ..Default::default()
+            };
+            let e = EngineFile::open(link.to_str().unwrap(), opts).unwrap_err();
+            assert_eq!(e.errno(), Some(libc::ELOOP), "{e}");
+            assert!(e.to_string().contains("symbolic link"), "{e}");
+        }
+        // Control: the file itself opens.
+        EngineFile::open(target.to_str().unwrap(), OpenOptions::default()).unwrap();
+    }
 
     #[test]
     fn fifo_and_directory_are_refused_without_blocking() {
