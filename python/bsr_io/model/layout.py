@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,6 +83,28 @@ class AllocatorGroup:
         }
 
 
+# The payload shape (length, group offsets) of every layout made in this process, by
+# fingerprint: a record's key names its layout only by fingerprint, and a record whose
+# header disagrees with that layout's shape (a wrong length, other offsets) is corrupt
+# even where the reader was not handed the layout (a tier holding several layouts).
+_SHAPES: OrderedDict[str, tuple[int, tuple[tuple[int, int], ...]]] = OrderedDict()
+_SHAPES_MAX = 4096
+
+
+def _remember(layout: KVLayout) -> None:
+    fp = layout.fingerprint()
+    _SHAPES[fp] = (layout.chunk_bytes, tuple(layout.group_offsets()))
+    _SHAPES.move_to_end(fp)
+    while len(_SHAPES) > _SHAPES_MAX:
+        _SHAPES.popitem(last=False)
+
+
+def shape_of(fingerprint: str) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+    """(payload bytes, group offsets) of the layout with `fingerprint`, if this process
+    made one (None: unknown here, nothing to check against)."""
+    return _SHAPES.get(fingerprint)
+
+
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     name: str
@@ -109,6 +132,7 @@ class KVLayout:
                     f"group {g.name}: block_tokens {g.block_tokens} does not divide "
                     f"chunk_tokens {self.chunk_tokens}"
                 )
+        _remember(self)
 
     @property
     def token_bytes(self) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from bsr_io.errors import OldRecordFormat as OldRecordFormat  # re-exported
 from bsr_io.errors import RecordFormatError as RecordFormatError  # re-exported
 from bsr_io.model.keys import ChunkKey
-from bsr_io.model.layout import KVLayout
+from bsr_io.model.layout import KVLayout, shape_of
 
 MAGIC = b"BSRCHNK1"
 VERSION = 2
@@ -85,12 +85,22 @@ class RecordHeader:
         return bytes(body)
 
     def check(self, key: ChunkKey, layout: KVLayout | None = None) -> str | None:
-        """Why this header does not belong to `key` (and `layout`), or None if it does."""
+        """Why this header does not belong to `key` (and `layout`), or None if it does.
+        Without `layout`, the layout this process knows by the key's fingerprint (if
+        any) still decides the payload's length and group offsets."""
         if self.key != key:
             return f"record holds key {self.key.short()}, expected {key.short()}"
         if self.identity != key.identity_digest():
             return "record's identity digest differs from the key's"
-        if layout is not None:
+        if layout is None:
+            shape = shape_of(key.layout_fingerprint)
+            if shape is not None:
+                nbytes, offsets = shape
+                if self.payload_len != nbytes:
+                    return f"payload is {self.payload_len} bytes, its layout needs {nbytes}"
+                if self.groups != offsets:
+                    return f"group offsets {list(self.groups)} differ from its layout's"
+        else:
             if key.layout_fingerprint != layout.fingerprint():
                 return f"key's layout fingerprint is not layout {layout.name}'s"
             if self.payload_len != layout.chunk_bytes:
