@@ -16,6 +16,10 @@ Kinds:
                  on reads of those chunks (the tier dies mid-restore)
   group_missing  probe(keys, group=g) for g in `groups` stops at the chunk
 
+Every way a tier is read is wrapped: reads into a slot (`submit_read`) and reads
+straight into the destination's memory (`submit_read_into`, O_DIRECT into a host
+cache's blocks or a pool's scatter read), where the wrapped tier has it.
+
 `chunks` are positions in the request (chunk index 0, 1, ...). A FaultyTier learns
 them only through the public Tier interface (`prepare_probe(keys)`, which discovery
 calls with the request's keys, or a probe of more than one key) or from the caller
@@ -44,7 +48,7 @@ from bsr_io.errors import ChunkMissing, ChunkReadError, TierDown
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 from bsr_io.model.record import HEADER_BYTES
-from bsr_io.tiers.base import Payload, PendingChunk, Tier
+from bsr_io.tiers.base import DirectChunk, Payload, PendingChunk, Tier
 from bsr_io.tiers.files import FileTier, RecordId
 from bsr_io.tiers.memory import MemoryTier
 
@@ -181,6 +185,28 @@ def _flip_payload_byte(tier: Tier, key: ChunkKey) -> None:
         raise TypeError(f"cannot corrupt records of {type(tier).__name__}")
 
 
+def _hung_direct(inner: DirectChunk, hang_s: float) -> DirectChunk:
+    """`inner`, a read into the destination's memory, not done for `hang_s` seconds."""
+    until = time.monotonic() + hang_s
+
+    def finish(timeout: float | None) -> None:
+        left = until - time.monotonic()
+        if timeout is not None and timeout < left:
+            time.sleep(max(0.0, timeout))
+            raise TimeoutError(f"injected fault: read hung ({hang_s} s)")
+        time.sleep(max(0.0, left))
+        inner.wait(None if timeout is None else max(0.0, timeout - max(0.0, left)))
+
+    direct = DirectChunk(
+        inner.key,
+        finish,
+        lambda: time.monotonic() >= until and inner.done(),
+        expected_xxh3=inner.expected_xxh3,
+        reject=inner.reject,
+    )
+    return direct
+
+
 def _hung(inner: PendingChunk, hang_s: float) -> PendingChunk:
     """`inner` (its slot already taken, as a stuck read's is) not done for `hang_s`
     seconds: a stalled device or mount. `wait(timeout)` shorter than the hang raises
@@ -216,6 +242,9 @@ class FaultyTier(Tier):
         self._fired = [0] * len(self.faults)
         self._index: dict[ChunkKey, int] = {}
         self.injected: list[tuple[str, int | None]] = []  # (kind, chunk index) per firing
+        if hasattr(inner, "submit_read_into"):
+            # Only where the wrapped tier reads in place: the window asks with getattr.
+            self.submit_read_into = self._submit_read_into
 
     @property
     def per_group(self) -> bool:  # type: ignore[override]
@@ -269,17 +298,16 @@ class FaultyTier(Tier):
         # As the wrapped tier: a corrupted payload then reaches the fused install's check.
         return self.inner.defers_verify
 
-    def submit_read(self, key: ChunkKey, engine: Engine, *, verify: bool = True) -> PendingChunk:
+    def _before_read(self, key: ChunkKey) -> Fault | None:
+        """The faults every read path injects before reading; the "hang" fault, if one
+        fires, for the caller to wrap its read in."""
         self._check_up(key)
         if self._firing("down", key):
             raise TierDown("injected fault: tier went down mid-restore", key=key, tier=self.name)
         if f := self._firing("slow", key):
             time.sleep(f.delay_s)
-        if f := self._firing("hang", key):
-            return _hung(
-                self.inner.submit_read(key, engine, **({} if verify else {"verify": False})),
-                f.delay_s,
-            )
+        if hang := self._firing("hang", key):
+            return hang  # a stalled read: nothing else happens to it
         if self._firing("error", key):
             # As a real EIO mid-read would: naming the record file it failed on.
             raise ChunkReadError(
@@ -293,11 +321,24 @@ class FaultyTier(Tier):
             self.inner.remove(key)
             raise ChunkMissing("injected fault: record vanished", key=key, tier=self.name)
         if self._firing("corrupt", key):
-            _flip_payload_byte(self.inner, key)  # the inner tier's checks must catch it
-        if not verify:
-            # Only when the wrapped tier defers the check, so takes `verify` (as window.py).
-            return self.inner.submit_read(key, engine, verify=False)  # type: ignore[call-arg]
-        return self.inner.submit_read(key, engine)
+            _flip_payload_byte(self.inner, key)  # the reader's checks must catch it
+        return None
+
+    def _submit_read_into(
+        self, key: ChunkKey, engine: Engine | None, bufs: Sequence[Any], runs: Sequence[Any]
+    ) -> DirectChunk:
+        hang = self._before_read(key)
+        direct: DirectChunk = self.inner.submit_read_into(  # type: ignore[attr-defined]
+            key, engine, bufs, runs
+        )
+        return direct if hang is None else _hung_direct(direct, hang.delay_s)
+
+    def submit_read(self, key: ChunkKey, engine: Engine, *, verify: bool = True) -> PendingChunk:
+        hang = self._before_read(key)
+        # `verify` is passed on only when the wrapped tier defers the check (as window.py).
+        kw = {} if verify else {"verify": False}
+        pending = self.inner.submit_read(key, engine, **kw)
+        return pending if hang is None else _hung(pending, hang.delay_s)
 
     def read_into(self, key: ChunkKey, engine: Engine) -> Slot:
         return self.submit_read(key, engine).wait()

@@ -145,3 +145,71 @@ def test_discovery_places_faults_through_the_tier_interface(l2):
     sources, group_hits = discover([FaultPlan([fault]).wrap(tier)], keys, LAYOUT)
     assert sources == [0, 0]
     assert group_hits == {"full": 4, "window": 2, "state": 4}
+
+
+# -- the path a host restore takes: reads straight into the cache's blocks ----------------
+DSV4 = preset("deepseek-v4-flash")
+IN_PLACE_CHUNKS = 4
+
+
+@pytest.fixture(scope="module")
+def dsv4_store(tmp_path_factory):
+    """deepseek-v4-flash records (16 MiB chunks), read in place into a host cache."""
+    root = tmp_path_factory.mktemp("dsv4")
+    with Engine(2, DSV4.chunk_bytes) as eng:
+        tier = SSDTier(root / "l2", None, eng)
+        tokens, _ = fill_state(tier, DSV4, DSV4.chunk_tokens * IN_PLACE_CHUNKS, seed=3, model="m")
+    return root / "l2", tokens
+
+
+def _restore_in_place(l2_dir, tokens, *faults):
+    """(result, faults injected) of a restore of the whole prefix into a host cache,
+    with `faults` on L2 and a lower copy (L3) to fall back to."""
+    from bsr_io import PagedKVCache, Restorer
+    from bsr_io.model.keys import chunk_keys
+
+    with Engine(2, DSV4.chunk_bytes) as engine:
+        tier = SSDTier(l2_dir, None, engine)
+        # Put back what an earlier fault removed or quarantined (the others are kept).
+        fill_state(tier, DSV4, len(tokens), seed=3, model="m")
+        keys = chunk_keys(tokens, DSV4, "m")
+        faulty = FaultPlan(list(faults)).wrap(tier, keys=keys) if faults else tier
+        r = Restorer(Store([faulty]), DSV4, engine=engine, model="m", timeout_s=3)
+        plan = r.probe(tokens)
+        assert plan.hit_chunks == IN_PLACE_CHUNKS
+        dest = PagedKVCache.allocate(DSV4, plan.hit_tokens)
+        res = r.restore(plan, dest)
+        injected = len(faulty.injected) if isinstance(faulty, FaultyTier) else 0
+        ok = all(
+            dest.chunk_bytes(i) == synthetic_chunk(DSV4, 3, i).tobytes()
+            for i in range(IN_PLACE_CHUNKS)
+        )
+        return res, injected, ok
+
+
+def test_a_host_cache_is_read_in_place_without_faults(dsv4_store):
+    """Control: the restore is complete, every chunk read straight into the blocks."""
+    res, injected, ok = _restore_in_place(*dsv4_store)
+    assert res.outcome == "complete" and ok and injected == 0
+    assert res.timings["direct_chunks"] == IN_PLACE_CHUNKS
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Fault("error", chunks={2}),
+        Fault("slow", chunks={1}, delay_s=5.0),
+        Fault("hang", chunks={1}, delay_s=6.0),
+        Fault("down", chunks={2}),
+        Fault("corrupt", chunks={3}),
+        Fault("missing", chunks={2}),
+    ],
+    ids=lambda f: f.kind,
+)
+def test_each_fault_fires_on_reads_into_the_cache(dsv4_store, fault):
+    """Each kind fires where a host restore reads straight into the cache's blocks (the
+    double wraps `submit_read_into` too): the restore that is complete without it ends
+    zero, and the double counts what it injected."""
+    res, injected, _ = _restore_in_place(*dsv4_store, fault)
+    assert injected >= 1, res
+    assert res.outcome == "zero", res
