@@ -73,7 +73,9 @@ def test_demo_bad_input(tmp_path, capsys):
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm tmpfs")
 def test_demo_refuses_memory_dirs(capsys):
-    assert main(["demo", "--state", "64MiB", "--dir", "/dev/shm", "--quiet"]) == 2
+    # 4 chunks with W=2: an input the demo takes, so the refusal is the directory's.
+    argv = ["demo", "--state", "64MiB", "--window", "2", "--dir", "/dev/shm", "--quiet"]
+    assert main(argv) == 2
     assert "in memory" in capsys.readouterr().err
     assert not list(Path("/dev/shm").glob("bsr-io-demo-*"))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # Modules that add top-level subcommands, and modules that add `bench` subcommands: the
@@ -53,9 +54,23 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Whoever read stdout closed it (`| head`): stop quietly, as a command killed by
+        # SIGPIPE would (128 + 13), and keep the interpreter's final flush from failing.
+        _silence_stdout()
+        return 141
     except (ValueError, OSError) as exc:
         print(f"bsr-io: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout without a descriptor (captured): nothing to do
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:

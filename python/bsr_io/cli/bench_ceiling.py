@@ -45,6 +45,7 @@ from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import fs_type, scratch_base, scratch_dir
 from bsr_io.cli.synthetic import synthetic_tokens
+from bsr_io.cli.targets import not_applicable, verdict
 from bsr_io.load.kvcache import Fence, PagedKVCache
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import PRESETS, KVLayout, preset
@@ -262,6 +263,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
     med = {m: statistics.median(x["gib_s"] for x in v) for m, v in rounds.items()}
     cpu = {m: statistics.median(x["cpu_s_per_gib"] for x in v) for m, v in rounds.items()}
     ratio = med["restore"] / med["engine"]
+    na = not_applicable(lay, chunks, args.window)
     return {
         "source": f"{fs_type(root)} ({'O_DIRECT' if direct else 'buffered: O_DIRECT refused'})",
         "layout": lay.name,
@@ -297,11 +299,13 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
         "restore_slots_cpu_s_per_gib": cpu["restore_slots"],
         "direct_over_slots": med["restore"] / med["restore_slots"],
         "goal_cpu_s_per_gib": CPU_GOAL,
-        "goal_cpu_met": cpu["restore"] <= CPU_GOAL,
+        # Why the goals do not apply to this input (None: they do; then the booleans).
+        "goal_not_applicable": na,
+        "goal_cpu_met": cpu["restore"] <= CPU_GOAL if na is None else None,
         # What the restore adds to the read (both pay the source's kernel copy here), and
         # the floor under it: hashing the same bytes in memory, no read.
         "restore_own_cpu_s_per_gib": cpu["restore"] - cpu["engine"],
-        "goal_own_cpu_met": cpu["restore"] - cpu["engine"] <= CPU_GOAL,
+        "goal_own_cpu_met": cpu["restore"] - cpu["engine"] <= CPU_GOAL if na is None else None,
         "hash_cpu_s_per_gib": cpu["hash"],
         "hash_gib_s": med["hash"],
         "ratio_rounds": [
@@ -313,7 +317,7 @@ def measure(args: argparse.Namespace, root: Path, lay: KVLayout) -> dict[str, An
         "restore_unfused_cpu_s_per_gib": cpu["restore_unfused"],
         "fused_over_unfused": med["restore"] / med["restore_unfused"],
         "goal_ratio": GOAL,
-        "goal_met": ratio >= GOAL,
+        "goal_met": ratio >= GOAL if na is None else None,
         "rws_peak_bytes": rws,
         "rws_bound_bytes": args.window * eng.slot_bytes,
         "outcome": outcomes.pop() if len(outcomes) == 1 else "mixed",
@@ -346,7 +350,8 @@ def print_table(doc: dict[str, Any]) -> None:
         cpu = "engine_cpu_s_per_gib" if key == "engine_raw" else key + "_cpu_s_per_gib"
         rate = doc[key + "_gib_s"]
         print(f"{name:<16} {rate:>7.2f} {doc[cpu]:>10.3f} {rate * doc[cpu]:>11.2f}")
-    met = "met" if doc["goal_met"] else "NOT met"
+    na = doc.get("goal_not_applicable")
+    met = verdict(doc["goal_met"], na)
     if doc["restore_cores_busy"] > 0.85 * (doc["cpus"] or 1):
         print(
             f"note: the restore kept {doc['restore_cores_busy']:.2f} of {doc['cpus']} cores busy: "
@@ -361,13 +366,13 @@ def print_table(doc: dict[str, Any]) -> None:
         f"outcome {doc['outcome']}"
     )
     rounds = " ".join(f"{x:.2f}" for x in doc["ratio_rounds"])
-    cpu_met = "met" if doc["goal_cpu_met"] else "NOT met"
+    cpu_met = verdict(doc["goal_cpu_met"], na, again=True)
     print(
         f"per round {rounds}; read in place {doc['restore_direct_chunks']} chunks per round; "
         f"through slots {doc['ratio_slots']:.3f}; restore CPU {doc['restore_cpu_s_per_gib']:.3f} "
         f"s/GiB (goal <= {doc['goal_cpu_s_per_gib']}: {cpu_met})"
     )
-    own_met = "met" if doc["goal_own_cpu_met"] else "NOT met"
+    own_met = verdict(doc["goal_own_cpu_met"], na, again=True)
     print(
         f"restore CPU over the engine's {doc['restore_own_cpu_s_per_gib']:.3f} s/GiB "
         f"({own_met}); hashing the bytes in memory alone {doc['hash_cpu_s_per_gib']:.3f} s/GiB "

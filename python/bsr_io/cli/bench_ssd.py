@@ -143,6 +143,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--window must be at least 1, got {args.window}")
     if args.slot <= 0 or args.size <= 0:
         raise ValueError("--slot and --size must be positive")
+    if args.size < FIO_BLOCK or args.size % 4096:
+        # O_DIRECT reads whole 4 KiB blocks, and fio (the reference) reads 1 MiB requests.
+        raise ValueError(
+            f"--size {args.size} must be at least {fmt_size(FIO_BLOCK)} (fio's request) and "
+            "a whole number of 4 KiB blocks (O_DIRECT's unit)"
+        )
     if args.rounds < 1:
         raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     directory = make_scratch(

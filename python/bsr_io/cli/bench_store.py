@@ -26,6 +26,8 @@ from bsr_io.model.record import HEADER_BYTES
 from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.tiers import SSDTier
 
+ALIGN = 4096  # the O_DIRECT block the raw file's chunks are placed on
+
 
 def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser(
@@ -54,26 +56,42 @@ def _fill_slots(engine: Engine, layout: KVLayout, n: int) -> list[Any]:
 
 
 def store_write(tier: SSDTier, keys: list[ChunkKey], layout: KVLayout, slots: list[Any]) -> float:
-    """Write every chunk, W writers at once (a save runs one chunk per slot)."""
+    """Write every chunk, W writers at once (a save runs one chunk per slot). Writer w
+    owns slot w and writes chunks w, w+W, ...: a slot is never under two writes."""
+    w = len(slots)
+
+    def writer(j: int) -> None:
+        for i in range(j, len(keys), w):
+            tier.write(keys[i], slots[j], layout)
+
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(len(slots)) as pool:
-        list(
-            pool.map(lambda i: tier.write(keys[i], slots[i % len(slots)], layout), range(len(keys)))
-        )
+    with ThreadPoolExecutor(w) as pool:
+        list(pool.map(writer, range(min(w, len(keys)))))
     return time.perf_counter() - t0
 
 
+def raw_stride(chunk: int) -> int:
+    """Where chunk i starts in the raw file: chunks at whole O_DIRECT blocks (4 KiB), as
+    the store's payloads are; the same as `chunk` for a layout of whole blocks."""
+    return -(-chunk // ALIGN) * ALIGN
+
+
 def raw_write(engine: Engine, path: Path, slots: list[Any], count: int, chunk: int) -> float:
-    """The engine writing the same bytes to one file, W in flight, one fdatasync."""
+    """The engine writing the same bytes to one file, W in flight, one fdatasync. Chunk i
+    goes at `i * raw_stride(chunk)` (an O_DIRECT offset must be block-aligned); the file
+    is then `count` whole strides long, so a reader reads whole blocks."""
+    stride = raw_stride(chunk)
     t0 = time.perf_counter()
     f = engine.open(path, create=True)
     inflight: deque[Any] = deque()
     for i in range(count):
         if len(inflight) == len(slots):
             inflight.popleft().wait()
-        inflight.append(engine.submit_write(slots[i % len(slots)], f, i * chunk, chunk))
+        inflight.append(engine.submit_write(slots[i % len(slots)], f, i * stride, chunk))
     while inflight:
         inflight.popleft().wait()
+    if stride != chunk:
+        os.truncate(f.fileno(), count * stride)
     f.sync()
     f.close()
     return time.perf_counter() - t0
@@ -112,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         )
     size = count * layout.chunk_bytes
     # The store's records and the raw file beside them.
-    need = 2 * count * (layout.chunk_bytes + HEADER_BYTES)
+    need = count * (HEADER_BYTES + 2 * raw_stride(layout.chunk_bytes))
     with scratch_dir(args.dir, "bsr-io-bench-store-", need_bytes=need) as work:
         report = measure(args, layout, count, size, work)
     print_report(report)
@@ -125,6 +143,9 @@ def measure(
 ) -> dict[str, Any]:
     keys = chunk_keys(synthetic_tokens(1, count * layout.chunk_tokens), layout, "bench")
     raw_path = work / "raw.bin"
+    # The raw file: the same chunks on whole blocks (a tiny chunk pads to 4 KiB, as the
+    # store's payload does). Rates are payload bytes (`size`) per second throughout.
+    raw_bytes = count * raw_stride(layout.chunk_bytes)
     # W slots hold the payloads being written; W more are free for reads.
     with Engine(2 * args.window, layout.chunk_bytes, backend=args.backend) as engine:
         tier = SSDTier(work / "l2", None, engine, layout=layout)
@@ -151,10 +172,11 @@ def measure(
                     engine_read_w = Engine(args.window, layout.chunk_bytes, backend=args.backend)
                     with engine_read_w as eng:
                         f = eng.open(raw_path)
-                        seconds, _ = engine_read(eng, f, size)
+                        seconds, _ = engine_read(eng, f, raw_bytes)
                         f.close()
                 else:
-                    seconds = size / (fio_read(raw_path, size=size).gib_s * GiB)
+                    fio = fio_read(raw_path, size=raw_bytes, block_bytes=min(1 << 20, raw_bytes))
+                    seconds = raw_bytes / (fio.gib_s * GiB)
                 rounds[method].append(size / seconds / GiB)
         raw_file.close()
         drop_caches()
@@ -169,6 +191,7 @@ def measure(
         "chunks": count,
         "size_bytes": size,
         "window": args.window,
+        "raw_stride_bytes": raw_stride(layout.chunk_bytes),
         "backend": backend,
         "cold_cache": cold,
         "rounds": args.rounds,

@@ -63,7 +63,12 @@ def register(bench_subparsers: Any) -> None:
         default=None,
         help="one directory per drive (default: one on disk, one in tmpfs)",
     )
-    p.add_argument("--layout", default="deepseek-v4-flash", choices=sorted(PRESETS))
+    p.add_argument(
+        "--layout",
+        default="deepseek-v4-flash",
+        choices=sorted(PRESETS),
+        help="KV layout; its chunk must be whole 4 KiB blocks (fio's unit), so not tiny",
+    )
     p.add_argument("--tokens", type=int, default=32768, help="prefix length (default 32768)")
     p.add_argument("--window", type=int, default=32, help="W: staging slots")
     p.add_argument("--queue-depth", type=int, default=32, help="engine queue depth")
@@ -92,17 +97,29 @@ def _device(path: Path) -> dict[str, Any]:
     return {"fs": fs_type(path), "dev": f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"}
 
 
+def whole_block_layouts() -> list[str]:
+    """The layouts whose chunk is whole 4 KiB blocks, the unit fio's O_DIRECT reads take."""
+    return [n for n in sorted(PRESETS) if preset(n).chunk_bytes % 4096 == 0]
+
+
 def run(args: argparse.Namespace) -> int:
+    lay = preset(args.layout)
+    if lay.chunk_bytes % 4096:
+        raise ValueError(
+            f"--layout {lay.name}: its {lay.chunk_bytes}-byte chunk is not a whole number of "
+            "4 KiB blocks, which the fio reference reads in; --layout must be one of "
+            + ", ".join(whole_block_layouts())
+        )
     if not fio_available():
         raise ValueError(
             "fio is not installed (Debian/Ubuntu: apt-get install fio); it is the "
             "reference this benchmark reports against"
         )
-    lay = preset(args.layout)
     if args.tokens < lay.chunk_tokens or args.window < 1 or args.rounds < 1:
-        raise ValueError("--tokens must hold a chunk; --window and --rounds must be >= 1")
-    if lay.chunk_bytes % 4096:
-        raise ValueError(f"layout {lay.name}: fio reads whole 4 KiB blocks, its chunk is not")
+        raise ValueError(
+            f"--tokens must hold a chunk (>= {lay.chunk_tokens} for {lay.name}); "
+            "--window and --rounds must be >= 1"
+        )
     bases = args.dirs or [scratch_base(None), scratch_base(None, memory=True)]
     chunks = args.tokens // lay.chunk_tokens
     need = chunks * (lay.chunk_bytes + HEADER_BYTES)

@@ -35,18 +35,19 @@ from bsr_io.cli.progress import bar
 from bsr_io.cli.ranks import launch
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import make_scratch
-from bsr_io.model.layout import KVLayout, preset
+from bsr_io.model.layout import PRESETS, KVLayout, preset
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.model.sizes import GiB, fmt_size, parse_size
 
 RESTORE = "bsr_io.cli.scenarios:restore_on_rank"  # one rank's restore, run by launch
+REF_MAX = 2 * GiB  # the default reference read's cap
 
 
 def register(bench_subparsers: Any) -> None:
     p = bench_subparsers.add_parser(
         "sweep", help="RWS and VmHWM against state size: BSR vs whole-plan"
     )
-    p.add_argument("--layout", default="deepseek-v4-flash")
+    p.add_argument("--layout", default="deepseek-v4-flash", choices=sorted(PRESETS))
     p.add_argument(
         "--tokens",
         default="8192,32768,131072",
@@ -83,8 +84,9 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument(
         "--ref-size",
         type=parse_size,
-        default=parse_size("2GiB"),
-        help="size of the engine/fio reference read (0: none)",
+        default=None,
+        help="size of the engine/fio reference read (0: none; default: the largest state "
+        "over all ranks, at most 2GiB)",
     )
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--keep", action="store_true", help="keep the store afterwards")
@@ -119,9 +121,18 @@ def run(args: argparse.Namespace) -> int:
     if args.window < 1 or args.ranks < 1:
         raise ValueError("--window and --ranks must be at least 1")
     lay = preset(args.layout)
+    if tokens[0] < lay.chunk_tokens:
+        raise ValueError(
+            f"--tokens {tokens[0]} is less than one chunk ({lay.chunk_tokens} tokens of "
+            f"{lay.name}): every prefix length must be at least that"
+        )
     chunk = lay.chunk_bytes
     l1 = args.l1 if args.l1 is not None else args.window * chunk
     top = lay.state_bytes(tokens[-1])
+    if args.ref_size is None:
+        # The reference reads what the sweep reads at most (every rank's largest state),
+        # so a small layout or state is not measured against gigabytes of 4 KiB reads.
+        args.ref_size = min(top * args.ranks, REF_MAX)
     need = top * args.ranks + args.ref_size + GiB
     root = make_scratch(
         args.dir,
@@ -309,12 +320,15 @@ def _reference(args: argparse.Namespace, root: Path, chunk: int, huge: HugeMem) 
         out: dict[str, Any] = {"size_bytes": size, "engine_gib_s": size / secs / GiB}
         if fio_available():
             drop_caches()
-            out["fio_gib_s"] = fio_read(path, size=size).gib_s
+            bs = min(1 << 20, size)  # fio refuses a block larger than what it reads
+            out["fio_gib_s"] = fio_read(path, size=size, block_bytes=bs).gib_s
             out["fio_hugemem_gib_s"] = None
             out["fio_hugemem_note"] = huge.note
             if huge.mount is not None:
                 drop_caches()
-                out["fio_hugemem_gib_s"] = fio_read(path, size=size, iomem=huge.iomem("ref")).gib_s
+                out["fio_hugemem_gib_s"] = fio_read(
+                    path, size=size, block_bytes=bs, iomem=huge.iomem("ref")
+                ).gib_s
         return out
     finally:
         path.unlink(missing_ok=True)

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from bsr_io.model.sizes import fmt_size
+
 __all__ = ["Bar", "ProgressWatcher", "RankProgress", "bar"]
 
 # A bar appears only once its step has run this long; shorter steps print nothing.
@@ -50,17 +52,13 @@ def bar(
 ) -> Bar:
     """A tqdm bar on stderr; bytes are shown in KiB/MiB/GiB. Disabled when `quiet`, when
     stderr is not a terminal (logs get no carriage-return noise), or without tqdm."""
-    try:
-        from tqdm import tqdm
-    except ModuleNotFoundError:
+    cls = byte_bar_class()
+    if cls is None:
         return _NoBar(total)
-    byte_unit = unit == "B"
-    b: Bar = tqdm(  # tqdm ships no types (see pyproject.toml): typed here, at the seam
+    b: Bar = cls(  # tqdm ships no types (see pyproject.toml): typed here, at the seam
         total=total,
         desc=desc,
         unit=unit,
-        unit_scale=byte_unit,
-        unit_divisor=1024 if byte_unit else 1000,
         disable=True if quiet else None,  # None: only when stderr is a terminal
         delay=DELAY_S,
         leave=False,
@@ -69,6 +67,63 @@ def bar(
         **kw,
     )
     return b
+
+
+def binary_meter(n: float, total: float | None, elapsed: float, rate: float | None) -> str:
+    """A byte bar's figures as the tables print them (fmt_size: KiB, MiB, GiB):
+    'done/total [elapsed<left, rate/s]' (no total: 'done [elapsed, rate/s]'). tqdm's own
+    unit scaling writes 'MB' and 'G' for binary multiples, and its rate in powers of 1000."""
+    if rate is None and elapsed:
+        rate = n / elapsed
+    speed = f"{fmt_size(round(rate))}/s" if rate else "? B/s"
+    if total is None:
+        return f"{fmt_size(round(n))} [{_clock(elapsed)}, {speed}]"
+    left = _clock((total - n) / rate) if rate else "?"
+    return f"{fmt_size(round(n))}/{fmt_size(round(total))} [{_clock(elapsed)}<{left}, {speed}]"
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h:d}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
+
+
+_BYTE_BAR: list[Any] = []  # the tqdm subclass, made on first use (tqdm is optional)
+
+
+def byte_bar_class() -> Any:
+    """tqdm's bar class whose bars in bytes (unit "B") show binary units (`binary_meter`);
+    None without tqdm."""
+    if _BYTE_BAR:
+        return _BYTE_BAR[0]
+    try:
+        from tqdm import tqdm
+    except ModuleNotFoundError:
+        return None
+
+    class ByteBar(tqdm):  # type: ignore[misc]  # tqdm is untyped (see pyproject.toml)
+        @staticmethod
+        def format_meter(n: float, total: float | None, elapsed: float, **kw: Any) -> str:
+            if kw.get("unit") != "B":
+                out: str = tqdm.format_meter(n, total, elapsed, **kw)
+                return out
+            desc = kw.get("prefix") or ""
+            rate = kw.get("rate")
+            if rate is None and elapsed:
+                rate = (n - (kw.get("initial") or 0)) / elapsed
+            stats = binary_meter(n, total, elapsed, rate)
+            postfix = f", {kw['postfix']}" if kw.get("postfix") else ""
+            if postfix:
+                stats = stats[:-1] + postfix + "]"
+            kw.update(unit_scale=False, byte_stats=stats)
+            kw["bar_format"] = (
+                "{l_bar}{bar}| {byte_stats}" if total else f"{desc}{': ' if desc else ''}{stats}"
+            )
+            out = tqdm.format_meter(n, total, elapsed, **kw)
+            return out
+
+    _BYTE_BAR.append(ByteBar)
+    return ByteBar
 
 
 class _NoBar:

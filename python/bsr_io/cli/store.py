@@ -41,6 +41,9 @@ def register(subparsers: Any) -> None:
     f.add_argument("--world-size", type=int, default=1)
     f.add_argument("--seed", type=int, default=0, help="seed of the token ids and the bytes")
     f.add_argument("--model", default="synthetic", help="model name in the keys")
+    f.add_argument(
+        "--quiet", action="store_true", help="print the summary line only, not every record's path"
+    )
     f.set_defaults(func=run_fill)
 
     from bsr_io.cli.store_pool import register_pool
@@ -124,9 +127,15 @@ def run_fill(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--tokens {args.tokens} is less than one chunk ({layout.chunk_tokens} tokens)"
         )
+    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
+        raise ValueError(
+            f"--rank {args.rank} --world-size {args.world_size}: need --world-size >= 1 and "
+            "0 <= --rank < --world-size"
+        )
     with Engine(2, layout.chunk_bytes) as engine:
-        tier = SSDTier(args.dir, None, engine, layout=layout)
         try:
+            # A DIR that is a file or cannot be created (under /proc) is refused here.
+            tier = SSDTier(args.dir, None, engine, layout=layout)
             _, keys = fill_state(
                 tier, layout, args.tokens, args.seed, args.rank, args.world_size, args.model
             )
@@ -138,6 +147,7 @@ def run_fill(args: argparse.Namespace) -> int:
             f"({len(keys) * layout.chunk_tokens} tokens, rank {args.rank}/{args.world_size}, "
             f"{fmt_size(len(keys) * (HEADER_BYTES + layout.chunk_bytes))})"
         )
-        for key in keys:
-            print(tier.path_of(key))
+        if not args.quiet:
+            for key in keys:
+                print(tier.path_of(key))
     return 0

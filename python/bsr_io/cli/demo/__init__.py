@@ -50,7 +50,8 @@ def register(subparsers: Any) -> None:
         "--state",
         type=parse_size,
         default=parse_size("1GiB"),
-        help="KV state per rank (whole chunks are kept; default 1GiB)",
+        help="KV state per rank (whole chunks are kept, at least 2 x --window of them; "
+        "default 1GiB)",
     )
     p.add_argument("--window", type=int, default=32, help="W: staging slots per rank")
     p.add_argument(
@@ -74,6 +75,17 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--state {fmt_size(args.state)} holds {chunks} chunk(s) of {fmt_size(lay.chunk_bytes)}"
             f" ({lay.name}); the demo needs at least 2"
+        )
+    if chunks < 2 * args.window:
+        # Below 2W chunks the half state does not fill the window and the whole-plan
+        # baseline at BSR's budget (W slots of L1) can stage the state: the comparison
+        # the demo prints would not hold, so it is refused rather than shown.
+        raise ValueError(
+            f"--state {fmt_size(args.state)} holds {chunks} chunk(s) of "
+            f"{fmt_size(lay.chunk_bytes)} ({lay.name}); with --window {args.window} the demo "
+            f"needs at least 2 x W = {2 * args.window} so that half the state still fills "
+            f"the window: pass --state >= {fmt_size(2 * args.window * lay.chunk_bytes)} or "
+            f"--window <= {chunks // 2}"
         )
     state = chunks * lay.chunk_bytes
     # L2 and an L3 copy on disk for each rank.
