@@ -73,7 +73,7 @@ def imports_of(pkg: Path, path: Path) -> set[str]:
             else:
                 mod = node.module or ""
             names.add(mod)
-            # `from bsr_io import testing` imports the submodule bsr_io.testing.
+            # `from bsr_io import cli` imports the submodule bsr_io.cli.
             names.update(f"{mod}.{a.name}" for a in node.names)
     return names
 

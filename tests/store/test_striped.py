@@ -176,7 +176,7 @@ def test_an_io_error_on_one_drive_falls_back_and_leaves_the_drive_out(tmp_path: 
     engine = Engine(4, LAYOUT.chunk_bytes)
     l2, store, tokens, keys = _setup(tmp_path, engine)
     plan, r, dest = _restore(store, engine, tokens)
-    # Test double (testing/faults.py): every read of drive 1 raises an I/O error, as a
+    # Test double (bsr_io/faults.py): every read of drive 1 raises an I/O error, as a
     # dying drive's EIO would; this kernel has no device-mapper to fail a real one.
     l2.drives[1] = FaultPlan([Fault("error", tier="L2[1]")]).wrap(l2.drives[1])
     res = r.restore(plan, dest)
