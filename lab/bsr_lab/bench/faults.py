@@ -63,6 +63,12 @@ def evaluate(case: dict, results: list[dict], chunks: int) -> dict[str, Any]:
         "passed": ok,
         "reasons": sorted({r.get("reason", "") for r in live if r.get("reason")}),
         "fallback_tiers": sorted({t for r in live for t in r.get("fallback_tiers", [])}),
+        # Which read path the restore took: chunks read straight into the cache's blocks
+        # per rank ("in place") or none ("slots"); the faults must fire on either.
+        "direct_chunks": [int(r.get("timings", {}).get("direct_chunks", 0)) for r in live],
+        "read_path": "in place"
+        if any(r.get("timings", {}).get("direct_chunks", 0) for r in live)
+        else "slots",
     }
 
 
@@ -96,11 +102,17 @@ def run(args: argparse.Namespace) -> int:
             mark = "ok  " if row["passed"] else "FAIL"
             print(
                 f"{mark} {row['name']:<36} expected {row['expected']:<8} got "
-                f"{row['outcome']:<8} data_ok {row['data_ok']}",
+                f"{row['outcome']:<8} data_ok {row['data_ok']} ({row['read_path']})",
                 flush=True,
             )
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    doc = {"ranks": args.ranks, "chunks": args.chunks, "window": args.window, "scenarios": rows}
+    doc = {
+        "layout": args.layout,
+        "ranks": args.ranks,
+        "chunks": args.chunks,
+        "window": args.window,
+        "scenarios": rows,
+    }
     write_json(args.json, doc)
     return 0 if all(r["passed"] for r in rows) else 1
