@@ -65,3 +65,19 @@ def test_bench_faults_subset(tmp_path):
         "clean": ("complete", "complete", True),
         "corruption-one-rank": ("zero", "zero", True),
     }
+
+
+def test_a_scenario_fault_names_the_layouts_own_window_group():
+    """The fault matrix runs on every layout: its window-group fault resolves to that
+    layout's window group, and a group a layout lacks is refused rather than never
+    firing (a scenario that could not fail)."""
+    import pytest
+
+    from bsr_io.cli.scenarios import WINDOW_GROUP, _groups_of
+    from bsr_io.model.layout import preset
+
+    fault = {"kind": "group_missing", "groups": [WINDOW_GROUP]}
+    assert _groups_of(preset("tiny"), fault)["groups"] == ["window"]
+    assert _groups_of(preset("deepseek-v4-flash"), fault)["groups"] == ["window_kv"]
+    with pytest.raises(ValueError, match="lacks"):
+        _groups_of(preset("deepseek-v4-flash"), {"kind": "group_missing", "groups": ["window"]})

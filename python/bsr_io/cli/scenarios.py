@@ -93,6 +93,27 @@ def _destination(lay: KVLayout, tokens: int, cap_tokens: int | None) -> PagedKVC
     return dest
 
 
+WINDOW_GROUP = "<window>"  # in a scenario's fault: the layout's sliding-window group
+
+
+def _groups_of(lay: KVLayout, fault: dict[str, Any]) -> dict[str, Any]:
+    """`fault` with `WINDOW_GROUP` resolved to the layout's own window group (`window` in
+    tiny, `window_kv` in deepseek-v4-flash); a group the layout lacks would never fire,
+    so it is refused (a scenario that cannot fail proves nothing)."""
+    groups = fault.get("groups")
+    if groups is None:
+        return fault
+    window = next((g for g in lay.group_names() if "window" in g), WINDOW_GROUP)
+    names = [window if g == WINDOW_GROUP else g for g in groups]
+    unknown = sorted(set(names) - set(lay.group_names()))
+    if unknown:
+        raise ValueError(
+            f"fault {fault['kind']!r} names groups {unknown} that layout {lay.name} lacks "
+            f"(its groups: {lay.group_names()})"
+        )
+    return {**fault, "groups": names}
+
+
 def restore_on_rank(
     rank: int,
     world_size: int,
@@ -149,7 +170,7 @@ def restore_on_rank(
     store = open_store(
         engine, base / "l2", layout=lay, lower_dir=base / "l3" if l3 != "none" else None
     )
-    plan_faults = FaultPlan([Fault(**f) for f in faults or []])
+    plan_faults = FaultPlan([Fault(**_groups_of(lay, f)) for f in faults or []])
     keys = chunk_keys(token_ids, lay, model, rank, world_size)  # fault positions are these
     store = Store(plan_faults.wrap_all(store.tiers, rank, keys))
     agreement = (
@@ -275,7 +296,7 @@ FAULT_MATRIX: list[dict[str, Any]] = [
         "name": "group-missing-one-rank",
         "expected": "complete",
         "committed_chunks": 4,  # the hit is the minimum over groups and ranks
-        "kw": {"faults": [_fault("group_missing", chunks=[4], groups=["window"], ranks=[1])]},
+        "kw": {"faults": [_fault("group_missing", chunks=[4], groups=[WINDOW_GROUP], ranks=[1])]},
     },
     {
         "name": "l2-down-l3-present",
