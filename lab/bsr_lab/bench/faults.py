@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
                 args.ranks, RESTORE, kw, timeout_s=300, env={"BSR_IO_EXIT_WAIT_S": "5"}
             )
             row = evaluate(case, results, args.chunks)
+            # Reasons name record files: keep this machine's scratch path out of results.
+            row["reasons"] = [r.replace(str(base), "<scratch>") for r in row["reasons"]]
             rows.append(row)
             mark = "ok  " if row["passed"] else "FAIL"
             print(
