@@ -38,10 +38,10 @@ import errno
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bsr_io._core import Engine, Slot
 from bsr_io.errors import ChunkMissing, ChunkReadError, TierDown
@@ -52,6 +52,7 @@ from bsr_io.tiers.base import DirectChunk, Payload, PendingChunk, Tier
 from bsr_io.tiers.files import FileTier, RecordId
 from bsr_io.tiers.memory import MemoryTier
 
+T = TypeVar("T")
 KINDS = ("error", "corrupt", "missing", "slow", "down", "group_missing", "hang")
 ENV = "BSR_IO_FAULTS"
 
@@ -185,46 +186,44 @@ def _flip_payload_byte(tier: Tier, key: ChunkKey) -> None:
         raise TypeError(f"cannot corrupt records of {type(tier).__name__}")
 
 
-def _hung_direct(inner: DirectChunk, hang_s: float) -> DirectChunk:
-    """`inner`, a read into the destination's memory, not done for `hang_s` seconds."""
-    until = time.monotonic() + hang_s
+def _stalled(
+    until: float, hang_s: float, wait: Callable[[float | None], T]
+) -> Callable[[float | None], T]:
+    """A read's `wait(timeout)` that is not done before `until`: a timeout shorter than
+    what is left raises TimeoutError (the read stays pending, as the engine's own waits
+    do); otherwise it sleeps out the hang and waits for the real read."""
 
-    def finish(timeout: float | None) -> None:
+    def finish(timeout: float | None) -> T:
         left = until - time.monotonic()
         if timeout is not None and timeout < left:
             time.sleep(max(0.0, timeout))
             raise TimeoutError(f"injected fault: read hung ({hang_s} s)")
         time.sleep(max(0.0, left))
-        inner.wait(None if timeout is None else max(0.0, timeout - max(0.0, left)))
+        return wait(None if timeout is None else max(0.0, timeout - max(0.0, left)))
 
-    direct = DirectChunk(
+    return finish
+
+
+def _hung_direct(inner: DirectChunk, hang_s: float) -> DirectChunk:
+    """`inner`, a read into the destination's memory, not done for `hang_s` seconds."""
+    until = time.monotonic() + hang_s
+    return DirectChunk(
         inner.key,
-        finish,
+        _stalled(until, hang_s, inner.wait),
         lambda: time.monotonic() >= until and inner.done(),
         expected_xxh3=inner.expected_xxh3,
         reject=inner.reject,
     )
-    return direct
 
 
 def _hung(inner: PendingChunk, hang_s: float) -> PendingChunk:
     """`inner` (its slot already taken, as a stuck read's is) not done for `hang_s`
-    seconds: a stalled device or mount. `wait(timeout)` shorter than the hang raises
-    TimeoutError and the read stays pending, as the engine's own waits do."""
+    seconds: a stalled device or mount."""
     until = time.monotonic() + hang_s
-
-    def finish(timeout: float | None) -> Slot:
-        left = until - time.monotonic()
-        if timeout is not None and timeout < left:
-            time.sleep(max(0.0, timeout))
-            raise TimeoutError(f"injected fault: read hung ({hang_s} s)")
-        time.sleep(max(0.0, left))
-        return inner.wait(None if timeout is None else max(0.0, timeout - max(0.0, left)))
-
     deferred = inner.expected_xxh3 is not None
     return PendingChunk(
         inner.key,
-        finish,
+        _stalled(until, hang_s, inner.wait),
         lambda: time.monotonic() >= until and inner.done(),
         expected_xxh3=inner.expected_xxh3,
         reject=inner.reject if deferred else None,

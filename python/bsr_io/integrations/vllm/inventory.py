@@ -65,6 +65,7 @@ class StoreInventory:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.relists = 0
+        self._pinned: Held = {}  # written through to a pool: kept across epochs and listings
         self._restart()
 
     def _restart(self) -> None:
@@ -73,7 +74,6 @@ class StoreInventory:
         with self._lock:
             self.epoch = secrets.randbits(62)
             self._held = held
-            self._pinned: Held = getattr(self, "_pinned", {})
             for ns, hashes in self._pinned.items():
                 self._held.setdefault(ns, set()).update(hashes)
             # The start listing, sent in order: (dir, its hashes) and a cursor into it.
