@@ -10,6 +10,9 @@ Kinds:
   error          the read raises ChunkReadError (EIO, naming the record as a real one
                  would): proves nothing, so the record stays
   corrupt        a payload byte of the stored record is flipped, then the read runs
+  clobber        a read straight into the destination's memory lands, then a byte of it
+                 is flipped there (the memory's owner writing the blocks): the stored
+                 record is fine, and a read through a slot gets it intact
   missing        the record is removed just before the read (probe said present)
   slow           the read sleeps `delay_s` first
   down           the tier raises TierDown: on everything when `chunks` is None, else
@@ -53,7 +56,7 @@ from bsr_io.tiers.files import FileTier, RecordId
 from bsr_io.tiers.memory import MemoryTier
 
 T = TypeVar("T")
-KINDS = ("error", "corrupt", "missing", "slow", "down", "group_missing", "hang")
+KINDS = ("error", "corrupt", "missing", "slow", "down", "group_missing", "hang", "clobber")
 ENV = "BSR_IO_FAULTS"
 
 
@@ -204,6 +207,22 @@ def _stalled(
     return finish
 
 
+def _clobbered(inner: DirectChunk, bufs: Sequence[Any], runs: Sequence[Any]) -> DirectChunk:
+    """`inner`, whose bytes are changed where they landed once it ends: a payload byte in
+    the middle of its first run is flipped in the destination's memory."""
+    buf, at, _, length = runs[0]
+
+    def finish(timeout: float | None) -> None:
+        inner.wait(timeout)
+        outer.expected_xxh3 = inner.expected_xxh3  # a pool's is final only now
+        bufs[buf][at + length // 2] ^= 0x5A
+
+    outer = DirectChunk(
+        inner.key, finish, inner.done, expected_xxh3=inner.expected_xxh3, reject=inner.reject
+    )
+    return outer
+
+
 def _hung_direct(inner: DirectChunk, hang_s: float) -> DirectChunk:
     """`inner`, a read into the destination's memory, not done for `hang_s` seconds."""
     until = time.monotonic() + hang_s
@@ -241,6 +260,7 @@ class FaultyTier(Tier):
         self._fired = [0] * len(self.faults)
         self._index: dict[ChunkKey, int] = {}
         self.injected: list[tuple[str, int | None]] = []  # (kind, chunk index) per firing
+        self._damaged: set[ChunkKey] = set()  # records a corrupt fault flipped, until rewritten
         if hasattr(inner, "submit_read_into"):
             # Only where the wrapped tier reads in place: the window asks with getattr.
             self.submit_read_into = self._submit_read_into
@@ -319,8 +339,10 @@ class FaultyTier(Tier):
         if self._firing("missing", key):
             self.inner.remove(key)
             raise ChunkMissing("injected fault: record vanished", key=key, tier=self.name)
-        if self._firing("corrupt", key):
+        if self._firing("corrupt", key) and key not in self._damaged:
+            # Once: a second flip of the same byte would mend the record.
             _flip_payload_byte(self.inner, key)  # the reader's checks must catch it
+            self._damaged.add(key)
         return None
 
     def _submit_read_into(
@@ -330,6 +352,8 @@ class FaultyTier(Tier):
         direct: DirectChunk = self.inner.submit_read_into(  # type: ignore[attr-defined]
             key, engine, bufs, runs
         )
+        if self._firing("clobber", key):
+            direct = _clobbered(direct, bufs, runs)
         return direct if hang is None else _hung_direct(direct, hang.delay_s)
 
     def submit_read(self, key: ChunkKey, engine: Engine, *, verify: bool = True) -> PendingChunk:
@@ -344,6 +368,7 @@ class FaultyTier(Tier):
 
     def write(self, key: ChunkKey, payload: Payload, layout: KVLayout) -> bool:
         self._check_up(key)
+        self._damaged.discard(key)
         return self.inner.write(key, payload, layout)
 
     def remove(self, key: ChunkKey) -> bool:

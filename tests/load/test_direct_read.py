@@ -15,6 +15,7 @@ import torch
 from bsr_io import Engine
 from bsr_io._core import AlignmentError, xxh3_64, xxh3_runs
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
+from bsr_io.faults import Fault, FaultPlan
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.load.window import _REGISTERED
 from bsr_io.model.layout import AllocatorGroup, KVLayout
@@ -155,6 +156,40 @@ def test_a_corrupt_record_read_in_place_is_caught_and_reread(tmp_path: Path) -> 
     _flip(l2b.path_of(keys2[7]))
     res2 = _restore(store2, engine2, tokens2, PagedKVCache.allocate(LAYOUT, TOKENS))
     assert res2.outcome == "zero" and res2.committed_tokens == 0
+
+
+def _faulty_restore(tmp_path: Path, fault: Fault):
+    """A restore of the aligned state from L2 alone (no lower copy), `fault` on it."""
+    engine = Engine(4, LAYOUT.chunk_bytes)
+    _, l2, tokens, keys = _store(tmp_path, engine, lower=False)
+    faulty = FaultPlan([fault]).wrap(l2, keys=keys)
+    dest = PagedKVCache.allocate(LAYOUT, TOKENS)
+    return _restore(Store([faulty]), engine, tokens, dest), l2, faulty, dest, keys
+
+
+def test_a_mismatch_only_in_place_is_read_again_through_a_slot_and_kept(tmp_path: Path) -> None:
+    """The fault double flips a byte of chunk 3 in the cache's memory after its direct
+    read landed (the stored record is intact): the chunk is read once more through a
+    slot, the restore completes with the right bytes, and nothing is quarantined."""
+    res, l2, faulty, dest, keys = _faulty_restore(tmp_path, Fault("clobber", chunks=[3], times=1))
+    assert faulty.injected == [("clobber", 3)]
+    assert res.outcome == "complete", res.reason
+    assert l2.quarantined_files() == [] and l2.contains(keys[3])
+    assert _ok(dest)
+    assert [f["chunk"] for f in res.fallbacks] == [3] and res.source_tiers[3] == "L2"
+    assert "direct read" in " ".join(res.fallbacks[0]["causes"])
+    assert res.timings["direct_chunks"] == CHUNKS - 1 and res.rws_peak_bytes > 0
+
+
+def test_a_mismatch_in_place_and_through_the_slot_quarantines(tmp_path: Path) -> None:
+    """Control: the stored record itself is bad (both reads mismatch): withdrawn, and
+    with no lower copy the restore ends zero."""
+    res, l2, faulty, _, _ = _faulty_restore(tmp_path, Fault("corrupt", chunks=[3], times=1))
+    assert faulty.injected == [("corrupt", 3)]
+    assert res.outcome == "zero" and res.committed_tokens == 0
+    assert len(l2.quarantined_files()) == 1
+    causes = " ".join(res.fallbacks[0]["causes"]) if res.fallbacks else res.reason
+    assert "direct read" in causes and "payload checksum mismatch" in causes
 
 
 def test_hash_in_place_sees_every_byte() -> None:

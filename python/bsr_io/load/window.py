@@ -21,13 +21,14 @@ Direct reads: where the destination owns plain host memory for the restore
 with O_DIRECT straight into its blocks and hashed there: no slot, no copy. It still
 holds one of the W window positions while in flight. Memory or lengths that O_DIRECT
 refuses (AlignmentError: torch's 64-byte-aligned tensors, a 512-byte drive's odd
-run) send the rest of the run through slots; a hash that differs is a chunk failure
-like any other (the record is withdrawn, a lower tier re-reads the chunk into the same
-blocks through a slot). A direct read is never abandoned: its memory is the
-destination's, so even past the deadline the run waits for it to end. A destination
-that lasts across restores (`lasting`) has its host buffers registered with the
-engine's ring at its first direct read, for as long as it lives, so the kernel pins its
-pages once instead of per request.
+run) send the rest of the run through slots. A hash that differs proves nothing yet
+(the bytes lie in memory the caller owns): the chunk is read once more through a slot
+from the same tier, and only if that copy is bad too is it a chunk failure like any
+other (the record is withdrawn, a lower tier re-reads the chunk into the same blocks).
+A direct read is never abandoned: its memory is the destination's, so even past the
+deadline the run waits for it to end. A destination that lasts across restores
+(`lasting`) has its host buffers registered with the engine's ring at its first direct
+read, for as long as it lives, so the kernel pins its pages once instead of per request.
 
 Each window position holds one of three reads (`_Read`): a read into a ring slot
 (`_SlotRead`), a read straight into the destination (`_DirectRead`: a file's O_DIRECT
@@ -211,15 +212,24 @@ class _DirectRead(_Read):
             raise ReadTimedOut(self.index, self.key) from None
 
     def land(self, window: Window, trail: _Trail) -> _Landed | None:
+        tier = window.tiers[self.source]
         try:
             self.wait(window._remaining())
             # A pool's header arrives with its payload: the expected hash is final only now.
-            if window._hash_in_place(self.where) != self.handle.expected_xxh3:
-                raise self.handle.reject("payload checksum mismatch after a direct read")
+            if window._hash_in_place(self.where) == self.handle.expected_xxh3:
+                window._direct_done += 1
+                return _Landed(self.source, trail.causes)
         except ChunkError as exc:
-            trail.failed_in(window.tiers[self.source], exc)
+            trail.failed_in(tier, exc)
             return None
-        return _Landed(self.source, trail.causes)
+        # The bytes landed in memory bsr-io does not own (its owner may write these blocks,
+        # a registration may be stale): no proof the record is bad. Read it once more
+        # through a slot, which the tier checks itself, withdrawing the record only if
+        # that copy is bad too.
+        trail.failed(f"{tier.name}: payload checksum mismatch after a direct read", None)
+        return window._attempt(
+            self.source, trail, partial(window._read_bounded, self.source, trail)
+        )
 
     def drain(self, timeout: float) -> None:
         self.handle.wait(None)  # the destination's own memory: wait, deadline or not
@@ -632,7 +642,6 @@ class Window:
         t0 = time.perf_counter()
         got = xxh3_runs(*where)
         self._install_s += time.perf_counter() - t0
-        self._direct_done += 1
         return got
 
     def _credit(self, index: int, landed: _Landed) -> str:
