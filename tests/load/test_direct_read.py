@@ -15,9 +15,9 @@ import torch
 from bsr_io import Engine
 from bsr_io._core import AlignmentError, xxh3_64, xxh3_runs
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
+from bsr_io.engine import registered, registrations
 from bsr_io.faults import Fault, FaultPlan
 from bsr_io.load.kvcache import PagedKVCache
-from bsr_io.load.window import _REGISTERED
 from bsr_io.model.layout import AllocatorGroup, KVLayout
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.restore import Restorer
@@ -233,24 +233,75 @@ def test_a_lasting_cache_is_registered_with_the_ring_once_for_its_life(tmp_path:
     assert all(_ring_holds(a, n, False) for a, n in spans), "nothing registered yet"
     res = _restore(store, engine, tokens, dest)
     assert res.outcome == "complete" and res.timings["direct_chunks"] == CHUNKS and _ok(dest)
-    reg = _REGISTERED[engine][dest]
-    assert reg is not None and reg.entries == len(spans)
+    reg = registered(engine, dest.host_runs(0)[0])
+    assert reg is not None and reg.entries == len(spans) and registrations(engine) == 1
     assert all(_ring_holds(a, n, True) for a, n in spans), "the kernel holds each tensor"
     # A second restore reads into the same registration; a fresh window does not redo it.
     for t in dest.tensors:
         t.zero_()
     res = _restore(store, engine, tokens, dest)
-    assert res.outcome == "complete" and _ok(dest) and _REGISTERED[engine][dest] is reg
+    assert res.outcome == "complete" and _ok(dest)
+    assert registered(engine, dest.host_runs(0)[0]) is reg and registrations(engine) == 1
     # Control: a cache that does not last (a per-request view) is never registered.
     short = PagedKVCache.allocate(LAYOUT, TOKENS)
     short.lasting = False
     assert _restore(store, engine, tokens, short).outcome == "complete" and _ok(short)
-    assert short not in _REGISTERED[engine]
+    assert registered(engine, short.host_runs(0)[0]) is None and registrations(engine) == 1
     # The cache gone, its registration goes: the ring lets go of the memory.
     del dest, reg
     gc.collect()
-    assert len(_REGISTERED[engine]) == 0
     assert all(_ring_holds(a, n, False) for a, n in spans), "unregistered with the cache"
+
+
+def _entries(spans: list[tuple[int, int]]) -> int:
+    """Buffer-table entries the kernel holds for `spans`, over this process's rings (the
+    most seen in a few polls: fdinfo leaves a ring out while its I/O thread holds it)."""
+    best = 0
+    for _ in range(20):
+        text = _ring_buffers()
+        best = max(best, sum(text.count(f": 0x{a:x}/{n}\n") for a, n in spans))
+        time.sleep(0.005)
+    return best
+
+
+def test_per_request_caches_over_one_pool_cost_one_registration(tmp_path: Path) -> None:
+    """100 per-request caches over one serving pool (each its own PagedKVCache over the
+    pool's tensors, as a serving engine makes one per request) register the pool once,
+    whether they live at once or one after another while the pool's owner holds it."""
+    engine = Engine(4, LAYOUT.chunk_bytes, backend="io_uring")
+    if not engine.features["registered_memory"]:
+        pytest.fail(f"this kernel takes no caller memory: {engine.features['notes']}")
+    store, _, tokens, _ = _store(tmp_path, engine, lower=False)
+    pool = PagedKVCache.allocate(LAYOUT, TOKENS)
+    ids = [list(range(t.shape[0])) for t in pool.tensors]
+    spans = [(t.data_ptr(), t.numel() * t.element_size()) for t in pool.tensors]
+    r = Restorer(store, LAYOUT, window=4, engine=engine, model="m")
+    plan = r.probe(tokens)
+
+    def request() -> PagedKVCache:
+        dest = PagedKVCache(LAYOUT, pool.tensors, ids)
+        res = r.restore(plan, dest)
+        assert res.outcome == "complete" and res.timings["direct_chunks"] == CHUNKS
+        return dest
+
+    live = [request() for _ in range(100)]  # requests in flight together
+    assert _entries(spans) == len(spans), "the kernel holds the pool once"
+    assert _ok(pool) and registrations(engine) == 1
+    del live
+    gc.collect()
+    assert _entries(spans) == 0, "the last request gone, the pool is let go"
+    held = pool.register(engine)  # the pool's owner registers it for the pool's life
+    for _ in range(100):  # requests one after another
+        request()
+    assert registrations(engine) == 2 and held.entries == len(spans)
+    assert _entries(spans) == len(spans)
+    # Control: one registration per destination object, as the keying by destination
+    # gave, is what the kernel's table shows growing.
+    regs = [engine.register_memory(PagedKVCache(LAYOUT, pool.tensors, ids).host_runs(0)[0])]
+    regs.append(engine.register_memory(PagedKVCache(LAYOUT, pool.tensors, ids).host_runs(0)[0]))
+    assert _entries(spans) == 3 * len(spans)
+    for reg in regs:
+        reg.close()
 
 
 def test_a_backend_without_registration_reads_the_cache_plainly(tmp_path: Path) -> None:
@@ -260,7 +311,7 @@ def test_a_backend_without_registration_reads_the_cache_plainly(tmp_path: Path) 
     dest = PagedKVCache.allocate(LAYOUT, TOKENS)
     res = _restore(store, engine, tokens, dest)
     assert res.outcome == "complete" and _ok(dest)
-    reg = _REGISTERED[engine][dest]
-    assert reg is not None and reg.entries == 0
+    reg = registered(engine, dest.host_runs(0)[0])
+    assert reg is not None and reg.entries == 0 and reg.registration is not None
     with pytest.raises(ValueError, match="empty"):
         Engine(1, 4096).register_memory([np.zeros(0, dtype=np.uint8)])

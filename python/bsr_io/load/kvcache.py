@@ -15,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from bsr_io._core import Engine
+from bsr_io.engine import RegisteredMemory, register_memory
 from bsr_io.model.layout import KVLayout
 
 
@@ -68,7 +70,8 @@ class PagedKVCache:
     window may read records straight into its blocks (window.py); off on a GPU, where
     chunks share blocks, and for a cache whose owner may hand its blocks elsewhere
     mid-restore. `lasting`: the cache outlives a restore (it is the serving engine's KV
-    cache), so its buffers are worth registering with the engine's ring once (window.py).
+    cache), so its buffers are worth registering with the engine's ring, once per
+    memory (engine.py `register_memory`): per-request caches over one pool share it.
     """
 
     direct_reads = True
@@ -212,6 +215,16 @@ class PagedKVCache:
             event.record()
             return event
         return None
+
+    def register(self, engine: Engine) -> RegisteredMemory:
+        """Register this cache's host memory with `engine`'s ring for as long as the
+        returned object is kept: its owner (a serving engine, for its KV pool's life)
+        keeps it, and every destination made over the same tensors (a request's view
+        with its own block ids) reads into that one registration."""
+        bufs = [b for b in self._host_bytes if b is not None]
+        if len(bufs) != len(self._host_bytes):
+            raise ValueError("only a cache in host memory can be registered with a ring")
+        return register_memory(engine, bufs)
 
     def host_runs(
         self, chunk_index: int

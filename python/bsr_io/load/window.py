@@ -40,7 +40,6 @@ started (`_NotStarted`, its cause kept for the fallback). Each knows how it land
 from __future__ import annotations
 
 import time
-import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -52,12 +51,11 @@ from typing import Any
 from bsr_io._core import (
     AlignmentError,
     Engine,
-    MemoryRegistration,
     NoFreeSlot,
     Slot,
     xxh3_runs,
 )
-from bsr_io.engine import give_back, wait_for_slot
+from bsr_io.engine import give_back, register_memory, wait_for_slot
 from bsr_io.errors import ChunkError, LayoutError, Unproven
 from bsr_io.load.discovery import holds
 from bsr_io.load.install import HostRuns, fused_runs, install_chunk, scoped
@@ -250,28 +248,12 @@ class _NotStarted(_Read):
         pass  # nothing in flight
 
 
-# Per engine, the lasting destinations whose buffers are registered with its ring (None:
-# the kernel would not take them), each for as long as both live: windows come and go
-# with restores, a KV cache and its engine stay.
-_REGISTERED: weakref.WeakKeyDictionary[
-    Engine, weakref.WeakKeyDictionary[Destination, MemoryRegistration | None]
-] = weakref.WeakKeyDictionary()
-
-
 def register_once(engine: Engine, dest: Destination, bufs: Sequence[Any]) -> None:
-    """Register a lasting destination's buffers with `engine`'s ring unless done; where
-    the kernel refuses (RLIMIT_MEMLOCK, a full table), its reads stay unregistered."""
-    done = _REGISTERED.get(engine)
-    if done is None:
-        done = _REGISTERED[engine] = weakref.WeakKeyDictionary()
-    elif dest in done:
-        return
-    try:
-        done[dest] = engine.register_memory(bufs)
-    except ENGINE_ERRORS:
-        raise
-    except (OSError, ValueError):
-        done[dest] = None
+    """Register a lasting destination's buffers with `engine`'s ring, once per memory
+    (engine.py): every destination over the same buffers (per-request views of one
+    serving pool) shares the registration, which lasts while one of them, or the
+    memory's owner (`PagedKVCache.register`), holds it."""
+    register_memory(engine, bufs, holder=dest)
 
 
 @dataclass
