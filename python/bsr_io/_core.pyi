@@ -40,6 +40,7 @@ __all__ = [
     "WaitTimeoutError",
     "EngineBrokenError",
     "NoMemoryError",
+    "KernelOwnedError",
     "xxh3_64",
     "dio_alignment",
     "xxh3_runs",
@@ -85,6 +86,11 @@ class EngineBrokenError(BsrIoError):
     with EBADF, ENOMEM...; a completion no request owns) or panicked. Every queued and
     in-flight operation failed with it (errno kept; EIO for a panic), and every later
     submit or lease raises it. Not a chunk failure: close the engine, make a new one."""
+
+class KernelOwnedError(EngineBrokenError):
+    """The engine broke down while the kernel held a direct read (`submit_read_into`):
+    its destination blocks are still owned by the kernel, which may write them at any
+    time, so the DirectRead keeps them exported for good; never reuse them."""
 
 class NoMemoryError(BsrIoError):
     """The staging arena does not fit in the memory available (errno ENOMEM), checked
@@ -185,7 +191,9 @@ class DirectRead:
     def done(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> int:
         """Block (GIL released) until the read ended; the bytes read. Raises the I/O
-        error (ShortReadError past the end of the file), TimeoutError meanwhile."""
+        error (ShortReadError past the end of the file), TimeoutError meanwhile, and
+        KernelOwnedError when the engine broke down with the read in the kernel's hands
+        (the buffers then stay exported for good)."""
     @property
     def length(self) -> int: ...
 
@@ -247,12 +255,17 @@ class Engine:
         create: bool = False,
         direct: bool = True,
         special: bool = False,
+        root: str | PathLike[str] | None = None,
     ) -> File:
         """Open for the engine. Falls back to buffered I/O (File.direct False) where
         O_DIRECT is refused. create=True creates with mode 0600 (implies write).
         The open never blocks (O_NONBLOCK, cleared once the file is checked): anything
         but a regular file is refused with BsrIoError (EINVAL; EISDIR for a directory)
-        before any byte moves, unless `special=True` accepts a FIFO or device node."""
+        before any byte moves, unless `special=True` accepts a FIFO or device node.
+        A link at `path` is never followed (ELOOP). With `root` (a store's directory)
+        `path` must lie under it (EXDEV otherwise) and no component below `root` may be
+        a link (ELOOP): openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, or a walk one
+        directory at a time where the kernel lacks openat2."""
     def lease(self) -> Slot:
         """Take a free slot to fill from Python (save path). Raises NoFreeSlot. Give it
         back with `slot.release()` or use it as a context manager."""
@@ -289,6 +302,9 @@ class Engine:
         """Register the writable buffers `bufs` (a host KV cache's tensors) with the I/O
         ring for `submit_read_into`. Costs a pass over their pages once; OSError (ENOMEM:
         RLIMIT_MEMLOCK) when the kernel will not pin them, ValueError for an empty one."""
+    def sync(self, file: File, timeout: float | None = None) -> None:
+        """fdatasync `file` on the engine's I/O thread, waiting at most `timeout` seconds
+        (GIL released): WaitTimeoutError then, while the sync goes on without a waiter."""
     def free_slots(self) -> int: ...
     def live_bytes(self) -> int:
         """Staging bytes now leased or in flight (slot_bytes per such slot)."""

@@ -80,7 +80,7 @@ class SSDTier(FileTier):
     ) -> RecordHeader:
         slot: Slot = staged
         n = layout.chunk_bytes
-        f = self.engine.open(tmp, write=True)
+        f = self.engine.open(tmp, write=True, root=self.root)
         try:
             pending = self.engine.submit_write(slot, f, HEADER_BYTES, n)
             try:
@@ -108,7 +108,7 @@ class SSDTier(FileTier):
         through: the record is fine, the caller reads it another way."""
         path = self.path_of(key)
         try:
-            f = engine.open(path)
+            f = engine.open(path, root=self.root)
         except ENGINE_ERRORS:
             raise
         except FileNotFoundError as exc:

@@ -290,10 +290,21 @@ impl Engine {
     }
 
     pub fn open(&self, path: &str, opts: OpenOptions) -> Result<Arc<EngineFile>> {
+        self.open_in(None, path, opts)
+    }
+
+    /// `open`; with `root` (a store's directory) the path must lie under it and no
+    /// component below it may be a link (`EngineFile::open_in`).
+    pub fn open_in(
+        &self,
+        root: Option<&str>,
+        path: &str,
+        opts: OpenOptions,
+    ) -> Result<Arc<EngineFile>> {
         self.check_open()?;
         // Registration in the io_uring file table happens on the I/O thread, at the
         // file's first operation, so opening never waits for the ring.
-        Ok(Arc::new(EngineFile::open(path, opts)?))
+        Ok(Arc::new(EngineFile::open_in(root, path, opts)?))
     }
 
     /// A free slot for the caller to fill (save path).
@@ -338,9 +349,11 @@ impl Engine {
     ///
     /// # Safety
     /// Every piece must be writable memory that stays valid, and that nothing else reads
-    /// or writes, until the returned operation has ended (its wait returned, or
-    /// `is_done`): the kernel writes it in the meantime. Dropping the `Pending` does not
-    /// end the operation.
+    /// or writes, until the kernel has given it back (`memory_returned`: the op ended,
+    /// and not with `Error::KernelOwned`); after `Error::KernelOwned` (the engine broke
+    /// down with the read in the kernel's hands) it stays the kernel's for good. The
+    /// kernel writes it in the meantime. Dropping the `Pending` does not end the
+    /// operation.
     pub unsafe fn submit_read_into(
         &self,
         file: &Arc<EngineFile>,
@@ -453,6 +466,14 @@ impl Engine {
             Arc::clone(slot),
         );
         self.submit(op)
+    }
+
+    /// fdatasync `file` on the I/O thread: the caller waits on the `Pending` with a
+    /// deadline, so a stalled device holds the I/O thread's call, never the caller.
+    pub fn submit_sync(&self, file: &Arc<EngineFile>) -> Result<Pending> {
+        self.check_open()?;
+        file.check_open()?;
+        self.submit(OpState::sync(Arc::clone(file)))
     }
 
     /// Start recording each request's timings on the I/O thread (io_uring only), at
@@ -645,6 +666,45 @@ mod tests {
 
     fn pattern(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 7 % 251) as u8).collect()
+    }
+
+    #[test]
+    fn sync_runs_on_the_io_thread_on_every_backend() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, pattern(8192)).unwrap();
+        let path = path.to_str().unwrap();
+        for b in backends() {
+            let e = Engine::new(EngineConfig {
+                backend: b,
+                ..EngineConfig::new(1, 8192)
+            })
+            .unwrap();
+            let write = OpenOptions {
+                write: true,
+                ..Default::default()
+            };
+            let f = e.open(path, write).unwrap();
+            let op = e.submit_sync(&f).unwrap();
+            assert_eq!(
+                op.wait(Some(std::time::Duration::from_secs(10))),
+                Ok(0),
+                "{b:?}"
+            );
+            // A descriptor fdatasync refuses (a FIFO: EINVAL) fails the op, naming it.
+            let fifo = dir.path().join(format!("fifo-{b:?}"));
+            let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+            // SAFETY: a NUL-terminated path we own.
+            assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+            let special = OpenOptions {
+                special: true,
+                ..Default::default()
+            };
+            let p = e.open(fifo.to_str().unwrap(), special).unwrap();
+            let err = e.submit_sync(&p).unwrap().wait(None).unwrap_err();
+            assert_eq!(err.errno(), Some(libc::EINVAL), "{b:?}: {err}");
+            assert!(err.to_string().starts_with("fdatasync failed"), "{err}");
+        }
     }
 
     #[test]

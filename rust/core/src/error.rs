@@ -34,6 +34,9 @@ pub enum Error {
     /// The I/O thread met an error it cannot retry, or panicked: every queued and
     /// in-flight operation failed with it, and the engine takes no more I/O.
     Broken { errno: i32, reason: String },
+    /// The engine broke down while the kernel still held a direct read: the caller's
+    /// memory it targets may still be written, so it is not the caller's to reuse.
+    KernelOwned { errno: i32, reason: String },
     /// The staging arena would not fit in the memory this process can get.
     NoMemory {
         asked: u64,
@@ -80,6 +83,7 @@ impl Error {
             Error::BackendUnavailable { errno, .. } => Some(*errno),
             Error::NoFreeSlot { .. } => Some(libc::EAGAIN),
             Error::Broken { errno, .. } => Some(*errno),
+            Error::KernelOwned { errno, .. } => Some(*errno),
             Error::NoMemory { .. } => Some(libc::ENOMEM),
             Error::InvalidArgument(_) => None,
             Error::Timeout => Some(libc::ETIMEDOUT),
@@ -139,6 +143,13 @@ impl fmt::Display for Error {
                 f,
                 "the engine is broken: {reason} ({}); every queued and in-flight operation \
                  failed and no more I/O is accepted: close it and create a new Engine",
+                describe_errno(*errno)
+            ),
+            Error::KernelOwned { errno, reason } => write!(
+                f,
+                "destination blocks still owned by the kernel: the engine broke down \
+                 ({reason}: {}) while a direct read into them was in flight; they may \
+                 still be written and must not be reused",
                 describe_errno(*errno)
             ),
             Error::NoMemory {

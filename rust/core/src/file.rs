@@ -70,6 +70,8 @@ fn open_error(path: &str, errno: i32) -> Error {
             Some(path),
             errno,
         )
+    } else if errno == libc::EXDEV {
+        Error::os("open (the path leads out of the store)", Some(path), errno)
     } else {
         Error::os("open", Some(path), errno)
     }
@@ -86,9 +88,116 @@ fn clear_nonblock(fd: RawFd, path: &str) -> Result<()> {
     Ok(())
 }
 
+/// `openat2` with `how`, or the errno (ENOSYS where the kernel lacks it, before 5.6).
+fn openat2_raw(
+    dir: RawFd,
+    rel: &CString,
+    how: &libc::open_how,
+) -> std::result::Result<OwnedFd, i32> {
+    // SAFETY: `rel` is NUL-terminated and `how` a live struct of the size passed; the
+    // call returns a new descriptor or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir,
+            rel.as_ptr(),
+            how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        Err(last_errno())
+    } else {
+        // SAFETY: a descriptor openat2 just returned, owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    }
+}
+
+fn openat_raw(dir: RawFd, name: &CString, flags: i32) -> std::result::Result<OwnedFd, i32> {
+    // SAFETY: `name` is NUL-terminated; openat returns a new descriptor or -1.
+    let fd = unsafe { libc::openat(dir, name.as_ptr(), flags, 0o600 as libc::c_uint) };
+    if fd < 0 {
+        Err(last_errno())
+    } else {
+        // SAFETY: a descriptor openat just returned, owned by nobody else.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+/// The components of `path` below `root`: refused (EXDEV, as RESOLVE_BENEATH says)
+/// when it is not under it or climbs out with "..".
+fn components_below<'a>(root: &str, path: &'a str) -> std::result::Result<Vec<&'a str>, i32> {
+    let root = root.trim_end_matches('/');
+    let rest = path.strip_prefix(root).ok_or(libc::EXDEV)?;
+    if !rest.starts_with('/') {
+        return Err(libc::EXDEV);
+    }
+    let parts: Vec<&str> = rest
+        .split('/')
+        .filter(|c| !c.is_empty() && *c != ".")
+        .collect();
+    if parts.is_empty() || parts.contains(&"..") {
+        return Err(libc::EXDEV);
+    }
+    Ok(parts)
+}
+
+/// Open `path`, which must lie under the directory `root`, without following a link in
+/// any component below `root`: `openat2` with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS
+/// where the kernel has it, else a walk from `root` one directory at a time
+/// (O_NOFOLLOW | O_DIRECTORY each), then the last component with `flags` (O_NOFOLLOW).
+/// A link anywhere below `root` gives ELOOP (or ENOTDIR from the walk); a path out of
+/// `root`, EXDEV. (`root` itself is the caller's choice and may be a link.)
+fn open_beneath(root: &str, path: &str, flags: i32) -> std::result::Result<OwnedFd, i32> {
+    let parts = components_below(root, path)?;
+    let croot = CString::new(root).map_err(|_| libc::EINVAL)?;
+    let dir = open_raw(&croot, libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)?;
+    let rel = CString::new(parts.join("/")).map_err(|_| libc::EINVAL)?;
+    // SAFETY: open_how is plain data (three integers); zero is valid for each.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = flags as u64;
+    how.mode = if flags & libc::O_CREAT != 0 { 0o600 } else { 0 };
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS;
+    match openat2_raw(dir.as_raw_fd(), &rel, &how) {
+        Err(libc::ENOSYS) => walk_beneath(dir, &parts, flags),
+        other => other,
+    }
+}
+
+/// The walk `open_beneath` falls back to: from the directory `dir`, each component but
+/// the last as a directory that is no link, then the last with `flags`.
+fn walk_beneath(dir: OwnedFd, parts: &[&str], flags: i32) -> std::result::Result<OwnedFd, i32> {
+    let mut at = dir;
+    let (last, dirs) = parts.split_last().ok_or(libc::EXDEV)?;
+    for part in dirs {
+        let c = CString::new(*part).map_err(|_| libc::EINVAL)?;
+        let flags = libc::O_PATH | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+        at = match openat_raw(at.as_raw_fd(), &c, flags) {
+            // O_PATH | O_NOFOLLOW on a link opens the link itself: not a directory.
+            Err(libc::ENOTDIR) | Err(libc::ELOOP) => return Err(libc::ELOOP),
+            other => other?,
+        };
+    }
+    let c = CString::new(*last).map_err(|_| libc::EINVAL)?;
+    openat_raw(at.as_raw_fd(), &c, flags)
+}
+
 impl EngineFile {
     pub fn open(path: &str, opts: OpenOptions) -> Result<EngineFile> {
+        Self::open_in(None, path, opts)
+    }
+
+    /// `open`, and with `root` (a store's directory) the path is resolved below it with
+    /// no link followed in any component (see `open_beneath`).
+    pub fn open_in(root: Option<&str>, path: &str, opts: OpenOptions) -> Result<EngineFile> {
         let c = CString::new(path).map_err(|_| Error::invalid("path contains a NUL byte"))?;
+        if root.is_some_and(|r| r.contains('\0')) {
+            return Err(Error::invalid("root contains a NUL byte"));
+        }
+        let open = |flags: i32| match root {
+            Some(r) => open_beneath(r, path, flags),
+            None => open_raw(&c, flags),
+        };
         let write = opts.write || opts.create;
         // O_NONBLOCK: a FIFO (or device) at `path` must not block the open; it is refused
         // below, before any byte moves, and the flag is cleared for regular files.
@@ -102,12 +211,12 @@ impl EngineFile {
             flags |= libc::O_CREAT;
         }
         let mut direct = opts.direct;
-        let fd = match open_raw(&c, flags | if direct { libc::O_DIRECT } else { 0 }) {
+        let fd = match open(flags | if direct { libc::O_DIRECT } else { 0 }) {
             Ok(fd) => fd,
             // Filesystems without direct I/O (some tmpfs, overlay) refuse with EINVAL.
             Err(libc::EINVAL) if direct => {
                 direct = false;
-                open_raw(&c, flags).map_err(|e| open_error(path, e))?
+                open(flags).map_err(|e| open_error(path, e))?
             }
             Err(e) => return Err(open_error(path, e)),
         };
@@ -294,6 +403,65 @@ mod tests {
         }
         // Control: the file itself opens.
         EngineFile::open(target.to_str().unwrap(), OpenOptions::default()).unwrap();
+    }
+
+    /// A store `root/chunks/ab/record`, a directory `outside` holding a record of the same
+    /// name, and `root/chunks/cd/record` (another directory inside the store).
+    fn store() -> (tempfile::TempDir, String, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("store");
+        for d in ["store/chunks/ab", "store/chunks/cd", "outside"] {
+            std::fs::create_dir_all(dir.path().join(d)).unwrap();
+        }
+        for f in [
+            "store/chunks/ab/record",
+            "store/chunks/cd/record",
+            "outside/record",
+        ] {
+            std::fs::write(dir.path().join(f), vec![1u8; 4096]).unwrap();
+        }
+        let record = root.join("chunks/ab/record").to_str().unwrap().to_owned();
+        (dir, root.to_str().unwrap().to_owned(), record)
+    }
+
+    #[test]
+    fn no_component_below_the_root_is_followed_through_a_link() {
+        let flags = libc::O_RDONLY | libc::O_CLOEXEC | libc::O_NOFOLLOW;
+        for target in ["outside", "store/chunks/cd"] {
+            let (dir, root, record) = store();
+            // Control: the record opens below its root, both ways.
+            assert!(open_beneath(&root, &record, flags).is_ok());
+            let parts = components_below(&root, &record).unwrap();
+            let at = open_raw(&CString::new(root.as_str()).unwrap(), libc::O_PATH).unwrap();
+            assert!(walk_beneath(at, &parts, flags).is_ok());
+            // The record's directory swapped for a link (after a probe).
+            let ab = dir.path().join("store/chunks/ab");
+            std::fs::remove_dir_all(&ab).unwrap();
+            std::os::unix::fs::symlink(dir.path().join(target), &ab).unwrap();
+            assert_eq!(open_beneath(&root, &record, flags).err(), Some(libc::ELOOP));
+            let at = open_raw(&CString::new(root.as_str()).unwrap(), libc::O_PATH).unwrap();
+            assert_eq!(walk_beneath(at, &parts, flags).err(), Some(libc::ELOOP));
+            let opts = OpenOptions::default();
+            let e = EngineFile::open_in(Some(&root), &record, opts).unwrap_err();
+            assert_eq!(e.errno(), Some(libc::ELOOP), "{e}");
+            // Without a root only the last component is checked: the link is followed.
+            assert!(EngineFile::open(&record, opts).is_ok());
+        }
+    }
+
+    #[test]
+    fn a_path_out_of_the_root_is_refused() {
+        let (_dir, root, record) = store();
+        let opts = OpenOptions::default();
+        for path in [
+            format!("{root}/chunks/../../outside/record"),
+            record.replace("/store/", "/outside/"),
+            format!("{root}x/chunks/ab/record"),
+        ] {
+            let e = EngineFile::open_in(Some(&root), &path, opts).unwrap_err();
+            assert_eq!(e.errno(), Some(libc::EXDEV), "{path}: {e}");
+        }
+        assert!(EngineFile::open_in(Some(&format!("{root}/")), &record, opts).is_ok());
     }
 
     #[test]

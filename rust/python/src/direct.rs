@@ -126,14 +126,18 @@ impl PyDirectRead {
         self.op.is_done()
     }
 
-    /// Bytes read, once the read has ended; the buffers are then the caller's again.
+    /// Bytes read, once the read has ended; the buffers are then the caller's again,
+    /// unless it ended with KernelOwnedError (the engine broke down while the kernel
+    /// held the read): then they stay exported for good.
     #[pyo3(signature = (timeout = None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<u64> {
         let timeout = timeout_arg(timeout)?;
         let op = &self.op;
         let res = py.detach(|| op.wait(timeout));
-        if !matches!(res, Err(Error::Timeout)) {
-            drop(self.held().take()); // ended: the kernel is done with the memory
+        match res {
+            Err(Error::Timeout) => {} // still in flight: the read keeps its buffers
+            Err(Error::KernelOwned { .. }) => self.keep_for_good(),
+            _ => drop(self.held().take()), // the kernel gave the memory back
         }
         res.raise()
     }
@@ -144,15 +148,21 @@ impl PyDirectRead {
     }
 }
 
+impl PyDirectRead {
+    /// The kernel may still write the buffers: keep them exported (pinned, never freed
+    /// or resized) for the life of the process rather than let the memory go to
+    /// someone else under a pending write.
+    fn keep_for_good(&self) {
+        if let Some(held) = self.held().take() {
+            std::mem::forget(held);
+        }
+    }
+}
+
 impl Drop for PyDirectRead {
     fn drop(&mut self) {
-        if !self.op.is_done() {
-            // Dropped while the kernel may still write the buffers: keep them exported
-            // (pinned, never freed or resized) for the life of the process rather than
-            // let the memory go to someone else under a pending write.
-            if let Some(held) = self.held().take() {
-                std::mem::forget(held);
-            }
+        if !self.op.memory_returned() {
+            self.keep_for_good();
         }
     }
 }

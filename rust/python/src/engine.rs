@@ -14,7 +14,7 @@ use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
 use crate::direct::{payload_runs, Held, PyDirectRead, PyMemoryRegistration};
 use crate::errors::Raise;
 use crate::file::PyFile;
-use crate::pending::{Handoff, PyPending};
+use crate::pending::{timeout_arg, Handoff, PyPending};
 use crate::slot::{Exported, PySlot};
 use crate::{non_negative, positive};
 
@@ -147,7 +147,8 @@ impl PyEngine {
         self.inner.arena().map_bytes()
     }
 
-    #[pyo3(signature = (path, *, write = false, create = false, direct = true, special = false))]
+    #[pyo3(signature = (path, *, write = false, create = false, direct = true, special = false, root = None))]
+    #[allow(clippy::too_many_arguments)]
     fn open(
         &self,
         py: Python<'_>,
@@ -156,18 +157,24 @@ impl PyEngine {
         create: bool,
         direct: bool,
         special: bool,
+        root: Option<PathBuf>,
     ) -> PyResult<PyFile> {
-        let path = path
-            .to_str()
-            .ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?
-            .to_owned();
+        let utf8 = |p: &PathBuf, what: &str| {
+            p.to_str()
+                .map(str::to_owned)
+                .ok_or_else(|| PyValueError::new_err(format!("{what} is not valid UTF-8")))
+        };
+        let path = utf8(&path, "path")?;
+        let root = root.map(|r| utf8(&r, "root")).transpose()?;
         let opts = OpenOptions {
             write,
             create,
             direct,
             special,
         };
-        let f = py.detach(|| self.inner.open(&path, opts)).raise()?;
+        let f = py
+            .detach(|| self.inner.open_in(root.as_deref(), &path, opts))
+            .raise()?;
         Ok(PyFile {
             path,
             direct: f.direct(),
@@ -239,8 +246,10 @@ impl PyEngine {
         let f = file.get()?;
         let engine = &self.inner;
         // SAFETY: every piece lies inside a writable export (checked by `payload_runs`)
-        // that the returned DirectRead holds until the read has ended (or, dropped
-        // before, for good); the pieces do not overlap.
+        // that the returned DirectRead holds until the kernel gave the memory back
+        // (`memory_returned`); dropped before, or after a break-down that left the read
+        // with the kernel (`Error::KernelOwned`), it holds them for good. The pieces do
+        // not overlap.
         let op = py
             .detach(|| unsafe { engine.submit_read_into(&f, offset, &pieces) })
             .raise()?;
@@ -300,6 +309,18 @@ impl PyEngine {
     ) -> PyResult<u64> {
         let op = self.write_op(py, slot, file, offset, length)?;
         py.detach(|| op.wait(None)).raise()
+    }
+
+    /// fdatasync `file` on the engine's I/O thread, waiting at most `timeout` seconds:
+    /// WaitTimeoutError then, while the sync goes on without a waiter.
+    #[pyo3(signature = (file, timeout = None))]
+    fn sync(&self, py: Python<'_>, file: &PyFile, timeout: Option<f64>) -> PyResult<()> {
+        let timeout = timeout_arg(timeout)?;
+        let f = file.get()?;
+        let engine = &self.inner;
+        py.detach(|| engine.submit_sync(&f)?.wait(timeout))
+            .raise()
+            .map(drop)
     }
 
     fn free_slots(&self) -> usize {

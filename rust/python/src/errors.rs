@@ -37,10 +37,11 @@ pub(crate) enum Exc {
     WaitTimeout,
     EngineBroken,
     NoMemory,
+    KernelOwned,
 }
 
 impl Exc {
-    pub(crate) const ALL: [Exc; 12] = [
+    pub(crate) const ALL: [Exc; 13] = [
         Exc::BsrIo,
         Exc::Alignment,
         Exc::ShortRead,
@@ -53,6 +54,7 @@ impl Exc {
         Exc::WaitTimeout,
         Exc::EngineBroken,
         Exc::NoMemory,
+        Exc::KernelOwned,
     ];
 
     /// Class name and docstring.
@@ -95,6 +97,12 @@ impl Exc {
                  queued and in-flight operation failed with it (errno kept) and no more I/O \
                  is accepted. Close the engine and create a new one.",
             ),
+            Exc::KernelOwned => (
+                "KernelOwnedError",
+                "The engine broke down while the kernel held a direct read: its destination \
+                 blocks are still owned by the kernel, may be written at any time, and stay \
+                 exported (never handed back). An EngineBrokenError.",
+            ),
             Exc::NoMemory => (
                 "NoMemoryError",
                 "The staging arena does not fit in the memory available (ENOMEM); the \
@@ -110,6 +118,10 @@ impl Exc {
             Exc::FileMissing => PyTuple::new(py, [root(), py.get_type::<PyFileNotFoundError>()]),
             Exc::FilePermission => PyTuple::new(py, [root(), py.get_type::<PyPermissionError>()]),
             Exc::WaitTimeout => PyTuple::new(py, [root(), py.get_type::<PyTimeoutError>()]),
+            Exc::KernelOwned => {
+                let broken = Exc::ALL.iter().position(|x| *x == Exc::EngineBroken);
+                PyTuple::new(py, [made[broken.unwrap_or(0)].bind(py).clone()])
+            }
             _ => PyTuple::new(py, [root()]),
         }
     }
@@ -152,6 +164,7 @@ fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         Error::BackendUnavailable { .. } => Exc::BackendUnavailable,
         Error::NoFreeSlot { .. } => Exc::NoFreeSlot,
         Error::Broken { .. } => Exc::EngineBroken,
+        Error::KernelOwned { .. } => Exc::KernelOwned,
         Error::NoMemory { .. } => Exc::NoMemory,
         Error::Os { errno, op, .. } => match *errno {
             libc::ENOENT => Exc::FileMissing,

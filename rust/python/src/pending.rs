@@ -87,6 +87,7 @@ impl PyPending {
         let kind = match self.op.kind {
             OpKind::Read => "read",
             OpKind::Write => "write",
+            OpKind::Sync => "sync",
         };
         format!(
             "Pending({kind} {} bytes at {} of {:?}, done={})",

@@ -21,6 +21,9 @@ use crate::file::EngineFile;
 pub enum OpKind {
     Read,
     Write,
+    /// fdatasync of the file: one request of no bytes, so its wait has a deadline like
+    /// any transfer's (a stalled device holds the I/O thread's call, not the caller).
+    Sync,
 }
 
 #[derive(Debug, Default)]
@@ -116,8 +119,41 @@ impl OpState {
         })
     }
 
-    /// Cut the op into requests of at most `request_bytes`, none across a segment end.
+    /// An fdatasync of `file` (`OpKind::Sync`).
+    pub fn sync(file: Arc<EngineFile>) -> Arc<OpState> {
+        Arc::new(OpState {
+            kind: OpKind::Sync,
+            file,
+            offset: 0,
+            want: 0,
+            extent: 0,
+            fixed_index: None,
+            segments: vec![Segment {
+                start: 0,
+                addr: 0,
+                len: 0,
+            }],
+            lease: Mutex::new(None),
+            progress: Mutex::new(Progress::default()),
+            done: Condvar::new(),
+        })
+    }
+
+    /// Cut the op into requests of at most `request_bytes`, none across a segment end
+    /// (a sync: one request of no bytes).
     pub fn requests(self: &Arc<Self>, request_bytes: u64) -> Vec<Request> {
+        if self.kind == OpKind::Sync {
+            locked(&self.progress).outstanding = 1;
+            return vec![Request {
+                op: Arc::clone(self),
+                start: 0,
+                len: 0,
+                moved: 0,
+                addr: 0,
+                ended: false,
+                stamps: trace::Stamps::default(),
+            }];
+        }
         let reqs: Vec<Request> = self
             .segments
             .iter()
@@ -161,6 +197,9 @@ impl OpState {
                 let at = start + moved;
                 p.eof_at = Some(p.eof_at.map_or(at, |e| e.min(at)));
             }
+            // Memory the kernel may still write outranks any other failure: the
+            // waiter must not take it back.
+            RequestEnd::Failed(e @ Error::KernelOwned { .. }) => p.error = Some(e),
             RequestEnd::Failed(e) => {
                 if p.error.is_none() {
                     p.error = Some(e);
@@ -196,7 +235,7 @@ impl OpState {
                 OpKind::Write if self.extent > self.want => {
                     self.file.trim_padding().map(|()| self.want)
                 }
-                OpKind::Write => Ok(self.want),
+                OpKind::Write | OpKind::Sync => Ok(self.want),
             },
         };
         let mut lease = locked(&self.lease);
@@ -226,6 +265,13 @@ impl OpState {
 
     pub fn is_done(&self) -> bool {
         locked(&self.progress).result.is_some()
+    }
+
+    /// Whether the kernel gave the op's memory back: it ended, and not with
+    /// `Error::KernelOwned` (a break-down with a direct read still in the kernel's
+    /// hands, whose memory may be written at any time from then on).
+    pub fn memory_returned(&self) -> bool {
+        matches!(&locked(&self.progress).result, Some(r) if !matches!(r, Err(Error::KernelOwned { .. })))
     }
 
     /// Wait for the end; `None` waits forever.
@@ -353,16 +399,30 @@ impl Request {
         self.op.kind == OpKind::Read
     }
 
+    pub fn is_sync(&self) -> bool {
+        self.op.kind == OpKind::Sync
+    }
+
+    /// A read straight into the caller's memory (no slot of ours).
+    pub fn is_direct(&self) -> bool {
+        self.op.kind == OpKind::Read && self.op.fixed_index.is_none()
+    }
+
     /// Account a transfer result (`Ok(bytes)` or errno). Returns the request back when
     /// the rest must be submitted again, or `None` once it has ended.
     pub fn account(mut self, res: std::result::Result<u64, i32>) -> Option<Request> {
         let end = match res {
             Err(libc::EAGAIN) | Err(libc::EINTR) => return Some(self),
             Err(errno) => RequestEnd::Failed(Error::os(
-                if self.is_read() { "read" } else { "write" },
+                match self.op.kind {
+                    OpKind::Read => "read",
+                    OpKind::Write => "write",
+                    OpKind::Sync => "fdatasync",
+                },
                 Some(self.op.file.path()),
                 errno,
             )),
+            Ok(_) if self.op.kind == OpKind::Sync => RequestEnd::Complete,
             Ok(got) => {
                 let asked = self.remaining();
                 let kind = align::classify(asked, got, self.op.file.alignment(), self.is_read());

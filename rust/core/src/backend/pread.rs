@@ -161,7 +161,10 @@ fn transfer(req: &Request) -> std::result::Result<u64, i32> {
     let fd = req.op.file.fd();
     let len = req.remaining() as usize;
     let off = req.file_offset() as libc::off_t;
-    let rc = if req.is_read() {
+    let rc = if req.is_sync() {
+        // SAFETY: fdatasync on the op's open descriptor; no memory is passed.
+        unsafe { libc::fdatasync(fd) as libc::ssize_t }
+    } else if req.is_read() {
         // SAFETY: the range lies in a slot owned by this request's op (through its
         // lease) until the request is accounted; nothing else writes it meanwhile.
         unsafe { libc::pread(fd, req.addr() as *mut libc::c_void, len, off) }

@@ -492,9 +492,12 @@ impl RingLoop {
             });
             let entry = self.entry(&req, id as u64);
             // SAFETY: the entry points into a slot owned by `req`'s op (its lease keeps
-            // the arena mapped); `req` is parked in the slab until its completion is
-            // reaped (or, failed early, its slot share is: `InFlight::Orphan`), so the
-            // memory outlives the kernel's use of it.
+            // the arena mapped), or into caller memory that the op's submitter keeps
+            // valid until the op ends (`Engine::submit_read_into`); `req` is parked in
+            // the slab until its completion is reaped. A break-down before that keeps a
+            // slot's share (`InFlight::Orphan`) and ends a direct read's op only with
+            // `Error::KernelOwned`, on which its waiter keeps the memory for good
+            // (`break_down`), so the memory outlives the kernel's use of it.
             if unsafe { self.ring.submission().push(&entry) }.is_err() {
                 // Submission queue full: send what is there first.
                 self.free_ids.push(id);
@@ -537,9 +540,18 @@ impl RingLoop {
                 }
             };
         }
-        let e = match req.op.file.registered_index() {
-            Some(i) => build!(types::Fixed(i)),
-            None => build!(types::Fd(req.op.file.fd())),
+        macro_rules! sync {
+            ($fd:expr) => {
+                opcode::Fsync::new($fd)
+                    .flags(types::FsyncFlags::DATASYNC)
+                    .build()
+            };
+        }
+        let e = match (req.op.file.registered_index(), req.is_sync()) {
+            (Some(i), true) => sync!(types::Fixed(i)),
+            (None, true) => sync!(types::Fd(req.op.file.fd())),
+            (Some(i), false) => build!(types::Fixed(i)),
+            (None, false) => build!(types::Fd(req.op.file.fd())),
         };
         e.user_data(user_data)
     }
@@ -639,6 +651,12 @@ impl RingLoop {
     /// every op still in the channel; keep the slots the kernel may still use until
     /// their completion comes (for a short while), then stop. Nothing is submitted
     /// from here on.
+    ///
+    /// A direct read the kernel holds writes the caller's memory, which no lease of
+    /// ours keeps: its requests stay parked until their completion comes, and those
+    /// still out after the grace fail their op with `Error::KernelOwned`, so the waiter
+    /// keeps that memory (forgets it, as a slot is forgotten here) instead of taking it
+    /// back while the kernel may still write it.
     fn break_down(&mut self, err: Error, rx: &Receiver<Command>) {
         for req in self.queue.drain(..) {
             req.abandon(err.clone());
@@ -650,6 +668,8 @@ impl RingLoop {
                 if untaken.contains(&id) {
                     req.abandon(err.clone());
                     self.in_flight -= 1;
+                } else if req.is_direct() {
+                    *entry = InFlight::Request(req); // its completion decides, below
                 } else {
                     let slot = req.op.slot_share();
                     req.abandon(err.clone());
@@ -671,15 +691,34 @@ impl RingLoop {
             // SAFETY: no submission entry is handed to the kernel, no argument passed.
             let _ = unsafe { self.ring.submitter().enter::<libc::sigset_t>(0, 0, 0, None) };
             let _ = self.reap();
+            // A direct read that ended short is never pushed again: the kernel is done
+            // with its memory.
+            for req in self.queue.drain(..) {
+                req.abandon(err.clone());
+            }
             if self.in_flight > 0 {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
+        let (errno, reason) = match &err {
+            Error::Broken { errno, reason } => (*errno, reason.clone()),
+            other => (other.errno().unwrap_or(libc::EIO), other.to_string()),
+        };
         for entry in &mut self.slab {
-            if let InFlight::Orphan(slot) = std::mem::take(entry) {
-                // Never reaped: the kernel may still write the slot after the ring is
-                // gone. Keep it (and the arena) mapped for the life of the process.
-                std::mem::forget(slot);
+            match std::mem::take(entry) {
+                InFlight::Request(req) => {
+                    // Still the kernel's: its op fails with KernelOwned.
+                    req.abandon(Error::KernelOwned {
+                        errno,
+                        reason: reason.clone(),
+                    });
+                }
+                InFlight::Orphan(slot) => {
+                    // Never reaped: the kernel may still write the slot after the ring is
+                    // gone. Keep it (and the arena) mapped for the life of the process.
+                    std::mem::forget(slot);
+                }
+                InFlight::Free => {}
             }
         }
     }
@@ -771,7 +810,7 @@ mod tests {
     use std::io::Write;
 
     use super::super::tests::{data_file, pattern};
-    use super::super::{OpKind, OpState, Pending};
+    use super::super::{OpKind, OpState, Pending, Segment};
     use super::*;
     use crate::file::OpenOptions;
 
@@ -868,6 +907,76 @@ mod tests {
             // The kernel may still write the FIFO read's slot: it never comes back.
             // `big` never reached the kernel: its slot came back at once.
             assert_eq!(arena.free_slots(), 2, "{register}");
+        }
+    }
+
+    #[test]
+    fn a_break_down_leaves_a_direct_read_the_kernel_holds_with_the_kernel() {
+        let dir = tempfile::tempdir().unwrap();
+        for (i, register) in [true, false].into_iter().enumerate() {
+            let arena = Arena::new(1, 4096).unwrap();
+            let health = Arc::new(Health::default());
+            let Some(mut d) = start(&arena, 2, register, Arc::clone(&health)) else {
+                return; // io_uring refused here
+            };
+            // A FIFO as the source: the kernel holds the read until someone writes.
+            let (pipe, mut writer) = fifo(&dir, &format!("direct{i}"));
+            let mut dest = vec![0u8; 3 * 4096];
+            let base = dest.as_mut_ptr() as usize;
+            let seg = |at: usize| Segment {
+                start: at as u64,
+                addr: base + at,
+                len: 4096,
+            };
+            // Two requests: both go to the kernel, which holds them.
+            let segs = vec![seg(0), seg(4096)];
+            let stuck = Pending::new(OpState::direct_read(Arc::clone(&pipe), 0, segs));
+            d.submit(Arc::clone(&stuck.op)).unwrap();
+            let t0 = Instant::now();
+            while taken_by_kernel(&d) < 2 {
+                assert!(t0.elapsed() < Duration::from_secs(10), "never taken");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            // Control: a direct read still queued when the engine breaks.
+            let f = data_file(&dir, false);
+            let queued = Pending::new(OpState::direct_read(Arc::clone(&f), 0, vec![seg(8192)]));
+            d.submit(Arc::clone(&queued.op)).unwrap();
+            d.inject(Fault::EnterErrno {
+                errno: libc::EBADF,
+                after: 0,
+            });
+            // Wake the thread: one request ends short and is pushed again, then the
+            // enter fails; the other stays with the kernel.
+            writer.write_all(&[7; 100]).unwrap();
+            let t = Some(Duration::from_secs(10));
+            let r = stuck.wait(t);
+            assert!(
+                matches!(
+                    &r,
+                    Err(Error::KernelOwned {
+                        errno: libc::EBADF,
+                        ..
+                    })
+                ),
+                "{register}: {r:?}"
+            );
+            let text = r.unwrap_err().to_string();
+            assert!(
+                text.contains("destination blocks still owned by the kernel"),
+                "{text}"
+            );
+            assert!(stuck.is_done() && !stuck.memory_returned(), "{register}");
+            // The read the kernel never took fails as the engine did; its memory is back.
+            let q = queued.wait(t);
+            assert!(
+                broken_with(q.clone(), libc::EBADF) || q == Err(Error::Closed("engine")),
+                "{q:?}"
+            );
+            assert!(queued.memory_returned());
+            d.shutdown();
+            // The test's buffer outlives nothing it lent: the FIFO read is never
+            // completed (its writer never writes), as the real caller forgets it.
+            std::mem::forget(dest);
         }
     }
 
