@@ -5,8 +5,9 @@ and a per-rank cap on the SSD tier. Outputs are compared with an engine without 
 connector at the same TP on the same pinned threads.
 
 The phases (bsr_lab.vllm.phases): a read that hangs; a long save beside a load;
-three corrupt records in one load; a restore served by the pool when the SSD tier
-misses; hot leading chunks kept by vLLM's local hits while saves overflow the cap.
+three corrupt records in one prompt, met one request at a time; a restore served by
+the pool when the SSD tier misses; hot leading chunks kept by vLLM's local hits while
+saves overflow the cap.
 Faults and damaged records sit on the last rank: at TP=2 rank 0's own load succeeds,
 and the request must still recompute on every rank with identical output.
 """
@@ -121,16 +122,18 @@ def test_long_save_does_not_delay_a_load(ph_run):
         assert beside[r]["seconds"] <= 3 * control[r]["seconds"] + 0.25, (beside, control)
 
 
-def test_every_corrupt_record_of_a_failed_load_is_quarantined(ph_run):
+def test_each_request_withdraws_the_next_corrupt_record_and_never_serves_one(ph_run):
     s, base, tp = ph_run["s"], ph_run["base"], ph_run["tp"]
-    loads = _loads(s["E"], tp)
-    assert loads[tp - 1]["outcome"] == "zero", loads
-    for r in range(tp - 1):
-        assert loads[r]["outcome"] == "complete", loads
-    assert s["E"]["cached"] == 0 and s["E"]["tokens"] == base["E"]  # recomputed everywhere
-    why = [f for f in s["E_quarantine"] if f.endswith(".why")]
-    assert len(why) == len(ph.CORRUPT), s["E_quarantine"]  # all three, by that one load
-    assert all(f"w{tp}r{tp - 1}" in f for f in why), why  # the damaged rank's, only
+    assert len(s["E_tries"]) == len(ph.CORRUPT)
+    for k, (tried, quarantine) in enumerate(zip(s["E_tries"], s["E_quarantine"], strict=True)):
+        loads = _loads(tried, tp)
+        assert loads[tp - 1]["outcome"] == "zero", (k, loads)
+        for r in range(tp - 1):
+            assert loads[r]["outcome"] == "complete", (k, loads)
+        assert tried["cached"] == 0 and tried["tokens"] == base["E"]  # recomputed everywhere
+        why = [f for f in quarantine if f.endswith(".why")]
+        assert len(why) == k + 1, (k, quarantine)  # one more bad record per request
+        assert all(f"w{tp}r{tp - 1}" in f for f in why), why  # the damaged rank's, only
     again = _loads(s["E_again"], tp)
     assert s["E_again"]["tokens"] == base["E"] and s["E_again"]["cached"] == 10 * ph.C
     record = _record(tp)
@@ -139,6 +142,18 @@ def test_every_corrupt_record_of_a_failed_load_is_quarantined(ph_run):
         # The last rank reads its three lost records from the pool, the others none.
         want = {"L2": 7 * record, "L3": 3 * record} if r == tp - 1 else {"L2": 10 * record}
         assert again[r]["bytes_read"] == want, (r, again[r])
+
+
+def test_a_load_stops_at_its_first_failed_record(ph_run):
+    """Each failed load installed the records before its bad one and read no further: in
+    record order, the k-th request's k-th corrupt record (chunk ph.CORRUPT[k]) is its
+    first failure, so it installed exactly ph.CORRUPT[k] of its 10 records."""
+    s, tp = ph_run["s"], ph_run["tp"]
+    record = _record(tp)
+    for k, tried in enumerate(s["E_tries"]):
+        load = _loads(tried, tp)[tp - 1]
+        assert load["records"] == 10, load
+        assert sum(load["bytes_read"].values()) == ph.CORRUPT[k] * record, (k, load)
 
 
 def test_pool_serves_a_restore_when_the_ssd_tier_misses(ph_run):

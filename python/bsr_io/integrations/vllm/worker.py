@@ -13,8 +13,9 @@ Design (one path, two lanes, nothing unbounded):
   discovery, then the windowed, verified install through the load engine's W slots
   straight into the request's blocks (`RequestPages`: per-group block ids, runs of
   consecutive blocks coalesced, vLLM's own local hit and null blocks skipped; fused
-  copy-and-verify on the host). It reads on past a bad record, so that every bad
-  record of the request is withdrawn by one load, and stops when vLLM aborts the
+  copy-and-verify on the host). It stops at its first record no tier can deliver
+  (that record withdrawn; the recompute starts at once instead of after the rest of
+  the read: a later request meets the next bad record), and when vLLM aborts the
   request. Any failure on any group is reported in `failed_recving`, and vLLM's aggregator fails
   the request on every rank: that is the request-level commit, no group committed
   alone. A load abandoned at its deadline closes the request's `Guard` first, so no
@@ -349,7 +350,6 @@ class WorkerSide:
                 deadline=job.deadline,
                 should_stop=job.should_stop,
                 committed_tokens=t.committed_tokens,
-                keep_going=True,
             ),
         )
         if not res.complete:
