@@ -1,0 +1,118 @@
+"""`vllm serve` with bsr-io, started as the README shows it, answering over HTTP.
+
+The command is the README's own (its vLLM section's `vllm serve` block): the test reads
+it, puts the tiny model in place of MODEL and a scratch directory in place of the store,
+and adds only what the tiny model and the test need (no tokenizer, a small max length,
+127.0.0.1 and a free port, per-prompt cache details). A long prompt is sent, vLLM's own
+prefix cache is dropped (`POST /reset_prefix_cache`, VLLM_SERVER_DEV_MODE), and the
+same prompt again must be served from the connector: cached tokens reported, vLLM's
+external-hit counter up by as many, every rank's load complete, the same greedy output.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+
+from bsr_lab.vllm.harness import Events, tokens, write_tiny_llama
+from bsr_lab.vllm.server import Server, vllm_exe
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def documented_serve(path: Path) -> list[str]:
+    """The arguments of the first `vllm serve MODEL ... --kv-transfer-config` command in a
+    markdown file's bash blocks (line continuations joined)."""
+    text = path.read_text()
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        cmd = block.replace("\\\n", " ")
+        if "vllm serve MODEL" in cmd and "--kv-transfer-config" in cmd:
+            args = shlex.split(cmd[cmd.index("vllm serve MODEL") :])
+            return args
+    raise AssertionError(f"no `vllm serve MODEL ... --kv-transfer-config` block in {path}")
+
+
+def test_readme_and_docs_show_the_same_command():
+    assert documented_serve(ROOT / "README.md") == documented_serve(ROOT / "docs" / "vllm.md")
+
+
+def external_hits(srv: Server) -> float:
+    return sum(
+        v for k, v in srv.metrics().items() if k.startswith("vllm:external_prefix_cache_hits_total")
+    )
+
+
+@pytest.fixture(scope="module")
+def served(vllm_root):
+    work = vllm_root / "serve"
+    work.mkdir()
+    model = write_tiny_llama(work / "model")
+    args = documented_serve(ROOT / "README.md")
+    assert args[:3] == ["vllm", "serve", "MODEL"], args
+    i = args.index("--kv-transfer-config")
+    kv = json.loads(args[i + 1])
+    extra = kv["kv_connector_extra_config"]
+    extra["store_dir"] = str(work / "store")
+    extra["events_path"] = str(work / "events.jsonl")
+    args[i + 1] = json.dumps(kv)
+    srv = Server(
+        model,
+        log=work / "serve.log",
+        base_args=False,
+        args=[
+            *args[3:],
+            "--skip-tokenizer-init",  # the tiny model has none: token-id prompts
+            "--max-model-len",
+            "4096",
+            "--gpu-memory-utilization",
+            "0.08",
+            "--enable-prompt-tokens-details",  # cached_tokens in each response
+        ],  # fmt: skip
+        threads_bind="0-1",
+    )
+    assert srv.command()[:3] == [vllm_exe(), "serve", model]
+    srv.start()
+    try:
+        srv.wait_ready(600)
+        yield srv, Events(extra["events_path"]), extra
+    finally:
+        srv.stop()
+        print(srv.log_tail(3000))
+
+
+def test_a_repeat_is_served_by_the_connector(served):
+    srv, events, cfg = served
+    chunk = cfg["chunk_tokens"]
+    prompt = tokens(31, 5 * chunk + 40)
+    first = srv.complete(prompt, max_tokens=16)
+    # The finished request's records are saved on the save lane: wait for them.
+    deadline = time.monotonic() + 300
+    while not [e for e in events.all() if e.get("kind") == "save" and e["outcome"] == "complete"]:
+        assert time.monotonic() < deadline, f"no save event: {events.all()}"
+        assert srv.alive(), srv.log_tail()
+        time.sleep(0.2)
+    srv.reset_prefix_cache()
+    hits_before = external_hits(srv)
+    second = srv.complete(prompt, max_tokens=16)
+    assert second.cached == 5 * chunk, (first, second)
+    assert external_hits(srv) - hits_before == 5 * chunk
+    loads = [e for e in events.all() if e.get("kind") == "load"]
+    assert [e["outcome"] for e in loads] == ["complete"], loads
+    assert second.tokens == first.tokens
+    assert not errors(srv.log_tail(10**7))
+
+
+def errors(log: str) -> list[str]:
+    """The log's error lines and tracebacks, but for vLLM's own warning that it could not
+    warm up a chat template without a tokenizer (a WARNING with its traceback)."""
+    return [
+        line
+        for line in log.splitlines()
+        if (" ERROR " in line or "Traceback" in line or "CRITICAL" in line)
+        and " WARNING " not in line
+    ]
