@@ -10,16 +10,18 @@ from bsr_io import BackendUnavailable, Engine
 
 ENGINE_BACKENDS = ("io_uring", "io_uring_plain", "pread")
 VLLM_TESTS = Path(__file__).parent / "integrations" / "vllm"
+SGLANG_TESTS = Path(__file__).parent / "integrations" / "sglang"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """tests/integrations/vllm runs only in vLLM's own venv and only when named on the
-    command line (`.venv-vllm/bin/python -m pytest tests/integrations/vllm`); the main
-    suite never collects it."""
-    if collection_path != VLLM_TESTS:
+    """tests/integrations/vllm and tests/integrations/sglang run only in their engine's
+    own venv and only when named on the command line (`.venv-vllm/bin/python -m pytest
+    tests/integrations/vllm`, `.venv-sglang/bin/python -m pytest tests/integrations/sglang`);
+    the main suite never collects them."""
+    if collection_path not in (VLLM_TESTS, SGLANG_TESTS):
         return None
     for arg in config.args:
-        if Path(arg.split("::")[0]).resolve().is_relative_to(VLLM_TESTS):
+        if Path(arg.split("::")[0]).resolve().is_relative_to(collection_path):
             return None
     return True
 

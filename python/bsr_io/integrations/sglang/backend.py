@@ -1,0 +1,307 @@
+"""`BsrHiCacheStorage`: bsr-io's store as SGLang HiCache's storage tier (interface v1).
+
+SGLang builds it from `--hicache-storage-backend dynamic` and the extra config
+(`cls(storage_config, kwargs)`), then calls `register_mem_pool_host(pool)`; the engines
+and the store open there, once the page size is known. Every configuration error raises
+on that path (SGLang's attach), naming the key. Its I/O calls run on SGLang's prefetch
+and backup threads, where an exception or a None silently ends the storage tier for the
+process: they always return, a failure being `False` (or 0 hits).
+
+- `batch_exists`: the leading pages the in-memory catalog holds (no file-system call).
+- `batch_get_v1`: the leading pages some tier holds are read through the window of W,
+  straight into the host pool's pages with O_DIRECT where the memory allows it (hashed
+  where they landed), through a slot otherwise (hashed while copied). A page is `True`
+  only once its bytes are verified in place; the first that fails or times out, and every
+  page after it, is `False` (SGLang uses the leading run).
+- `batch_set_v1`: pages already stored are `True` at once; the others are gathered
+  into slots and written crash-safe (temp file, fdatasync, rename). Only the storage
+  writer writes (MLA: one rank); the others report `True` (the writer holds them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+
+from bsr_io._core import Engine, MemoryRegistration
+from bsr_io.integrations.sglang.config import Settings
+from bsr_io.integrations.sglang.identity import RankIdentity
+from bsr_io.integrations.sglang.pages import HostPages, PoolPages
+from bsr_io.load.discovery import sources_of
+from bsr_io.load.records import LoadOptions, windowed_install
+from bsr_io.model.keys import ChunkKey
+from bsr_io.save.records import save_records
+from bsr_io.store import Store, open_store
+from bsr_io.tiers.base import Tier
+
+logger = logging.getLogger(__name__)
+
+
+class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no types
+    def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        if not extra.get("interface_v1"):
+            raise ValueError(
+                "the bsr HiCache backend serves the zero-copy v1 interface only: "
+                'set "interface_v1": 1 in the extra_config'
+            )
+        self.settings = s = Settings.from_extra_config(extra)
+        for d in s.store_dirs:
+            if not os.path.isdir(d):
+                raise ValueError(f"'store_dir' {d!r} is not a directory")
+        if s.lower_dir is not None and not os.path.isdir(s.lower_dir):
+            raise ValueError(f"'lower_dir' {s.lower_dir!r} is not a directory")
+        self.identity = RankIdentity.of(storage_config, s.model)
+        self.pages: PoolPages | None = None
+        self.store: Store | None = None
+        self._read_engine: Engine | None = None
+        self._write_engine: Engine | None = None
+        self._registration: MemoryRegistration | None = None
+        self._fingerprint = ""
+        self._catalog: set[int] = set()  # page hashes this rank's records are stored under
+        self._lock = threading.Lock()
+        self._read_lock = threading.Lock()  # the read engine's W slots serve one batch
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("get_pages", "get_ok", "get_failed", "direct_pages", "set_pages", "set_written"), 0
+        )
+
+    # -- set-up -------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Open the engines and the store for this pool's pages; ValueError (naming what
+        does not fit) for a pool whose pages the backend cannot read."""
+        super().register_mem_pool_host(mem_pool_host)
+        s = self.settings
+        pages = PoolPages.of(mem_pool_host)
+        layout = pages.layout
+        backend = None if s.io_backend == "auto" else s.io_backend
+        nbytes = layout.chunk_bytes
+        self._read_engine = Engine(s.window, nbytes, queue_depth=s.queue_depth, backend=backend)
+        self._write_engine = Engine(s.window, nbytes, queue_depth=s.queue_depth, backend=backend)
+        ssd: str | list[str] = s.store_dirs[0] if len(s.store_dirs) == 1 else list(s.store_dirs)
+        store = open_store(
+            self._write_engine, ssd, layout=layout, ssd_bytes=s.capacity, lower_dir=s.lower_dir
+        )
+        if s.mooncake is not None:
+            from bsr_io.tiers.mooncake import MooncakeTier  # imports Mooncake only here
+
+            store = Store([*store.tiers, MooncakeTier(s.mooncake, layout=layout)])
+        self.pages, self.store, self._fingerprint = pages, store, layout.fingerprint()
+        if s.direct_reads:
+            try:  # once: the kernel pins the pool's pages now, not per read
+                self._registration = self._read_engine.register_memory(pages.views)
+            except (OSError, ValueError) as exc:
+                logger.info("bsr HiCache: pool memory not registered (%s); reads still direct", exc)
+        ours = self._key("")  # the namespace: model, world, rank, layout
+        with self._lock:
+            self._catalog = {
+                k.chunk_hash
+                for k in store.keys()
+                if (k.model, k.world_size, k.rank, k.layout_fingerprint)
+                == (ours.model, ours.world_size, ours.rank, ours.layout_fingerprint)
+            }
+        logger.info(
+            "bsr HiCache: %s, %d records of %d bytes held, W=%d, engine %s",
+            layout.name,
+            len(self._catalog),
+            nbytes,
+            s.window,
+            self._read_engine.backend,
+        )
+
+    def _key(self, page_key: str) -> ChunkKey:
+        return self.identity.key(page_key, self._fingerprint or "0" * 32)
+
+    def _tiers(self) -> list[Tier]:
+        assert self.store is not None
+        return list(self.store.tiers)
+
+    # -- the v1 interface ---------------------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        try:
+            with self._lock:
+                held = self._catalog
+                for i, k in enumerate(keys):
+                    if self._key(k).chunk_hash not in held:
+                        return i
+            return len(keys)
+        except Exception:
+            logger.exception("bsr HiCache: batch_exists failed; reporting no hit")
+            return 0
+
+    def batch_get_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        try:
+            ok = self._get(list(keys), host_indices)
+        except Exception:
+            logger.exception("bsr HiCache: batch_get_v1 failed; no page reported")
+            ok = 0
+        return [i < ok for i in range(len(keys))]
+
+    def batch_set_v1(
+        self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
+    ) -> list[bool]:
+        try:
+            return self._set(list(keys), host_indices)
+        except Exception:
+            logger.exception("bsr HiCache: batch_set_v1 failed; no page stored")
+            return [False] * len(keys)
+
+    # -- reads and writes ---------------------------------------------------------------
+    def _get(self, keys: list[str], host_indices: torch.Tensor) -> int:
+        """How many leading pages landed verified in the host pool."""
+        if not keys or self.pages is None or self._read_engine is None:
+            return 0
+        deadline = time.monotonic() + self.settings.timeout_s
+        ckeys = [self._key(k) for k in keys]
+        runs = self.pages.page_runs(host_indices)
+        if len(runs) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(runs)} pages of host indices")
+        tiers = self._tiers()
+        sources = sources_of(tiers, ckeys)  # metadata only: the leading pages held
+        if not sources:
+            self._forget(ckeys[:1])
+            return 0
+        n = len(sources)
+        dest = HostPages(self.pages, runs[:n], self.settings.direct_reads)
+        opts = LoadOptions(deadline=deadline)
+        with self._read_lock:
+            report, error = windowed_install(
+                self._read_engine,
+                tiers,
+                ckeys[:n],
+                sources,
+                dest,
+                opts,
+                self._read_engine.slot_bytes,
+                self._read_engine.window,
+            )
+        # The window installs in order: its first `installed` pages are in place and
+        # verified; a failure or a timeout stops it at the page that failed.
+        ok = report.installed if report is not None else 0
+        if report is not None and report.failed_chunks:
+            ok = min(ok, min(report.failed_chunks))
+        if error and ok >= n:
+            ok = 0  # an error the report does not place: trust no page
+        self._count(
+            get_pages=len(keys),
+            get_ok=ok,
+            get_failed=len(keys) - ok,
+            direct_pages=report.direct if report is not None else 0,
+        )
+        if ok < len(keys):
+            self._forget(ckeys[ok : ok + 1])  # the page that failed, or that no tier held
+            if error:
+                logger.warning("bsr HiCache: %d of %d pages read: %s", ok, len(keys), error)
+        return ok
+
+    def _forget(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop pages no tier delivered from the catalog, so batch_exists stops
+        offering them (a record that was only slow is found again by the next write)."""
+        with self._lock:
+            for k in keys:
+                self._catalog.discard(k.chunk_hash)
+
+    def _set(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
+        if not keys or self.pages is None or self.store is None or self._write_engine is None:
+            return [False] * len(keys)
+        if not self.identity.writer:
+            return [True] * len(keys)  # MLA: the storage writer rank stores the page
+        runs = self.pages.page_runs(host_indices)
+        if len(runs) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(runs)} pages of host indices")
+        ckeys = [self._key(k) for k in keys]
+        with self._lock:
+            todo = [i for i, k in enumerate(ckeys) if k.chunk_hash not in self._catalog]
+        result = [True] * len(keys)
+        if not todo:
+            return result
+        failed: dict[int, BaseException] = {}
+
+        def done(i: int, error: BaseException | None) -> None:
+            if error is not None:
+                failed[i] = error
+
+        layout = self.pages.layout
+        written = save_records(
+            self._write_engine,
+            self.store,
+            [ckeys[i] for i in todo],
+            [layout] * len(todo),
+            HostPages(self.pages, [runs[i] for i in todo], direct_reads=False),
+            deadline=time.monotonic() + self.settings.timeout_s,
+            on_done=done,
+        )
+        with self._lock:
+            for j, i in enumerate(todo):
+                if j in failed:
+                    result[i] = False
+                else:
+                    self._catalog.add(ckeys[i].chunk_hash)
+        if failed:
+            first = next(iter(failed.values()))
+            logger.warning("bsr HiCache: %d of %d pages not stored: %s", len(failed), len(todo), first)
+        self._count(set_pages=len(keys), set_written=written)
+        return result
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self.stats[k] += v
+
+    # -- the rest of SGLang's interface -------------------------------------------------
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> None:
+        return None  # the v1 interface only (interface_v1 is required)
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> list[None]:
+        return [None] * len(keys)
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return False
+
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+    ) -> bool:
+        return False
+
+    def clear(self) -> None:
+        """Remove this rank's records (SGLang's flush of its cache)."""
+        if self.store is None:
+            return
+        ours = self._key("")
+        for k in self.store.keys():
+            if (k.model, k.world_size, k.rank, k.layout_fingerprint) == (
+                ours.model,
+                ours.world_size,
+                ours.rank,
+                ours.layout_fingerprint,
+            ):
+                self.store.remove(k)
+        with self._lock:
+            self._catalog.clear()
+
+    def get_stats(self) -> None:
+        return None  # SGLang's metrics object is its own backends'; see `stats`
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+        if self._registration is not None:
+            self._registration.close()
+        for e in (self._read_engine, self._write_engine):
+            if e is not None:
+                e.close()
