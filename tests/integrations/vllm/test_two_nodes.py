@@ -211,6 +211,7 @@ def _write_result(out: dict[str, Any]) -> None:
             "recompute_median_s": rec,
             "restore_median_s": res,
             "restore_over_recompute": res / rec,
+            "loadavg_1m_at_end": os.getloadavg()[0],
             "killed_node_1_mid_load": {k: v for k, v in out["killed"].items() if k != "reply"},
         },
     )
