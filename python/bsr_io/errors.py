@@ -101,6 +101,33 @@ class TierDown(ChunkError):
     does not answer): a fallback for this restore, never a withdrawn record."""
 
 
+class DestinationUnusable(BsrError):
+    """A read straight into the destination's memory may still write it: it was still
+    in flight at its deadline (a stalled device or storage node), or the engine broke
+    down while the kernel held it ("destination blocks still owned by the kernel",
+    `KernelOwnedError`). Those blocks are not the caller's to reuse or to read another
+    copy into; the restore ends `zero` and reports them (`unusable_chunks`). Says
+    nothing about the record: nothing is withdrawn for it."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        key: ChunkKey | None = None,
+        tier: str | None = None,
+        cause: BaseException | str | None = None,
+    ) -> None:
+        self.key = key
+        self.tier = tier
+        where = []
+        if tier is not None:
+            where.append(f"tier {tier}")
+        if key is not None:
+            where.append(f"chunk {key.short()}")
+        text = f"{message} ({', '.join(where)})" if where else message
+        super().__init__(f"{text}: {cause}" if cause is not None else text)
+
+
 class CapacityError(BsrError, ValueError):
     """A capacity or staging size too small for one chunk, or otherwise impossible."""
 

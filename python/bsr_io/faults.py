@@ -18,6 +18,9 @@ Kinds:
   down           the tier raises TierDown: on everything when `chunks` is None, else
                  on reads of those chunks (the tier dies mid-restore)
   group_missing  probe(keys, group=g) for g in `groups` stops at the chunk
+  hang           the read is not done for `delay_s` (a stalled device or mount)
+  hang_probe     asking whether the tier holds the chunk (discovery's stat or header
+                 read) takes `delay_s` (a hung drive or mount under a metadata call)
 
 Every way a tier is read is wrapped: reads into a slot (`submit_read`) and reads
 straight into the destination's memory (`submit_read_into`, O_DIRECT into a host
@@ -56,7 +59,17 @@ from bsr_io.tiers.files import FileTier, RecordId
 from bsr_io.tiers.memory import MemoryTier
 
 T = TypeVar("T")
-KINDS = ("error", "corrupt", "missing", "slow", "down", "group_missing", "hang", "clobber")
+KINDS = (
+    "error",
+    "corrupt",
+    "missing",
+    "slow",
+    "down",
+    "group_missing",
+    "hang",
+    "clobber",
+    "hang_probe",
+)
 ENV = "BSR_IO_FAULTS"
 
 
@@ -308,6 +321,8 @@ class FaultyTier(Tier):
 
     def contains(self, key: ChunkKey, group: str | None = None) -> bool:
         self._check_up(key)
+        if f := self._firing("hang_probe", key):
+            time.sleep(f.delay_s)
         if group is not None and self._firing("group_missing", key, group):
             return False
         return self.inner.contains(key, group)

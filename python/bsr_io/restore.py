@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from bsr_io._core import Engine
 from bsr_io.commit import Agreement
 from bsr_io.errors import LayoutError
-from bsr_io.load.discovery import Plan, discover
+from bsr_io.load.discovery import DiscoveryTimedOut, Plan, discover
 from bsr_io.load.kvcache import Destination
 from bsr_io.load.records import (
     COMPLETE,
@@ -161,8 +161,15 @@ class Restorer:
         # Numbered before discovery: a discovery that raises must not leave this rank's
         # count of unnamed requests behind the others'.
         request = self.agreement.request(request_id, tag=_content_tag(keys))
-        sources, group_hits = discover(self.tiers, keys, self.layout)
+        try:
+            deadline = time.monotonic() + self.timeout_s
+            sources, group_hits = discover(self.tiers, keys, self.layout, deadline)
+            stalled = ""
+        except DiscoveryTimedOut as exc:
+            # No hit on this rank; the others learn it from the agreement below.
+            sources, group_hits, stalled = [], {}, str(exc)
         agreed, reason = self.agreement.agree_min(len(sources), request)
+        reason = stalled or reason
         if not reason and agreed < len(sources):
             reason = f"hit shortened from {len(sources)} to {agreed} chunks by another rank"
         return Plan(

@@ -27,6 +27,7 @@ from bsr_io import (
     Engine,
     EngineBrokenError,
     EngineClosedError,
+    KernelOwnedError,
     NoFreeSlot,
     NoMemoryError,
 )
@@ -247,3 +248,46 @@ def test_a_window_larger_than_memory_is_refused_before_mapping():
         assert engine.arena_bytes == 4 << 20
         with engine.lease() as slot:
             slot.fill_from(b"x" * 4096)
+
+
+# -- a break-down with a direct read in the kernel's hands --------------------------------
+def test_a_break_down_never_hands_back_blocks_the_kernel_still_holds(backend, tmp_path):
+    """The ring breaks while a direct read from a FIFO (a source that never answers) is
+    in the kernel: its wait raises KernelOwnedError ("destination blocks still owned by
+    the kernel"), and the destination stays exported for good (a bytearray with an
+    export cannot be resized). Before, the waiter got EngineBrokenError and the buffer
+    was handed back while the kernel could still write it. Control: a direct read that
+    ended hands its buffer back."""
+    if backend == "pread":
+        pytest.skip("no ring on the pread pool (a stuck pread worker never ends its read)")
+    before = _ring_fds()
+    engine = Engine(1, 4096, backend=backend, request_bytes=4096)
+    (ring,) = _ring_fds() - before
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    src = engine.open(fifo, special=True)
+    writer = os.open(fifo, os.O_WRONLY)
+    # Control: a direct read that ends gives its buffer back.
+    (tmp_path / "data").write_bytes(bytes(range(256)) * 16)
+    plain = engine.open(tmp_path / "data", direct=False)
+    back = bytearray(4096)
+    engine.submit_read_into(plain, 0, [back], [(0, 0, 0, 4096)]).wait(10)
+    back.extend(b"x")  # no export left
+    # Two requests: both go to the kernel, which holds them (nobody writes the FIFO).
+    dest = bytearray(8192)
+    direct = engine.submit_read_into(src, 0, [dest], [(0, 0, 0, 8192)])
+    time.sleep(0.3)
+    _break_ring(ring)
+    # Wake the I/O thread: one request ends short and is pushed again, its enter fails
+    # (the engine breaks down); the other request stays with the kernel.
+    os.write(writer, b"\7" * 100)
+    with pytest.raises(KernelOwnedError) as exc:
+        direct.wait(10)
+    assert isinstance(exc.value, EngineBrokenError)
+    assert "destination blocks still owned by the kernel" in str(exc.value)
+    assert direct.done()
+    del direct
+    with pytest.raises(BufferError):
+        dest.extend(b"x")  # still exported: never handed back
+    os.close(writer)
+    engine.close()

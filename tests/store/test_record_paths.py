@@ -311,3 +311,46 @@ def test_a_link_swapped_in_after_the_probe_is_never_read(tmp_path, backend, to):
     assert target.exists()  # never moved or removed: it is not the store's
     store.close()
     engine.close()
+
+
+@pytest.mark.parametrize("to", ["outside the store", "inside the store"])
+def test_a_directory_swapped_for_a_link_after_the_probe_is_never_read(tmp_path, backend, to):
+    """After the probe, the records' directory (chunks/<namespace>) is moved away and a
+    link to it put in its place: to a directory outside the store, or to another one
+    inside the store; either way it still holds every record, valid and of the same key.
+    The engine resolves record paths below the store root with no link in any component
+    (openat2 RESOLVE_NO_SYMLINKS, or its directory walk): every chunk comes from the
+    lower copy (with one), or the restore ends zero (without); nothing read through the
+    link is committed. Only the final component was checked before, so every chunk came
+    from L2 through the link."""
+    engine = Engine(2, LAYOUT.chunk_bytes, backend=backend)
+    store = open_store(engine, tmp_path / "l2", layout=LAYOUT, lower_dir=tmp_path / "l3")
+    tokens, keys = fill_state(store.tier("L2"), LAYOUT, CHUNKS * 16, seed=7, model="m")
+    fill_state(store.tier("L3"), LAYOUT, CHUNKS * 16, seed=7, model="m")
+    records = store.tier("L2").path_of(keys[0]).parent
+    assert all(store.tier("L2").path_of(k).parent == records for k in keys)
+    moved = {
+        "outside the store": tmp_path / "elsewhere",
+        "inside the store": tmp_path / "l2" / "elsewhere",
+    }[to]
+    r = Restorer(store, LAYOUT, window=2, engine=engine, model="m", timeout_s=5)
+    plan = r.probe(tokens)
+    assert plan.hit_chunks == CHUNKS
+    os.rename(records, moved)
+    os.symlink(moved, records)
+    dest = PagedKVCache.allocate(LAYOUT, CHUNKS * 16)
+    res = _restore_in_thread(r, plan, dest)
+    assert res.outcome == "complete", res.reason
+    assert res.source_tiers == ["L3"] * CHUNKS, res.source_tiers
+    assert "symbolic link" in str(res.fallbacks[0]), res.fallbacks
+    assert all(dest.chunk_bytes(i) == synthetic_chunk(LAYOUT, 7, i).tobytes() for i in (0, 5))
+    # Without a lower copy the same link ends the restore zero.
+    alone = Restorer(Store([store.tier("L2")]), LAYOUT, window=2, engine=engine, model="m")
+    plan = alone.probe(tokens)
+    assert plan.hit_chunks == CHUNKS  # the probe's lstat sees regular files through it
+    res = _restore_in_thread(alone, plan, PagedKVCache.allocate(LAYOUT, CHUNKS * 16))
+    assert res.outcome == "zero" and res.committed_chunks == 0, res
+    assert "symbolic link" in res.reason, res.reason
+    assert len(list(moved.iterdir())) == CHUNKS  # nothing withdrawn: it proves nothing
+    store.close()
+    engine.close()

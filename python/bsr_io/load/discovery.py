@@ -4,21 +4,61 @@ For each chunk key, in order, the source is the highest tier (first in the
 store's order) whose index says it holds the whole record; the local hit ends at
 the first chunk no tier holds. Per allocator group hits are reported too, since
 a hybrid model's groups can be evicted or lost separately. No payload byte is
-read here.
+read here. Given a deadline, discovery runs on a thread of its own and is waited for
+until then: a metadata call that stalls (a header read on a hung drive, a stat on a
+dead mount) ends the request's hit on this rank, never the caller's progress.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from bsr_io._core import BsrError
 from bsr_io.errors import TierDown
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 
 if TYPE_CHECKING:
     from bsr_io.tiers.base import Tier
+
+T = TypeVar("T")
+
+
+class DiscoveryTimedOut(BsrError):
+    """Discovery did not finish by its deadline: a metadata call (a stat, a record's
+    header read, a pool query) stalled on a hung device, mount or node. The request
+    has no hit on this rank; the stalled call is left to end on its own thread."""
+
+
+def _by(deadline: float | None, what: str, work: Callable[[], T]) -> T:
+    """`work()`, waited for until `deadline` (time.monotonic; None: no limit) on a
+    thread of its own, so that a stalled call costs the deadline, never a hang."""
+    if deadline is None:
+        return work()
+    out: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            out.append((True, work()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+            out.append((False, exc))
+
+    worker = threading.Thread(target=run, name="bsr-discovery", daemon=True)
+    worker.start()
+    worker.join(max(0.0, deadline - time.monotonic()))
+    if not out:
+        raise DiscoveryTimedOut(
+            f"{what} did not finish by its deadline (a tier's metadata call stalled: a hung "
+            "device, mount or storage node?)"
+        )
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -59,9 +99,16 @@ def holds_all(tier: Tier, key: ChunkKey, groups: Sequence[str]) -> bool:
     return holds(tier, key)
 
 
-def sources_of(tiers: Sequence[Tier], keys: Sequence[ChunkKey]) -> list[int]:
+def sources_of(
+    tiers: Sequence[Tier], keys: Sequence[ChunkKey], deadline: float | None = None
+) -> list[int]:
     """Source tier per leading key: the first tier whose index holds the whole record.
-    Stops at the first key no tier holds. Metadata only."""
+    Stops at the first key no tier holds. Metadata only; DiscoveryTimedOut when it has
+    not finished by `deadline` (time.monotonic)."""
+    return _by(deadline, "finding the records' tiers", lambda: _sources_of(tiers, keys))
+
+
+def _sources_of(tiers: Sequence[Tier], keys: Sequence[ChunkKey]) -> list[int]:
     for t in tiers:
         t.prepare_probe(keys)
     sources: list[int] = []
@@ -74,9 +121,19 @@ def sources_of(tiers: Sequence[Tier], keys: Sequence[ChunkKey]) -> list[int]:
 
 
 def discover(
+    tiers: Sequence[Tier],
+    keys: Sequence[ChunkKey],
+    layout: KVLayout,
+    deadline: float | None = None,
+) -> tuple[list[int], dict[str, int]]:
+    """(source tier per leading chunk, leading hit per allocator group), metadata only;
+    DiscoveryTimedOut when it has not finished by `deadline` (time.monotonic)."""
+    return _by(deadline, "discovery", lambda: _discover(tiers, keys, layout))
+
+
+def _discover(
     tiers: Sequence[Tier], keys: Sequence[ChunkKey], layout: KVLayout
 ) -> tuple[list[int], dict[str, int]]:
-    """(source tier per leading chunk, leading hit per allocator group), metadata only."""
     for t in tiers:
         # A tier that answers many keys in one call (a remote pool) is handed the request's
         # keys first; its per-chunk answers below then come from that one call.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from bsr_io._core import Engine
 from bsr_io.engine import register_cuda
 from bsr_io.errors import EngineBusy
-from bsr_io.load.discovery import sources_of
+from bsr_io.load.discovery import DiscoveryTimedOut, sources_of
 from bsr_io.load.kvcache import Destination
 from bsr_io.load.window import InstallReport, Window
 
@@ -45,6 +45,9 @@ class RestoreResult:
     l1_required_bytes: int | None = None  # whole-plan only: L1 it needs to stage the hit
     failed_chunks: list[int] = field(default_factory=list)  # no tier had a good copy
     timed_out: bool = False  # a read was still in flight at the deadline
+    # Chunks whose destination blocks a read given up at its deadline (or left with the
+    # kernel by an engine break-down) may still write: the caller must not reuse them.
+    unusable_chunks: list[int] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -142,6 +145,7 @@ def load_result(
         },
         failed_chunks=report.failed_chunks if report else [],
         timed_out=report.timed_out if report else False,
+        unusable_chunks=report.unusable if report else [],
     )
 
 
@@ -171,10 +175,16 @@ def load_records(
         chunk_bytes = max(sizes, default=0) if sizes is not None else engine.slot_bytes
     width = engine.window if width is None else width
     timings: dict[str, float] = {}
-    sources = sources_of(tiers, keys)
+    try:
+        sources = sources_of(tiers, keys, options.deadline)
+        stalled = ""
+    except DiscoveryTimedOut as exc:
+        sources, stalled = [], str(exc)
     timings["discover_s"] = time.perf_counter() - t0
     report: InstallReport | None = None
-    if len(sources) < n:
+    if stalled:
+        reason = stalled
+    elif len(sources) < n:
         reason = f"record {len(sources)} of {n} ({keys[len(sources)].short()}) is in no tier"
     elif options.should_stop():
         reason = "stopped before the load started"

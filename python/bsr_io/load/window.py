@@ -25,10 +25,13 @@ run) send the rest of the run through slots. A hash that differs proves nothing 
 (the bytes lie in memory the caller owns): the chunk is read once more through a slot
 from the same tier, and only if that copy is bad too is it a chunk failure like any
 other (the record is withdrawn, a lower tier re-reads the chunk into the same blocks).
-A direct read is never abandoned: its memory is the destination's, so even past the
-deadline the run waits for it to end. A destination that lasts across restores
-(`lasting`) has its host buffers registered with the engine's ring at its first direct
-read, for as long as it lives, so the kernel pins its pages once instead of per request.
+A direct read has the run's deadline too: past it, it is given up (a pool call still
+queued never runs) and, when it may still write the destination's blocks, they are
+reported unusable (`InstallReport.unusable`) and never reused: the run ends `zero` with
+no fallback into them, and no later run restores into that destination. A destination
+that lasts across restores (`lasting`) has its host buffers registered with the engine's
+ring at its first direct read, for as long as it lives, so the kernel pins its pages once
+instead of per request.
 
 Each window position holds one of three reads (`_Read`): a read into a ring slot
 (`_SlotRead`), a read straight into the destination (`_DirectRead`: a file's O_DIRECT
@@ -40,6 +43,7 @@ started (`_NotStarted`, its cause kept for the fallback). Each knows how it land
 from __future__ import annotations
 
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -56,7 +60,7 @@ from bsr_io._core import (
     xxh3_runs,
 )
 from bsr_io.engine import give_back, register_memory, wait_for_slot
-from bsr_io.errors import ChunkError, LayoutError, Unproven
+from bsr_io.errors import ChunkError, DestinationUnusable, LayoutError, Unproven
 from bsr_io.load.discovery import holds
 from bsr_io.load.install import HostRuns, fused_runs, install_chunk, scoped
 from bsr_io.load.kvcache import Destination, Fence
@@ -160,7 +164,7 @@ class _Read(ABC):
         chunk; None when it failed here, with the cause on `trail`."""
 
     @abstractmethod
-    def drain(self, timeout: float) -> None:
+    def drain(self, window: Window, timeout: float) -> None:
         """The run ended before this read landed: let it end, unused. May raise the
         read's ChunkError or OSError, which the ended run ignores."""
 
@@ -184,7 +188,7 @@ class _SlotRead(_Read):
             self.source, trail, lambda: self.wait(window._remaining()), self.handle
         )
 
-    def drain(self, timeout: float) -> None:
+    def drain(self, window: Window, timeout: float) -> None:
         # The engine keeps a slot the kernel may still write until its completion arrives.
         give_back(self.handle.wait(timeout))
 
@@ -197,22 +201,24 @@ class _DirectRead(_Read):
     handle: DirectChunk
     where: HostRuns
 
-    def wait(self, timeout: float) -> None:
-        """The bytes are in place, or ReadTimedOut at the deadline once the read ended."""
+    def wait(self, window: Window, timeout: float) -> None:
+        """The bytes are in place, or ReadTimedOut at the deadline: the read is given up
+        then, and its blocks, which it may still write, are reported unusable (unless it
+        never started). DestinationUnusable when its tier gave it up the same way."""
         try:
             self.handle.wait(timeout)
         except TimeoutError:
-            # Never abandoned: until it ends the read may still write these blocks.
-            try:
-                self.handle.wait(None)
-            except (ChunkError, OSError):
-                pass
+            if not self.handle.done() and not self.handle.abandon():
+                window._unusable(self.index)
             raise ReadTimedOut(self.index, self.key) from None
+        except DestinationUnusable:
+            window._unusable(self.index)
+            raise
 
     def land(self, window: Window, trail: _Trail) -> _Landed | None:
         tier = window.tiers[self.source]
         try:
-            self.wait(window._remaining())
+            self.wait(window, window._remaining())
             # A pool's header arrives with its payload: the expected hash is final only now.
             if window._hash_in_place(self.where) == self.handle.expected_xxh3:
                 window._direct_done += 1
@@ -229,8 +235,13 @@ class _DirectRead(_Read):
             self.source, trail, partial(window._read_bounded, self.source, trail)
         )
 
-    def drain(self, timeout: float) -> None:
-        self.handle.wait(None)  # the destination's own memory: wait, deadline or not
+    def drain(self, window: Window, timeout: float) -> None:
+        # The destination's own memory: waited for until the deadline, then given up and
+        # its blocks reported unusable (never handed back while it may still be written).
+        try:
+            self.wait(window, timeout)
+        except ReadTimedOut:
+            pass
 
 
 @dataclass
@@ -244,7 +255,7 @@ class _NotStarted(_Read):
         trail.failed(self.cause, self.record)
         return None
 
-    def drain(self, timeout: float) -> None:
+    def drain(self, window: Window, timeout: float) -> None:
         pass  # nothing in flight
 
 
@@ -268,6 +279,22 @@ class InstallReport:
     failed_chunks: list[int] = field(default_factory=list)  # no tier had a good copy
     timed_out: bool = False  # a read was still in flight at the deadline
     direct: int = 0  # chunks read straight into the destination and verified there
+    # Chunks whose destination blocks a read given up may still write: never reused.
+    unusable: list[int] = field(default_factory=list)
+
+
+# Per destination, its chunks whose blocks a read may still write (given up at its
+# deadline, or left with the kernel by an engine break-down), for as long as it lives:
+# a later run into it ends at once rather than reuse them.
+_UNUSABLE: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+
+
+def unusable_chunks(dest: Destination) -> frozenset[int]:
+    """The chunks of `dest` whose blocks a given-up read may still write."""
+    try:
+        return frozenset(_UNUSABLE.get(dest, ()))
+    except TypeError:  # not weakly referable: its runs' reports say it
+        return frozenset()
 
 
 class Window:
@@ -340,6 +367,12 @@ class Window:
         report = self._report
         stop_every = stop_every or self.width
         try:
+            spoiled = unusable_chunks(dest)
+            if spoiled:
+                raise DestinationUnusable(
+                    f"the destination's blocks of chunks {sorted(spoiled)[:8]} may still be "
+                    "written by a read given up earlier: restore into another destination"
+                )
             for i in range(len(keys)):
                 self._fill()
                 if not self._install_next(i, keep_going):
@@ -355,6 +388,8 @@ class Window:
             report.error = str(exc)
         except ReadTimedOut as exc:
             report.timed_out = True
+            report.error = str(exc)
+        except DestinationUnusable as exc:
             report.error = str(exc)
         finally:
             self._end()
@@ -556,13 +591,13 @@ class Window:
             give_back(held.slot)
             del held
         # Reads already started own their memory until they complete: a slot read is
-        # waited for until the deadline, then dropped (the engine keeps its slot); a
-        # direct read writes the destination's own memory, so it is waited for to its end.
+        # waited for until the deadline, then dropped (the engine keeps its slot); so is
+        # a direct read, whose blocks are then reported unusable (`_unusable`).
         while self._reads:
             read = self._reads.popleft()
             try:
-                read.drain(self._remaining())
-            except (ChunkError, OSError):
+                read.drain(self, self._remaining())
+            except (ChunkError, OSError, DestinationUnusable):
                 pass
             del read  # the destination's memory is not the window's to keep
         self._report.direct = self._direct_done
@@ -618,6 +653,15 @@ class Window:
             return install_chunk(self._dest, index, slot, self._size(index), pending, self.fused)
         finally:
             self._install_s += time.perf_counter() - t0
+
+    def _unusable(self, index: int) -> None:
+        """Chunk `index`'s blocks may still be written by a read given up: reported, and
+        remembered with the destination, which no later run reuses."""
+        self._report.unusable.append(index)
+        try:
+            _UNUSABLE.setdefault(self._dest, set()).add(index)
+        except TypeError:
+            pass  # not weakly referable: the report says it
 
     def _hash_in_place(self, where: HostRuns) -> int:
         """xxh3 of a direct read's bytes where they lie (counted as install time)."""

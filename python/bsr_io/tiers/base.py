@@ -86,7 +86,14 @@ class DirectChunk:
     (`xxh3_runs`) against `expected_xxh3` and calls `reject(reason)` on a mismatch.
     `expected_xxh3` is final once `wait()` returned (a pool's header arrives with the
     payload, so its tier sets it then).
-    Raises ChunkError subclasses like `PendingChunk.wait`, TimeoutError meanwhile."""
+    Raises ChunkError subclasses like `PendingChunk.wait`, TimeoutError meanwhile, and
+    DestinationUnusable when the read may go on writing the memory after it returned
+    (past its tier's deadline, or with the kernel after an engine break-down).
+
+    `abandon()` gives the read up at the caller's deadline: True when it never started
+    (the memory is untouched and the caller's again), False when it may still write
+    (the caller must report those blocks unusable). By default a read once submitted
+    counts as started."""
 
     def __init__(
         self,
@@ -96,6 +103,7 @@ class DirectChunk:
         *,
         expected_xxh3: int,
         reject: Callable[[str], Exception],
+        abandon: Callable[[], bool] | None = None,
     ) -> None:
         self.key = key
         self._finish = finish
@@ -103,9 +111,14 @@ class DirectChunk:
         self._ended = False
         self.expected_xxh3 = expected_xxh3
         self.reject = reject
+        self._abandon = abandon
 
     def done(self) -> bool:
         return self._ended or self._done()
+
+    def abandon(self) -> bool:
+        """Give the read up: whether it never started (see the class doc)."""
+        return self._abandon() if self._abandon is not None else False
 
     def wait(self, timeout: float | None = None) -> None:
         if not self._ended:

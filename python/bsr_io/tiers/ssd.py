@@ -5,12 +5,22 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bsr_io._core import AlignmentError, DirectRead, Engine, File, Pending, ShortReadError, Slot
-from bsr_io.errors import LayoutError
+from bsr_io._core import (
+    AlignmentError,
+    DirectRead,
+    Engine,
+    File,
+    KernelOwnedError,
+    Pending,
+    ShortReadError,
+    Slot,
+)
+from bsr_io.errors import ChunkWriteError, DestinationUnusable, LayoutError
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 from bsr_io.model.record import HEADER_BYTES, RecordHeader, make_header
@@ -41,6 +51,10 @@ class SSDTier(FileTier):
 
     One record per file: opening and closing a file costs microseconds against
     milliseconds for reading a 16 MiB chunk (see the issue note for the measurement).
+
+    A record's write and its fdatasync run on the engine's I/O thread and are waited for
+    `write_timeout_s` at most, together: a stalled drive fails the save (ChunkWriteError,
+    nothing published) instead of holding the caller.
     """
 
     def __init__(
@@ -52,8 +66,12 @@ class SSDTier(FileTier):
         layout: KVLayout | None = None,
         evict_to: FileTier | None = None,
         name: str = "L2",
+        write_timeout_s: float = 30.0,
     ) -> None:
+        if not write_timeout_s > 0:
+            raise ValueError(f"write_timeout_s must be > 0 seconds, got {write_timeout_s}")
         self.engine = engine
+        self.write_timeout_s = write_timeout_s
         super().__init__(root, capacity_bytes, name=name, layout=layout, evict_to=evict_to)
 
     def _stage(self, payload: Payload, layout: KVLayout) -> Slot:
@@ -80,6 +98,7 @@ class SSDTier(FileTier):
     ) -> RecordHeader:
         slot: Slot = staged
         n = layout.chunk_bytes
+        deadline = time.monotonic() + self.write_timeout_s
         f = self.engine.open(tmp, write=True, root=self.root)
         try:
             pending = self.engine.submit_write(slot, f, HEADER_BYTES, n)
@@ -89,13 +108,33 @@ class SSDTier(FileTier):
                 os.pwrite(fd, header.encode(), 0)
             finally:
                 try:
-                    pending.wait()
+                    # Past the deadline the write goes on without us; its op keeps the
+                    # slot out of the ring until it ends, and the temp file is removed.
+                    self._by(deadline, key, tmp, "write", pending.wait)
                 finally:
                     del pending  # a kept traceback must not keep the file and slot busy
-            f.sync()  # fdatasync: header (written through fd) and payload share the inode
+            # fdatasync: header (written through fd) and payload share the inode.
+            self._by(deadline, key, tmp, "fdatasync", lambda t: self.engine.sync(f, t))
         finally:
             f.close()
         return header
+
+    def _by(
+        self, deadline: float, key: ChunkKey, tmp: Path, what: str, wait: Callable[[float], Any]
+    ) -> None:
+        """`wait(seconds left)`; ChunkWriteError when the deadline passes first."""
+        try:
+            wait(max(0.0, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            raise ChunkWriteError(
+                f"the {what} of {tmp.name} did not end within {self.write_timeout_s} s "
+                "(device stalled?); record not stored, earlier records intact",
+                key=key,
+                tier=self.name,
+                cause=exc,
+            ) from None
+        finally:
+            del wait  # a kept traceback must not keep the operation (and its file) open
 
     defers_verify = True
 
@@ -147,6 +186,11 @@ class SSDTier(FileTier):
             out = wait()
         except TimeoutError:
             raise
+        except KernelOwnedError as exc:
+            f.close()
+            raise DestinationUnusable(
+                "destination blocks still owned by the kernel", key=key, tier=self.name, cause=exc
+            ) from exc
         except ShortReadError as exc:
             f.close()
             raise self._corrupt(key, path, record, f"record truncated: {exc}") from exc

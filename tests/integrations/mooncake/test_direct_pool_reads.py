@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import traceback
 
@@ -23,7 +22,7 @@ import pytest
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import synthetic_chunk, synthetic_tokens
-from bsr_io.errors import ChunkReadError, LayoutError
+from bsr_io.errors import ChunkReadError, DestinationUnusable, LayoutError
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import preset
@@ -167,17 +166,21 @@ def test_a_bad_object_read_in_place_is_caught_and_never_committed(pool, tmp_path
 
 
 @inner
-def test_a_direct_read_past_the_deadline_waits_for_the_transfer(fresh_pool):
-    """The storage node stalls mid-read: past `timeout_s` the direct read is not given up
-    while the pool may still write the destination; it fails once the call has returned,
-    and the object stays (a stall proves nothing against it).
+def test_a_direct_read_past_the_deadline_returns_then_and_a_queued_one_never_runs(fresh_pool):
+    """The storage node stalls mid-read (SIGSTOP), with one data thread. The running
+    direct read returns at its deadline with DestinationUnusable (the pool may still
+    write its blocks: the caller must not reuse them); the one queued behind it is
+    abandoned at its own deadline, never runs and leaves its blocks untouched
+    (ChunkReadError: a fallback may read into them). Before, the running read was
+    waited for until the transfer gave up, and the queued one ran after it. The object
+    stays (a stall proves nothing against it).
 
     Runs in a process of its own: after a transfer that outlived its deadline, Mooncake
     0.3.13's client leaves this process unable to join another pool (a later `setup()`
     hangs), which would take down every Mooncake test after this one."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    cfg = fresh_pool.config(timeout_s=1.5, down_s=0)
+    cfg = fresh_pool.config(timeout_s=1.5, down_s=0, io_threads=1)
     proc = ctx.Process(target=_stalled_direct_read, args=(cfg, fresh_pool.node.pid, out))
     proc.start()
     try:
@@ -203,28 +206,35 @@ def _stalled_direct_read(cfg: MooncakeConfig, node_pid: int, out) -> None:
 
 def _stalled_direct_read_checks(cfg: MooncakeConfig, node_pid: int) -> None:
     tier = MooncakeTier(cfg, layout=LAYOUT)
-    tokens, seed, keys = saved(tier, 1)
+    tokens, seed, keys = saved(tier, 2)
     dest = np.zeros(N, dtype=np.uint8)
+    queued_dest = np.full(N, 0xAB, dtype=np.uint8)
     os.kill(node_pid, signal.SIGSTOP)
-    outcome: list[BaseException | None] = []
     try:
-        direct = tier.submit_read_into(keys[0], None, [dest], [(0, 0, 0, N)])
-        waiter = threading.Thread(target=lambda: outcome.append(_wait(direct)))
+        running = tier.submit_read_into(keys[0], None, [dest], [(0, 0, 0, N)])
+        queued = tier.submit_read_into(keys[1], None, [queued_dest], [(0, 0, 0, N)])
         t0 = time.monotonic()
-        waiter.start()
-        waiter.join(3.5)
-        assert waiter.is_alive(), "a direct read was given up while the pool could still write"
-        assert not outcome
+        first = _wait(running)
+        took = time.monotonic() - t0
+        assert isinstance(first, DestinationUnusable), repr(first)
+        assert "may still be written" in str(first)
+        assert 1.3 < took < 3.0, took
+        second = _wait(queued)
+        assert isinstance(second, ChunkReadError) and "never started" in str(second), second
+        assert time.monotonic() - t0 < 3.5
+        assert (queued_dest == 0xAB).all()  # never touched
     finally:
         os.kill(node_pid, signal.SIGCONT)
-    waiter.join(60)
-    assert not waiter.is_alive() and time.monotonic() - t0 >= 3.5
-    assert isinstance(outcome[0], ChunkReadError) and "waited for the transfer" in str(outcome[0])
-    assert tier.stats()["timeouts"] == 1 and tier.stats()["quarantined"] == 0
+    assert tier.stats()["timeouts"] == 2 and tier.stats()["quarantined"] == 0
+    # The running call returns once the node answers: its header buffer comes back then.
+    deadline = time.monotonic() + 60
+    while tier.stats()["header_buffers_out"] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert tier.stats()["header_buffers_out"] == 0
-    again = tier.submit_read_into(keys[0], None, [dest], [(0, 0, 0, N)])
+    fresh = np.zeros(N, dtype=np.uint8)
+    again = tier.submit_read_into(keys[0], None, [fresh], [(0, 0, 0, N)])
     again.wait()  # the object is still there, and reads whole once the node answers
-    assert dest.tobytes() == synthetic_chunk(LAYOUT, seed, 0).tobytes()
+    assert fresh.tobytes() == synthetic_chunk(LAYOUT, seed, 0).tobytes()
     tier.close()
 
 

@@ -132,16 +132,17 @@ class Call:
             hold, self.hold, self.after = self.hold, (), None
         return hold
 
-    def abandon(self) -> None:
-        """Give up waiting. A call not yet started never runs and lets go of its memory;
-        a running one lets go when it returns."""
+    def abandon(self) -> bool:
+        """Give up waiting. A call not yet started never runs and lets go of its memory
+        (True: it never touched it); a running one lets go when it returns (False)."""
         with self._lock:
             self.abandoned = True
             orphan = self._finished
         if orphan:
             self._let_go()
-        else:
-            self.future.cancel()  # when still queued, its done callback lets go now
+            return self.future.cancelled()
+        # When still queued, its done callback lets go now.
+        return self.future.cancel()
 
     def _let_go(self) -> None:
         with self._lock:

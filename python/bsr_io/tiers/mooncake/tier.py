@@ -48,6 +48,7 @@ from bsr_io.errors import (
     ChunkMissing,
     ChunkReadError,
     ChunkWriteError,
+    DestinationUnusable,
     LayoutError,
     TierDown,
     proves_bad,
@@ -433,9 +434,12 @@ class MooncakeTier(Tier):
         memory) or with `direct_reads` off; a LayoutError when the runs do not cover the
         payload exactly once.
 
-        Never abandoned: past `timeout_s` the wait goes on until the call returns
-        (Mooncake gives a silent peer up after its transfer timeout), since the pool may
-        still write the destination's blocks; only then does the chunk fail."""
+        Past `timeout_s` (or given up by the caller, `abandon`) a call still queued
+        behind others never runs: the chunk fails (ChunkReadError) with its blocks
+        untouched. A call already running may still write the blocks until Mooncake
+        gives the peer up, so the wait returns at the deadline with DestinationUnusable:
+        the caller must not reuse those blocks; the call keeps the memory alive until it
+        returns."""
         if self.config.protocol != "tcp" or not self.config.direct_reads:
             raise DirectUnavailable(f"{self.name}: reads go through the registered slots")
         name = self.object_name(key)
@@ -452,6 +456,7 @@ class MooncakeTier(Tier):
             [[hdr.ctypes.data, *ptrs]],
             [[HEADER_BYTES, *sizes]],
             hold=(hdr, tuple(bufs)),  # the destination's memory lives while the pool writes it
+            after=self._after_direct,
         )
         deadline = time.monotonic() + self.config.timeout_s
         del hdr
@@ -480,23 +485,31 @@ class MooncakeTier(Tier):
             call.done,
             expected_xxh3=-1,  # set from the header the read brings
             reject=lambda why: self._corrupt(key, name, why),
+            abandon=call.abandon,
         )
         return direct
 
-    def _stalled_direct(self, key: ChunkKey, call: Call) -> ChunkReadError:
-        """A direct read past `timeout_s`: wait until the call returns (the pool may write
-        the destination until then), then fail the chunk; nothing is withdrawn."""
+    def _after_direct(self, hold: tuple[Any, ...]) -> None:
+        """An abandoned direct read returned (or never ran): its header buffer goes back;
+        the destination's buffers are let go as `hold` is dropped."""
+        self._headers.give(hold[0])
+
+    def _stalled_direct(self, key: ChunkKey, call: Call) -> ChunkError | DestinationUnusable:
+        """A direct read past `timeout_s`, given up: a call that never started fails the
+        chunk (its blocks untouched); a running one may still write the destination, so
+        its blocks are reported unusable (DestinationUnusable). Nothing is withdrawn."""
         self._count(timeouts=1)
         why = f"a read got no answer within {self.config.timeout_s} s"
         self._mark_down(why)
-        try:
-            call.wait(None)
-        except Exception:  # noqa: BLE001, S110 - the chunk fails either way
-            pass
-        self._headers.give(call.take()[0])
+        if not call.abandon():
+            return DestinationUnusable(
+                f"{why} (storage node stalled?) while the transfer writes the destination's "
+                "blocks: they may still be written",
+                key=key,
+                tier=self.name,
+            )
         return ChunkReadError(
-            f"{why} (storage node stalled?); waited for the transfer to end since it writes "
-            "the destination",
+            f"{why} (storage node stalled?); the read never started",
             key=key,
             tier=self.name,
         )
