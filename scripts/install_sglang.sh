@@ -27,6 +27,7 @@ keep = {
     "numpy", "orjson", "psutil", "pybase64", "requests", "pillow", "msgspec",
     "pydantic", "pyzmq", "tqdm", "ipython", "aiohttp", "transformers", "torchvision",
     "apache-tvm-ffi", "sentencepiece", "compressed-tensors", "gguf", "fastapi", "tokenizers",
+    "ninja",  # SGLang builds its page-key hash extension with it on first use
 }
 for spec in requires("sglang") or []:
     req = Requirement(spec)

@@ -9,6 +9,8 @@ host pools, storage config, backend factory and cache controller code on the CPU
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +19,11 @@ import sglang  # noqa: F401  - a missing SGLang must fail loudly, never skip
 from pools import make_backend, mha_pool
 
 from bsr_io.integrations.sglang.backend import BsrHiCacheStorage
+
+# SGLang hashes page keys in a C++ extension it builds on first use with torch's
+# loader, which runs `ninja` from PATH: the venv's own, when pytest runs as
+# `.venv-sglang/bin/python -m pytest` without the venv activated.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 @pytest.fixture

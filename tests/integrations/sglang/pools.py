@@ -7,8 +7,9 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 from bsr_io.integrations.sglang import CLASS_NAME, MODULE_PATH
@@ -38,6 +39,27 @@ def mha_pool(layout: str, *, tokens: int = 1024, page: int = PAGE) -> MHATokenTo
     )
 
 
+def mla_pool(layout: str, *, tokens: int = 1024, page: int = PAGE) -> MLATokenToKVPoolHost:
+    """SGLang's MLA host pool (latent 64 + rope 32 per token and layer) on the CPU."""
+    device = MLATokenToKVPool(
+        tokens, page, torch.bfloat16, 64, 32, LAYERS, "cpu", False,
+        start_layer=0, end_layer=LAYERS - 1,
+    )
+    return MLATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        page,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device.size,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+        target_layer_num=LAYERS,
+    )
+
+
 def storage_config(
     extra: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
     model: str = "tiny-test-model", layout: str = "page_first",
@@ -57,20 +79,20 @@ def storage_config(
     )
 
 
-def extra_config(store_dir: Path | str, **bsr: Any) -> dict[str, Any]:
+def extra_config(store_dir: Path | str | list[str], **bsr: Any) -> dict[str, Any]:
     """What `--hicache-storage-backend-extra-config` carries for this backend."""
     return {
         "backend_name": "bsr",
         "module_path": MODULE_PATH,
         "class_name": CLASS_NAME,
         "interface_v1": 1,
-        "store_dir": str(store_dir),
+        "store_dir": store_dir if isinstance(store_dir, list) else str(store_dir),
         **bsr,
     }
 
 
 def make_backend(
-    store_dir: Path | str, pool: Any, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
+    store_dir: Path | str | list[str], pool: Any, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
     **bsr: Any,
 ) -> BsrHiCacheStorage:
     """Built as SGLang builds it: the factory's dynamic path, then the pool registered."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from pools import fill, keys, make_backend, mha_pool, page_bytes
 
@@ -22,6 +23,7 @@ def test_factory_builds_the_backend_from_the_dynamic_config(backend: BsrHiCacheS
     assert backend.pages.layout.chunk_tokens == backend.mem_pool_host.page_size
 
 
+@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
 def test_set_then_get_into_a_zeroed_pool(store_dir: Path, host_layout: str) -> None:
     src = mha_pool(host_layout)
     at = _indices(src, 9)
@@ -42,7 +44,25 @@ def test_set_then_get_into_a_zeroed_pool(store_dir: Path, host_layout: str) -> N
     assert reader.batch_get_v1(ks, into) == [True] * 9
     assert page_bytes(dst, into) == page_bytes(src, at)
     assert reader.stats["get_ok"] == 9
+    # Every page went by O_DIRECT straight into the pool's pages (its memory is page-aligned).
+    assert reader.stats["direct_pages"] == 9
     reader.close()
+
+
+def test_through_slots_when_direct_reads_are_off(store_dir: Path) -> None:
+    src = mha_pool("layer_first")
+    at = _indices(src, 4)
+    fill(src, at, seed=6)
+    ks = keys(4)
+    w = make_backend(store_dir, src)
+    assert w.batch_set_v1(ks, at) == [True] * 4
+    w.close()
+    dst = mha_pool("layer_first")
+    r = make_backend(store_dir, dst, direct_reads=False)
+    assert r.batch_get_v1(ks, at) == [True] * 4
+    assert page_bytes(dst, at) == page_bytes(src, at)
+    assert r.stats["direct_pages"] == 0
+    r.close()
 
 
 def test_leading_hits_only(backend: BsrHiCacheStorage) -> None:

@@ -27,7 +27,7 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
 KEYS = Table(
     (
-        Key("store_dir", "str", missing="extra_config needs '{label}' (the SSD tier's directory)"),
+        Key("store_dir", "str", missing="extra_config needs {label} (the SSD tier's directory)"),
         Key("lower_dir", "str", None, "a directory"),
         Key("capacity", "size", None, "bytes or a size such as '64GiB'", at_least(0)),
         Key("window", "int", 32, "an int >= 1", at_least(1)),

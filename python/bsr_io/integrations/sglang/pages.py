@@ -77,12 +77,10 @@ class PoolPages:
         bases = [t.data_ptr() for t in bufs]
         try:
             runs = _page_runs(pool, bases, views, page, torch.arange(page))[0]
-        except ValueError:
-            raise
-        except Exception as exc:  # SGLang's own assertion or NotImplementedError
+        except Exception as exc:  # SGLang's ValueError, assertion or NotImplementedError
             raise ValueError(
-                f"{kind}: the host layout {layout_name!r} gives no page buffer meta "
-                f"({type(exc).__name__}: {exc}); use page_first or layer_first"
+                f"{kind}: cannot read pages of host layout {layout_name!r} "
+                f"({type(exc).__name__}: {exc}); use page_first, page_first_direct, page_head or layer_first"
             ) from None
         nbytes = sum(r[3] for r in runs)
         itemsize = pool.dtype.itemsize
