@@ -22,8 +22,16 @@ LAYERS, HEADS, DIM = 2, 2, 64  # a K (or V) page run: 16 x 2 x 2 x 64 x 2 B = 8 
 def mha_pool(layout: str, *, tokens: int = 1024, page: int = PAGE) -> MHATokenToKVPoolHost:
     """SGLang's MHA host pool (pinned memory off: no CUDA here) over its CPU device pool."""
     device = MHATokenToKVPool(
-        tokens, page, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False,
-        start_layer=0, end_layer=LAYERS - 1,
+        tokens,
+        page,
+        torch.bfloat16,
+        HEADS,
+        DIM,
+        LAYERS,
+        "cpu",
+        False,
+        start_layer=0,
+        end_layer=LAYERS - 1,
     )
     return MHATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
@@ -42,8 +50,16 @@ def mha_pool(layout: str, *, tokens: int = 1024, page: int = PAGE) -> MHATokenTo
 def mla_pool(layout: str, *, tokens: int = 1024, page: int = PAGE) -> MLATokenToKVPoolHost:
     """SGLang's MLA host pool (latent 64 + rope 32 per token and layer) on the CPU."""
     device = MLATokenToKVPool(
-        tokens, page, torch.bfloat16, 64, 32, LAYERS, "cpu", False,
-        start_layer=0, end_layer=LAYERS - 1,
+        tokens,
+        page,
+        torch.bfloat16,
+        64,
+        32,
+        LAYERS,
+        "cpu",
+        False,
+        start_layer=0,
+        end_layer=LAYERS - 1,
     )
     return MLATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
@@ -61,8 +77,13 @@ def mla_pool(layout: str, *, tokens: int = 1024, page: int = PAGE) -> MLATokenTo
 
 
 def storage_config(
-    extra: dict[str, Any], *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
-    model: str = "tiny-test-model", layout: str = "page_first",
+    extra: dict[str, Any],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+    model: str = "tiny-test-model",
+    layout: str = "page_first",
 ) -> HiCacheStorageConfig:
     return HiCacheStorageConfig(
         tp_rank=tp_rank,
@@ -92,12 +113,20 @@ def extra_config(store_dir: Path | str | list[str], **bsr: Any) -> dict[str, Any
 
 
 def make_backend(
-    store_dir: Path | str | list[str], pool: Any, *, tp_rank: int = 0, tp_size: int = 1, mla: bool = False,
+    store_dir: Path | str | list[str],
+    pool: Any,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
     **bsr: Any,
 ) -> BsrHiCacheStorage:
     """Built as SGLang builds it: the factory's dynamic path, then the pool registered."""
     cfg = storage_config(
-        extra_config(store_dir, **bsr), tp_rank=tp_rank, tp_size=tp_size, mla=mla,
+        extra_config(store_dir, **bsr),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        mla=mla,
         layout=pool.layout,
     )
     backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
@@ -119,8 +148,11 @@ def fill(pool: Any, host_indices: torch.Tensor, seed: int) -> None:
 def page_bytes(pool: Any, host_indices: torch.Tensor) -> list[bytes]:
     """Each page's bytes, read through SGLang's own `get_data_page`."""
     return [
-        pool.get_data_page(int(host_indices[i]), flat=True).contiguous().view(torch.uint8)
-        .numpy().tobytes()
+        pool.get_data_page(int(host_indices[i]), flat=True)
+        .contiguous()
+        .view(torch.uint8)
+        .numpy()
+        .tobytes()
         for i in range(0, host_indices.numel(), pool.page_size)
     ]
 

@@ -29,7 +29,10 @@ def main() -> None:
     rank, world, store_dir, port, bad, out = sys.argv[1:7]
     r, w, bad_page = int(rank), int(world), int(bad)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=w,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=r,
+        world_size=w,
         timeout=timedelta(seconds=60),
     )
     pool = mha_pool("page_first")
@@ -57,8 +60,14 @@ def main() -> None:
     same = page_bytes(b.mem_pool_host, into)[:lead] == expected[:lead]
     Path(out).write_text(
         json.dumps(
-            {"rank": r, "exists": exists, "got": got, "lead": lead, "agreed": int(agreed),
-             "same": same}
+            {
+                "rank": r,
+                "exists": exists,
+                "got": got,
+                "lead": lead,
+                "agreed": int(agreed),
+                "same": same,
+            }
         )
     )
     b.close()

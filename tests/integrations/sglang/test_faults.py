@@ -24,7 +24,9 @@ from bsr_io.model.record import HEADER_BYTES
 N, BAD = 6, 2  # pages per batch, the page whose record is damaged
 
 
-def _saved(store_dir: Path, layout: str, **bsr) -> tuple[BsrHiCacheStorage, torch.Tensor, list[str]]:
+def _saved(
+    store_dir: Path, layout: str, **bsr
+) -> tuple[BsrHiCacheStorage, torch.Tensor, list[str]]:
     """A backend that stored N known pages; then a fresh pool for it to read into."""
     src = mha_pool(layout)
     at = torch.arange(src.page_size, (N + 1) * src.page_size)
@@ -89,7 +91,9 @@ def test_truncated_record(store_dir: Path, host_layout: str) -> None:
 
 
 @pytest.mark.parametrize("other", ["model", "rank"])
-def test_foreign_record_is_a_miss(store_dir: Path, tmp_path: Path, host_layout: str, other: str) -> None:
+def test_foreign_record_is_a_miss(
+    store_dir: Path, tmp_path: Path, host_layout: str, other: str
+) -> None:
     """Another model's (or another rank's) record of the same page key, moved to this
     rank's path, is never taken for this rank's page."""
     b, at, ks = _saved(store_dir, host_layout)

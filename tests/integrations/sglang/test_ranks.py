@@ -25,7 +25,16 @@ def test_a_corrupt_record_on_one_rank_shortens_that_rank_and_the_minimum(tmp_pat
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), "2", str(store), str(port), str(bad), str(outs[r])]
+            [
+                sys.executable,
+                str(WORKER),
+                str(r),
+                "2",
+                str(store),
+                str(port),
+                str(bad),
+                str(outs[r]),
+            ]
         )
         for r in range(2)
     ]

@@ -23,7 +23,9 @@ def test_factory_builds_the_backend_from_the_dynamic_config(backend: BsrHiCacheS
     assert backend.pages.layout.chunk_tokens == backend.mem_pool_host.page_size
 
 
-@pytest.mark.parametrize("host_layout", ["page_first", "layer_first", "page_first_direct", "page_head"])
+@pytest.mark.parametrize(
+    "host_layout", ["page_first", "layer_first", "page_first_direct", "page_head"]
+)
 def test_set_then_get_into_a_zeroed_pool(store_dir: Path, host_layout: str) -> None:
     src = mha_pool(host_layout)
     at = _indices(src, 9)

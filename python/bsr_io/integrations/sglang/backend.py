@@ -95,7 +95,8 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         self.pages, self.store, self._fingerprint = pages, store, layout.fingerprint()
         if s.direct_reads:
             try:  # once: the kernel pins the pool's pages now, not per read
-                self._registration = self._read_engine.register_memory(pages.views)
+                bufs: list[Any] = list(pages.views)  # numpy arrays: buffers to the engine
+                self._registration = self._read_engine.register_memory(bufs)
             except (OSError, ValueError) as exc:
                 logger.info("bsr HiCache: pool memory not registered (%s); reads still direct", exc)
         ours = self._key("")  # the namespace: model, world, rank, layout
@@ -247,7 +248,9 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
                     self._catalog.add(ckeys[i].chunk_hash)
         if failed:
             first = next(iter(failed.values()))
-            logger.warning("bsr HiCache: %d of %d pages not stored: %s", len(failed), len(todo), first)
+            logger.warning(
+                "bsr HiCache: %d of %d pages not stored: %s", len(failed), len(todo), first
+            )
         self._count(set_pages=len(keys), set_written=written)
         return result
 
@@ -274,7 +277,11 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         return False
 
     def batch_set(
-        self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
     ) -> bool:
         return False
 

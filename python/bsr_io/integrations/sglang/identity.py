@@ -40,7 +40,9 @@ class RankIdentity:
                 "TP sizes are not supported by the bsr backend"
             )
         if getattr(c, "dcp_size", 1) != 1:
-            raise ValueError("HiCacheStorageConfig.dcp_size > 1 is not supported by the bsr backend")
+            raise ValueError(
+                "HiCacheStorageConfig.dcp_size > 1 is not supported by the bsr backend"
+            )
         tp, tp_n = int(c.tp_rank), int(c.tp_size)
         pp, pp_n = int(c.pp_rank), int(c.pp_size)
         cp, cp_n = int(getattr(c, "attn_cp_rank", 0)), int(getattr(c, "attn_cp_size", 1))

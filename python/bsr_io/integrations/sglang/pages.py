@@ -80,7 +80,8 @@ class PoolPages:
         except Exception as exc:  # SGLang's ValueError, assertion or NotImplementedError
             raise ValueError(
                 f"{kind}: cannot read pages of host layout {layout_name!r} "
-                f"({type(exc).__name__}: {exc}); use page_first, page_first_direct, page_head or layer_first"
+                f"({type(exc).__name__}: {exc}); "
+                "use page_first, page_first_direct, page_head or layer_first"
             ) from None
         nbytes = sum(r[3] for r in runs)
         itemsize = pool.dtype.itemsize
@@ -127,7 +128,9 @@ def _page_runs(
     for p in range(pages):
         runs: list[Run] = []
         at = 0
-        for ptr, size in zip(ptrs[p * per : (p + 1) * per], sizes[p * per : (p + 1) * per]):
+        for ptr, size in zip(
+            ptrs[p * per : (p + 1) * per], sizes[p * per : (p + 1) * per], strict=True
+        ):
             b, off = _locate(bases, views, int(ptr), int(size))
             runs.append((b, off, at, int(size)))
             at += int(size)
