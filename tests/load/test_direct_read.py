@@ -304,6 +304,24 @@ def test_per_request_caches_over_one_pool_cost_one_registration(tmp_path: Path) 
         reg.close()
 
 
+def test_the_ring_pins_its_slots_only_once_a_slot_is_used(tmp_path: Path) -> None:
+    """The kernel's buffer table (fdinfo) holds no slot while every chunk goes straight
+    into the cache; the first restore through slots fills in every slot's entry."""
+    store, _, tokens, _ = _store(tmp_path, Engine(4, LAYOUT.chunk_bytes), lower=False)
+    engine = Engine(4, LAYOUT.chunk_bytes, backend="io_uring")  # the restores' own
+    if not engine.features["fixed_buffers"]:
+        pytest.fail(f"this kernel registers no fixed buffers: {engine.features['notes']}")
+    slots = [(engine.arena_address + i * engine.slot_bytes, engine.slot_bytes) for i in range(4)]
+    res = _restore(store, engine, tokens, PagedKVCache.allocate(LAYOUT, TOKENS))
+    assert res.outcome == "complete" and res.timings["direct_chunks"] == CHUNKS
+    assert _entries(slots) == 0, "no slot pinned for a restore that used none"
+    dest = PagedKVCache.allocate(LAYOUT, TOKENS)
+    dest.direct_reads = False
+    res = _restore(store, engine, tokens, dest)
+    assert res.outcome == "complete" and res.rws_peak_bytes == 4 * engine.slot_bytes
+    assert _ok(dest) and _entries(slots) == 4, "each slot pinned once a slot is read into"
+
+
 def test_a_backend_without_registration_reads_the_cache_plainly(tmp_path: Path) -> None:
     engine = Engine(4, LAYOUT.chunk_bytes, backend="pread")
     assert not engine.features["registered_memory"]

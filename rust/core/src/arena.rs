@@ -1,5 +1,9 @@
 //! The staging arena: one anonymous mapping cut into W slots, the free ring, and the
 //! exact live/peak accounting of staging bytes (the restoration working set).
+//!
+//! The mapping is made at once, its pages only at the first lease: a restore that reads
+//! every chunk straight into its destination never leases a slot, so its slots never
+//! become resident (nor locked, nor pinned by the ring).
 
 use std::collections::VecDeque;
 use std::ptr::NonNull;
@@ -27,6 +31,8 @@ struct Ledger {
 /// What the arena could and could not do when it was set up.
 #[derive(Debug, Clone, Default)]
 pub struct ArenaFeatures {
+    /// The slots can be locked and pinned (CAP_IPC_LOCK, or RLIMIT_MEMLOCK holds them);
+    /// done at the first lease.
     pub mlock: bool,
     pub hugepages: bool,
     pub notes: Vec<String>,
@@ -39,6 +45,8 @@ pub struct Arena {
     slot_bytes: usize,
     window: usize,
     ledger: Mutex<Ledger>,
+    /// Whether the pages were faulted in (and locked where allowed): at the first lease.
+    resident: Mutex<bool>,
     pub features: ArenaFeatures,
 }
 
@@ -95,35 +103,13 @@ impl Arena {
         if rc != 0 {
             features.notes.push("madvise(MADV_HUGEPAGE) refused".into());
         }
-        // Populate after the huge page advice so faults can use 2 MiB pages.
-        match populate(base, map_bytes) {
-            Ok(true) => {}
-            Ok(false) => features.notes.push(
-                "MADV_POPULATE_WRITE unknown to this kernel: slot pages fault in at first use"
-                    .into(),
-            ),
-            Err(errno) => {
-                // SAFETY: unmapping the mapping created above; nothing else refers to it.
-                unsafe { libc::munmap(ptr, map_bytes) };
-                return Err(match (errno, available_memory()) {
-                    (libc::ENOMEM, Some((available, source))) => Error::NoMemory {
-                        asked: map_bytes as u64,
-                        headroom: 0,
-                        available,
-                        source,
-                    },
-                    _ => Error::os("populate staging arena", None, errno),
-                });
-            }
-        }
-        // SAFETY: locks pages of our own mapping; failure is reported, not fatal.
-        let rc = unsafe { libc::mlock(ptr, map_bytes) };
-        features.mlock = rc == 0;
-        if rc != 0 {
-            let errno = crate::error::last_errno();
+        // Pages are faulted in and locked at the first lease (`make_resident`); whether
+        // they may be locked (and pinned by the ring) is known now.
+        features.mlock = may_lock(map_bytes as u64);
+        if !features.mlock {
             features.notes.push(format!(
                 "mlock refused ({}): staging pages may be swapped",
-                crate::error::describe_errno(errno)
+                crate::error::describe_errno(libc::ENOMEM)
             ));
         }
         Ok(Arc::new(Arena {
@@ -136,8 +122,41 @@ impl Arena {
                 live_slots: 0,
                 peak_slots: 0,
             }),
+            resident: Mutex::new(false),
             features,
         }))
+    }
+
+    /// Fault every page in (after the huge page advice, so faults can use 2 MiB pages)
+    /// and lock it where allowed, once, before the first slot is handed out. ENOMEM when
+    /// the memory is not there (then nothing is leased; a later lease tries again).
+    fn make_resident(&self) -> Result<()> {
+        let mut done = self.resident.lock().unwrap_or_else(|p| p.into_inner());
+        if *done {
+            return Ok(());
+        }
+        if let Err(errno) = populate(self.base, self.map_bytes) {
+            return Err(match (errno, available_memory()) {
+                (libc::ENOMEM, Some((available, source))) => Error::NoMemory {
+                    asked: self.map_bytes as u64,
+                    headroom: 0,
+                    available,
+                    source,
+                },
+                _ => Error::os("populate staging arena", None, errno),
+            });
+        }
+        if self.features.mlock {
+            // SAFETY: locks pages of our own mapping; a refusal leaves them swappable.
+            unsafe { libc::mlock(self.base.as_ptr().cast(), self.map_bytes) };
+        }
+        *done = true;
+        Ok(())
+    }
+
+    /// Whether the slots' pages are resident (a slot was leased).
+    pub fn is_resident(&self) -> bool {
+        *self.resident.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn ledger(&self) -> MutexGuard<'_, Ledger> {
@@ -169,6 +188,7 @@ impl Arena {
 
     /// Take a free slot (it counts as live until the lease drops).
     pub fn try_lease(self: &Arc<Self>) -> Result<SlotLease> {
+        self.make_resident()?;
         let mut l = self.ledger();
         let index = l.free.pop_front().ok_or(Error::NoFreeSlot {
             window: self.window,
@@ -226,6 +246,24 @@ fn populate(base: NonNull<u8>, bytes: usize) -> std::result::Result<bool, i32> {
         libc::EINVAL => Ok(false),
         errno => Err(errno),
     }
+}
+
+/// Whether `bytes` more may be locked (and pinned by io_uring, which counts against the
+/// same limit): CAP_IPC_LOCK, or an RLIMIT_MEMLOCK that holds them.
+fn may_lock(bytes: u64) -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let cap_ipc_lock = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .is_some_and(|caps| caps & (1 << 14) != 0); // CAP_IPC_LOCK is capability 14
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we own.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut lim) } == 0;
+    cap_ipc_lock || (ok && (lim.rlim_cur == libc::RLIM_INFINITY || lim.rlim_cur >= bytes))
 }
 
 /// Refuse an arena of `asked` bytes that would leave less than `HEADROOM` of `available`.

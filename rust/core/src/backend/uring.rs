@@ -262,6 +262,9 @@ struct RingLoop {
     unsubmitted: VecDeque<usize>,
     queue_depth: usize,
     fixed_buffers: bool,
+    /// The slots' table entries are still empty: filled at the first slot request, so a
+    /// ring whose every read goes straight into caller memory never pins the arena.
+    slots_pending: bool,
     /// Caller memory in the buffer table (direct reads into it go READ_FIXED).
     memory: MemoryTable,
     file_table: Vec<bool>,
@@ -302,8 +305,9 @@ impl RingLoop {
             }
         };
         info.ring_fd = ring.as_raw_fd();
+        let mut slots_pending = false;
         if cfg.register {
-            (info.fixed_buffers, info.memory_entries) =
+            (info.fixed_buffers, info.memory_entries, slots_pending) =
                 register_buffers(&ring, &arena, &mut info.notes);
             match ring.submitter().register_files_sparse(FILE_TABLE) {
                 Ok(()) => info.registered_files = true,
@@ -322,6 +326,7 @@ impl RingLoop {
             unsubmitted: VecDeque::new(),
             queue_depth: cfg.queue_depth as usize,
             fixed_buffers: info.fixed_buffers,
+            slots_pending,
             memory: MemoryTable::new(arena.window(), info.memory_entries),
             file_table: vec![
                 false;
@@ -480,12 +485,31 @@ impl RingLoop {
         }
     }
 
+    /// Fill the slots' table entries, at the first request into a slot (the arena is
+    /// resident by then: a slot was leased). Refused, slot requests go plain.
+    fn register_slots_now(&mut self) {
+        self.slots_pending = false;
+        // SAFETY: the iovecs cover the arena's mapping, which this thread keeps alive (it
+        // holds an Arc<Arena>) for longer than the ring that pins it.
+        let res = unsafe {
+            self.ring
+                .submitter()
+                .register_buffers_update(0, &slot_iovecs(&self._arena), None)
+        };
+        if res.is_err() {
+            self.fixed_buffers = false;
+        }
+    }
+
     /// Queue requests up to the queue depth.
     fn fill(&mut self) {
         while self.in_flight < self.queue_depth {
             let Some(mut req) = self.queue.pop_front() else {
                 break;
             };
+            if self.slots_pending && req.op.fixed_index.is_some() {
+                self.register_slots_now();
+            }
             let id = self.free_ids.pop().unwrap_or_else(|| {
                 self.slab.push(InFlight::Free);
                 self.slab.len() - 1
@@ -724,39 +748,28 @@ impl RingLoop {
     }
 }
 
-/// Register the slots as fixed buffers in a sparse table with entries for caller memory
-/// after them; else the slots alone (an older kernel). Returns (slots registered, entries
-/// for caller memory); says why not.
-fn register_buffers(ring: &IoUring, arena: &Arena, notes: &mut Vec<String>) -> (bool, usize) {
+/// Register a sparse buffer table: the slots' entries first, filled at the first slot
+/// request (`register_slots_now`), then entries for caller memory; else the slots alone,
+/// at once (an older kernel). Returns (slots registered, entries for caller memory,
+/// slots still to fill in); says why not. Pinning counts against RLIMIT_MEMLOCK as
+/// mlock does: where the arena may not be locked, nothing is registered.
+fn register_buffers(ring: &IoUring, arena: &Arena, notes: &mut Vec<String>) -> (bool, usize, bool) {
+    if !arena.features.mlock {
+        notes.push(memlock_note(libc::ENOMEM));
+        return (false, 0, false);
+    }
     let entries = MEMORY_ENTRIES.min(MAX_FIXED_BUFFERS.saturating_sub(arena.window()));
     if entries > 0 && arena.slot_bytes() <= MAX_FIXED_BUFFER_BYTES {
         let table = (arena.window() + entries) as u32;
         match ring.submitter().register_buffers_sparse(table) {
-            Ok(()) => {
-                // SAFETY: the iovecs cover the arena's mapping, which the I/O thread keeps
-                // alive (it holds an Arc<Arena>) for longer than the ring that pins it.
-                let res = unsafe {
-                    ring.submitter()
-                        .register_buffers_update(0, &slot_iovecs(arena), None)
-                };
-                match res {
-                    Ok(()) => return (true, entries),
-                    Err(e) => {
-                        let _ = ring.submitter().unregister_buffers();
-                        if errno_of(&e) == libc::ENOMEM {
-                            notes.push(memlock_note(errno_of(&e)));
-                            return (false, 0);
-                        }
-                    }
-                }
-            }
+            Ok(()) => return (true, entries, true),
             Err(e) => notes.push(format!(
                 "sparse buffer table refused ({}): caller memory is not registered",
                 describe_errno(errno_of(&e))
             )),
         }
     }
-    (register_slots(ring, arena, notes), 0)
+    (register_slots(ring, arena, notes), 0, false)
 }
 
 fn slot_iovecs(arena: &Arena) -> Vec<libc::iovec> {
