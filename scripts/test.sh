@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install (scripts/install.sh), then run every check: Rust (fmt, clippy, tests), Python
-# (ruff, mypy, stubtest, pytest), and the vLLM integration in its own virtualenv.
+# (ruff, mypy, stubtest, pytest), and the vLLM and SGLang integrations in their own
+# virtualenvs.
 # Each stage prints its wall time; the total is printed at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,11 +14,11 @@ stage() { # stage NAME CMD...: run CMD, print how long it took
     echo "== $name: $((SECONDS - t0)) s (total $((SECONDS - START)) s)"
 }
 
-# Three virtualenvs and a Rust build take about 15 GiB: say so before a download fails.
+# Four virtualenvs and a Rust build take about 22 GiB: say so before a download fails.
 free_gib=$(( $(df --output=avail -k . | tail -n 1) / 1048576 ))
 echo "== disk: ${free_gib} GiB free here"
-if [ "$free_gib" -lt 20 ]; then
-    echo "need 20 GiB free for the virtualenvs and the build, have ${free_gib} GiB" >&2
+if [ "$free_gib" -lt 27 ]; then
+    echo "need 27 GiB free for the virtualenvs and the build, have ${free_gib} GiB" >&2
     exit 1
 fi
 stage install bash scripts/install.sh
@@ -26,6 +27,10 @@ VLLM_LOG=$(mktemp)
 # Then vLLM 0.33.0 (import-only, over .venv-vllm's packages: about a minute).
 (bash scripts/install_vllm.sh && bash scripts/install_vllm033.sh) >"$VLLM_LOG" 2>&1 &
 VLLM_INSTALL=$!
+# SGLang's virtualenv (sglang 0.5.23 and its torch: about 5 minutes, mostly downloads).
+SGLANG_LOG=$(mktemp)
+bash scripts/install_sglang.sh >"$SGLANG_LOG" 2>&1 &
+SGLANG_INSTALL=$!
 . .venv/bin/activate
 stage rust-fmt cargo fmt --all --check
 stage rust-clippy-no-default cargo clippy --all-targets --no-default-features -- -D warnings
@@ -64,4 +69,17 @@ stage pytest-vllm .venv-vllm/bin/python -m pytest -q tests/integrations/vllm
 # checks (no engine: its wheel is a CUDA build).
 stage pytest-vllm033 .venv-vllm033/bin/python -m pytest -q tests/integrations/vllm/test_vllm_contract.py \
     tests/integrations/vllm/test_layout_checks.py tests/integrations/vllm/test_discovery.py
+# SGLang 0.5.23 in its own virtualenv: the HiCache backend against SGLang's host pools,
+# storage config, backend factory and controller code (HiCache itself needs a GPU).
+echo "== install-sglang (started in the background after install)"
+if ! wait "$SGLANG_INSTALL"; then
+    cat "$SGLANG_LOG"
+    echo "scripts/install_sglang.sh failed" >&2
+    exit 1
+fi
+tail -n 3 "$SGLANG_LOG"
+echo "== install-sglang: done (total $((SECONDS - START)) s)"
+stage mypy-sglang .venv-sglang/bin/python -m mypy --strict --cache-dir .venv-sglang/mypy-cache \
+    $(find python/bsr_io/integrations/sglang -name '*.py')
+stage pytest-sglang .venv-sglang/bin/python -m pytest -q tests/integrations/sglang
 echo "== all checks passed in $((SECONDS - START)) s"
