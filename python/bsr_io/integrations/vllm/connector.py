@@ -158,7 +158,11 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
 
     # -- what each worker holds, before serving ----------------------------------------
     def get_handshake_metadata(self) -> BsrHandshake | None:
-        return self._worker.handshake() if self._worker is not None else None
+        if self._worker is None:
+            return None
+        hs = self._worker.handshake()
+        hs.fingerprints = {g.index: g.fingerprint() for g in self.groups}
+        return hs
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
         if self._scheduler is not None:

@@ -75,6 +75,7 @@ class SchedulerSide:
         self.chunk = cfg.chunk_tokens
         self.catalog = catalog if catalog is not None else RecordCatalog()
         self._ns: dict[str, dict[int, list[str]]] = {}  # key_model -> group -> dirs
+        self._fingerprints: dict[int, str] = {}  # group -> fingerprint, from the workers
         self._reqs: dict[str, _Request] = {}
         self._loads: list[Transfer] = []
         self._finish: list[Transfer] = []
@@ -93,7 +94,17 @@ class SchedulerSide:
         """Each worker's first inventory batch, gathered by vLLM before serving."""
         for hs in metadata.values():
             if isinstance(hs, BsrHandshake):
+                self.adopt_fingerprints(hs.fingerprints)
                 self.catalog.report(hs.rank, hs.inventory)
+
+    def adopt_fingerprints(self, fingerprints: dict[int, str]) -> None:
+        """The workers' group fingerprints. vLLM gives the scheduler one layer's spec for
+        a group whose layers differ (DeepSeek-V4's compressed and indexer caches share a
+        group: `generate_scheduler_kv_cache_config`), so a fingerprint made here from it
+        names a directory no worker writes; the workers' name the real ones."""
+        if fingerprints and fingerprints != self._fingerprints:
+            self._fingerprints = dict(fingerprints)
+            self._ns.clear()
 
     def close(self) -> None:
         self._hasher.shutdown(wait=False, cancel_futures=True)
@@ -107,7 +118,8 @@ class SchedulerSide:
             md = model_digest(key_model)
             for grp in self.groups:
                 ranks = sorted({grp.key_rank(r) for r in range(self.world_size)})
-                per[grp.index] = [f"{md}-{grp.fingerprint()}-w{self.world_size}r{r}" for r in ranks]
+                fp = self._fingerprints.get(grp.index) or grp.fingerprint()
+                per[grp.index] = [f"{md}-{fp}-w{self.world_size}r{r}" for r in ranks]
         return per[g.index]
 
     def _state(self, request: Any) -> _Request:
