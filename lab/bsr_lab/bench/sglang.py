@@ -1,0 +1,233 @@
+"""`bsr-lab bench sglang`: SGLang HiCache's storage read of a long prefix into SGLang's
+real host pool (MHA, page_first), three ways on the same pages, interleaved per round:
+
+- bsr: `BsrHiCacheStorage.batch_get_v1`, SGLang's batches of 128 pages (O_DIRECT
+  straight into the pool's pages, verified there);
+- file: SGLang's own file backend (`HiCacheFile`) through its controller's page get
+  (`_generic_page_get`, what SGLang runs for `--hicache-storage-backend file`), from
+  cold page cache;
+- fio: the payloads of bsr-io's record files, O_DIRECT io_uring, huge-page buffers.
+
+GiB/s per round and CPU seconds per GiB of this process (every thread; fio's own CPU is
+not counted). Every round's pool is zeroed first and compared with the saved bytes
+after. Run it in SGLang's venv: `.venv-sglang/bin/bsr-lab bench sglang --json PATH`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bsr_io.cli.fio import drop_caches, fio_available, fio_read_payloads, huge_page_buffers
+from bsr_io.cli.host import process_cpu_s
+from bsr_io.cli.report import write_json
+from bsr_io.cli.scratch import scratch_dir
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, fmt_size, parse_size
+
+
+def register(bench_subparsers: Any) -> None:
+    p = bench_subparsers.add_parser(
+        "sglang",
+        help="SGLang HiCache storage reads: bsr-io's backend vs HiCacheFile vs fio",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--size", default="1GiB", help="prefix state read per round")
+    p.add_argument("--page-tokens", type=int, default=64, help="SGLang's page size")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--window", type=int, default=32, help="W of the bsr backend")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
+    p.add_argument("--dir", type=Path, default=None, help="base of the scratch directory")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import torch
+        from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
+        from sglang.srt.mem_cache.hicache_storage import (
+            STORAGE_BATCH_SIZE,
+            HiCacheFile,
+            HiCacheStorageConfig,
+        )
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.storage import StorageBackendFactory
+    except ImportError as exc:
+        print(f"bench sglang needs SGLang 0.5.23 (.venv-sglang: scripts/install_sglang.sh): {exc}")
+        return 2
+    from bsr_io.integrations.sglang import CLASS_NAME, MODULE_PATH
+
+    page = args.page_tokens
+    page_bytes = 2 * page * args.layers * args.kv_heads * args.head_dim * 2  # bf16
+    pages = max(1, parse_size(args.size) // page_bytes)
+    state = pages * page_bytes
+    tokens = pages * page
+    print(f"{pages} pages of {fmt_size(page_bytes)}: {fmt_size(state)} per round")
+    device = MHATokenToKVPool(
+        tokens,
+        page,
+        torch.bfloat16,
+        args.kv_heads,
+        args.head_dim,
+        args.layers,
+        "cpu",
+        False,
+        start_layer=0,
+        end_layer=args.layers - 1,
+    )
+    pool = MHATokenToKVPoolHost(
+        device.get_device_pool_infos()[0].buffer_info,
+        1.0,
+        0,
+        page,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=device.size,
+        start_layer=0,
+        end_layer=args.layers - 1,
+    )
+    del device
+    flat = pool.kv_buffer.view(-1).view(torch.uint8)
+    flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8))
+    saved = flat.clone()
+    skip = page_bytes // 2  # page 0 of K (and of V): SGLang's padding page, never stored
+    at = torch.arange(page, (pages + 1) * page)  # page 0 is SGLang's padding page
+    keys = [f"{i:064x}" for i in range(1, pages + 1)]
+    batches = [
+        (keys[b : b + STORAGE_BATCH_SIZE], at[b * page : (b + STORAGE_BATCH_SIZE) * page])
+        for b in range(0, pages, STORAGE_BATCH_SIZE)
+    ]
+
+    def config(extra: dict[str, Any]) -> Any:
+        return HiCacheStorageConfig(
+            tp_rank=0,
+            tp_size=1,
+            pp_rank=0,
+            pp_size=1,
+            attn_cp_rank=0,
+            attn_cp_size=1,
+            is_mla_model=False,
+            enable_storage_metrics=False,
+            is_page_first_layout=True,
+            model_name="bench-sglang",
+            extra_config=extra,
+        )
+
+    rows: dict[str, list[dict[str, float]]] = {"bsr": [], "file": [], "fio": []}
+    with scratch_dir(args.dir, "bsr-bench-sglang-", need_bytes=2 * state + (1 << 30)) as root:
+        (root / "bsr").mkdir()
+        extra = {
+            "backend_name": "bsr",
+            "module_path": MODULE_PATH,
+            "class_name": CLASS_NAME,
+            "interface_v1": 1,
+            "store_dir": str(root / "bsr"),
+            "window": args.window,
+        }
+        bsr = StorageBackendFactory.create_backend("dynamic", config(extra), pool)
+        bsr.register_mem_pool_host(pool)
+        hfile = HiCacheFile(config({"file_storage_path": str(root / "file")}))
+        hfile.register_mem_pool_host(pool)
+        for ks, idx in batches:
+            assert all(bsr.batch_set_v1(ks, idx)), "bsr: a page was not stored"
+            data = [pool.get_data_page(int(idx[i * page])) for i in range(len(ks))]
+            assert hfile.batch_set(ks, data), "HiCacheFile: a page was not stored"
+        ctl = object.__new__(HiCacheController)  # only what _generic_page_get reads
+        ctl.storage_backend = hfile
+        ctl.storage_host_pool = ctl.mem_pool_host = pool
+        ctl.page_size = page
+        ns_dir = next((root / "bsr" / "chunks").iterdir())
+
+        def bsr_read() -> None:
+            for ks, idx in batches:
+                got = bsr.batch_get_v1(ks, idx)
+                assert all(got), f"bsr: {got.count(False)} pages not read"
+
+        def file_read() -> None:
+            for ks, idx in batches:
+                n = ctl._generic_page_get(PrefetchOperation("bench", []), ks, idx)
+                assert n == len(ks), f"HiCacheFile: {len(ks) - n} pages not read"
+
+        have_fio = fio_available()
+        with huge_page_buffers(32 << 20) as huge:
+            for r in range(args.rounds):
+                for name in ("bsr", "file", "fio"):
+                    if name == "fio" and not have_fio:
+                        continue
+                    flat.zero_()
+                    cold = drop_caches()
+                    t0, c0 = time.perf_counter(), process_cpu_s()
+                    if name == "fio":
+                        res = fio_read_payloads(
+                            ns_dir,
+                            payload_offset=HEADER_BYTES,
+                            payload_bytes=page_bytes,
+                            files=pages,
+                            iodepth=32,
+                            hugemem=huge if huge.mount else None,
+                        )
+                        secs, cpu = res.seconds, None
+                    else:
+                        (bsr_read if name == "bsr" else file_read)()
+                        secs, cpu = time.perf_counter() - t0, process_cpu_s() - c0
+                        # K and V halves, past the padding page: what was read.
+                        same = torch.equal(flat.view(2, -1)[:, skip:], saved.view(2, -1)[:, skip:])
+                        assert same, f"{name}: the pool differs from the saved bytes"
+                    row = {
+                        "round": r,
+                        "gib_s": state / secs / GiB,
+                        "seconds": secs,
+                        "cold_cache": cold,
+                    }
+                    if cpu is not None:
+                        row["cpu_s_per_gib"] = cpu / (state / GiB)
+                    rows[name].append(row)
+                    print(
+                        f"round {r} {name:>4}: {row['gib_s']:.2f} GiB/s"
+                        + (f", {row['cpu_s_per_gib']:.3f} CPU s/GiB" if cpu is not None else "")
+                    )
+        bsr_stats = dict(bsr.stats)
+        bsr.close()
+
+    def med(name: str, key: str) -> float | None:
+        vals = [r[key] for r in rows[name] if key in r]
+        return statistics.median(vals) if vals else None
+
+    summary = {
+        n: {"gib_s": med(n, "gib_s"), "cpu_s_per_gib": med(n, "cpu_s_per_gib")}
+        for n in rows
+        if rows[n]
+    }
+    bsr_gib = summary["bsr"]["gib_s"]
+    if "file" in summary and bsr_gib and summary["file"]["gib_s"]:
+        summary["bsr_over_file"] = {"ratio": bsr_gib / summary["file"]["gib_s"]}
+    if "fio" in summary and bsr_gib and summary["fio"]["gib_s"]:
+        summary["bsr_over_fio"] = {"ratio": bsr_gib / summary["fio"]["gib_s"]}
+    for k, v in summary.items():
+        print(f"{k}: {v}")
+    write_json(
+        args.json,
+        {
+            "bench": "sglang",
+            "sglang": __import__("sglang").__version__,
+            "pages": pages,
+            "page_bytes": page_bytes,
+            "state_bytes": state,
+            "page_tokens": page,
+            "layout": "page_first",
+            "window": args.window,
+            "rounds": rows,
+            "summary": summary,
+            "bsr_backend_stats": bsr_stats,
+        },
+    )
+    return 0
