@@ -6,23 +6,28 @@ there only with the workarounds in `apply_vllm_cpu_workarounds` (vllm-hybrid.md)
 
 1. Triton without a CPU backend. The model's attention-metadata builders launch
    `@triton.jit` kernels, and PyPI's Triton has no CPU backend, so vLLM disables
-   Triton (`vllm/triton_utils/importing.py`, "doesn't include CPU backend") and the
-   kernels are placeholders. Workaround: run them through Triton's interpreter
-   (`TRITON_INTERPRET=1`) and register a stand-in "cpu" backend entry so that vLLM
-   sees Triton; the interpreter never compiles, so the stand-in only answers
-   `is_active`. The V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`).
+   Triton (`vllm/triton_utils/importing.py`: "Triton is installed, but doesn't include
+   CPU backend. Disabling Triton.") and the first prefill fails in its placeholder:
+   `TypeError: 'function' object is not subscriptable` (`v1/attention/ops/metadata.py`,
+   `compute_token_to_req_indices`). Workaround: run the kernels in Triton's interpreter
+   (`TRITON_INTERPRET=1`) and register a stand-in "cpu" backend entry so that vLLM sees
+   Triton; the interpreter compiles nothing, so the stand-in only answers `is_active`.
+   With it, the V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`).
 2. `DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler`
    (`vllm/models/deepseek_v4/cpu/cpu_mla.py`) returns only the 'swaonly', 'c4a' and
-   'c128a' entries, and the shared builder (`v1/attention/backends/mla/sparse_swa.py`,
-   `build`) then reads 'c1a' and 'c2a': `KeyError: 'c1a'`. Workaround: the missing
-   entries as None, which is what the CPU path holds for the others.
+   'c128a' entries, and the shared builder then reads 'c1a' and 'c2a':
+   `KeyError: 'c1a'` (`v1/attention/backends/mla/sparse_swa.py`, `build`). Workaround:
+   the missing entries as None, which is what the CPU path holds for the others.
 3. `load_format="dummy"` fills weights uniformly in +-1e-3: the output then ignores
-   the KV cache (every context gives the same tokens), so no comparison could fail.
-   Workaround: `refill_weights` redraws every weight from a seeded generator, larger.
+   the context (two prompts with different prefixes give the same tokens), so no
+   comparison could fail. Workaround: `refill_weights` redraws every weight from a
+   seeded generator, larger.
 
-The workarounds patch this process only: the engine runs in it
+Each was checked by leaving it out alone (the errors above are what vllm-cpu 0.32.0
+raised here). The workarounds patch this process only: the engine runs in it
 (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, TP=1), so call `apply_vllm_cpu_workarounds()`
-before vLLM is imported.
+before vLLM is imported. An in-process engine steps only inside `generate`, so the
+run steps it itself while a finished request's save is pending (`saved`, `reset`).
 """
 
 from __future__ import annotations
