@@ -63,3 +63,14 @@ def test_striped_over_several_directories(tmp_path: Path) -> None:
     assert r.batch_get_v1(keys(8), at) == [True] * 8
     assert page_bytes(dst, at) == page_bytes(src, at)
     r.close()
+
+
+def test_sidecar_pools_are_refused_when_the_attach_ends(store_dir: Path) -> None:
+    pool = mha_pool("page_first")
+    b = make_backend(store_dir, pool)
+    b.register_mem_host_pool_v2(pool, "kv")
+    b.on_host_pools_registered()  # the KV pool alone is served
+    b.register_mem_host_pool_v2(pool, "mamba")
+    with pytest.raises(ValueError, match=r"KV pool only; this model also has \['mamba'\]"):
+        b.on_host_pools_registered()
+    b.close()

@@ -116,6 +116,16 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
             self._read_engine.backend,
         )
 
+    def on_host_pools_registered(self) -> None:
+        """SGLang's attach is done registering pools: refuse sidecar pools (Mamba, SWA,
+        indexer), whose v2 calls this backend does not serve, so the attach fails
+        naming them instead of every prefetch finding no hit."""
+        extra = sorted(str(n) for n in getattr(self, "registered_pools", {}) if str(n) != "kv")
+        if extra:
+            raise ValueError(
+                f"the bsr HiCache backend stores the KV pool only; this model also has {extra}"
+            )
+
     def _key(self, page_key: str) -> ChunkKey:
         return self.identity.key(page_key, self._fingerprint or "0" * 32)
 
@@ -213,6 +223,7 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
     def _set(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
         if not keys or self.pages is None or self.store is None or self._write_engine is None:
             return [False] * len(keys)
+        self._count(set_pages=len(keys))
         if not self.identity.writer:
             return [True] * len(keys)  # MLA: the storage writer rank stores the page
         runs = self.pages.page_runs(host_indices)
@@ -251,7 +262,7 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
             logger.warning(
                 "bsr HiCache: %d of %d pages not stored: %s", len(failed), len(todo), first
             )
-        self._count(set_pages=len(keys), set_written=written)
+        self._count(set_written=written)
         return result
 
     def _count(self, **deltas: int) -> None:
