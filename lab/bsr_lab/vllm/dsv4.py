@@ -12,7 +12,10 @@ there only with the workarounds in `apply_vllm_cpu_workarounds` (vllm-hybrid.md)
    `compute_token_to_req_indices`). Workaround: run the kernels in Triton's interpreter
    (`TRITON_INTERPRET=1`) and register a stand-in "cpu" backend entry so that vLLM sees
    Triton; the interpreter compiles nothing, so the stand-in only answers `is_active`.
-   With it, the V1 model runner (`VLLM_USE_V2_MODEL_RUNNER=0`).
+   Seeing Triton, vLLM would switch to its V2 model runner (`config/vllm.py`,
+   `use_v2_model_runner`: V1 only without Triton), so `VLLM_USE_V2_MODEL_RUNNER=0`
+   keeps the V1 runner every other engine test here runs (DeepSeek-V4 without the
+   connector gave the same tokens under V2 too).
 2. `DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler`
    (`vllm/models/deepseek_v4/cpu/cpu_mla.py`) returns only the 'swaonly', 'c4a' and
    'c128a' entries, and the shared builder then reads 'c1a' and 'c2a':
