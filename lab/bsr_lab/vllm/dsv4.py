@@ -121,8 +121,10 @@ def _patch_tile_scheduler() -> None:
 
 def write_tiny_dsv4(path: str | os.PathLike[str], *, layers: int = 4) -> str:
     """A tiny DeepSeek-V4 (config only: the engine loads dummy weights and
-    `refill_weights` redraws them). Layers: compression ratios 0 (sliding window
-    only), 4 and 128, so vLLM makes all six KV cache groups."""
+    `refill_weights` redraws them). Layers with compression ratios 0 (sliding window
+    only), 4 and 128, so vLLM makes every kind of DeepSeek-V4 KV cache group: with 4
+    layers, seven groups (a sliding-window cache per layer, the compressed and indexer
+    caches, and the compressor states of the ratio-4 and of the ratio-128 layers)."""
     out = Path(path)
     if (out / "config.json").exists():
         return str(out)
