@@ -231,7 +231,12 @@ def _clobbered(inner: DirectChunk, bufs: Sequence[Any], runs: Sequence[Any]) -> 
         bufs[buf][at + length // 2] ^= 0x5A
 
     outer = DirectChunk(
-        inner.key, finish, inner.done, expected_xxh3=inner.expected_xxh3, reject=inner.reject
+        inner.key,
+        finish,
+        inner.done,
+        expected_xxh3=inner.expected_xxh3,
+        reject=inner.reject,
+        abandon=inner.abandon,
     )
     return outer
 

@@ -261,7 +261,12 @@ class StripedSSDTier(Tier):
             self._count(hits=1, reads=1, bytes_read=sum(r[3] for r in runs))
 
         return DirectChunk(
-            key, finish, inner.done, expected_xxh3=inner.expected_xxh3, reject=inner.reject
+            key,
+            finish,
+            inner.done,
+            expected_xxh3=inner.expected_xxh3,
+            reject=inner.reject,
+            abandon=inner.abandon,
         )
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:
