@@ -44,6 +44,28 @@ def test_bench_sweep_rws_constant(tmp_path):
     assert doc["reference"]["engine_gib_s"] > 0
 
 
+def test_bench_sweep_reports_the_slot_and_the_direct_path_side_by_side(tmp_path):
+    """On records O_DIRECT can read in place: the slot path (forced, as a GPU destination
+    takes it) holds exactly min(W, chunks) slots; the direct path, in the same run, uses
+    none and its process grows by a few MiB (no ring made resident)."""
+    out = tmp_path / "sweep.json"
+    argv = ["bench", "sweep", "--layout", "deepseek-v4-flash", "--tokens", "256,1024"]
+    argv += ["--window", "2", "--dir", str(tmp_path / "s"), "--ref-size", "8MiB"]
+    rc = main([*argv, "--whole-plan-max", "0", "--json", str(out), "--quiet"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    slot = -(-doc["chunk_bytes"] // 4096) * 4096
+    assert doc["machine_load"]["cpus"] >= 1
+    for r in doc["rows"]:
+        assert r["outcome"] == "complete" and r["data_ok"] is True and r["path"] == "slots"
+        assert r["rws_peak_bytes"] == min(2, r["chunks"]) * slot
+        assert r["vmhwm_growth_bytes"] >= r["rws_peak_bytes"], r
+        d = r["direct"]
+        assert d["outcome"] == "complete" and d["data_ok"] is True, d
+        assert d["rws_peak_bytes"] == 0 and d["direct_chunks"] == r["chunks"], d
+        assert d["vmhwm_growth_bytes"] <= 4 << 20, d
+
+
 def test_bench_faults_subset(tmp_path):
     out = tmp_path / "faults.json"
     rc = lab_main(

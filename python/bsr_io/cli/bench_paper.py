@@ -4,6 +4,8 @@ DeepSeek-V4-Flash, TP=2, 524,288 tokens: 31.28 GiB of KV state per rank, 62.55 G
 disk for both ranks, restored with W=32 by two real ranks (one process each, one gloo
 group), each holding RWS = 32 x 16,408,576 = 525,074,432 bytes; then fio reads the
 same record payloads (both ranks' at once) on 4 KiB-page and on huge-page buffers.
+Beside it, the direct path (every chunk read straight into a host cache, no slot) where
+a host cache of the whole state fits `--dest-cap`; a GPU destination takes the slots.
 It is `bench sweep` at one size with the paper's settings, after a disk-space check
 that refuses with the space needed when the state does not fit. `--ranks 1 --tokens
 1048576` is the model's whole context on one rank (62.55 GiB), where the disk allows.
@@ -39,6 +41,12 @@ def register(bench_subparsers: Any) -> None:
         type=Path,
         default=None,
         help="base of the store directory (default: a temp dir on disk)",
+    )
+    p.add_argument(
+        "--dest-cap",
+        type=parse_size,
+        default=parse_size("1GiB"),
+        help="host KV cache size; the direct path runs only where the state fits it",
     )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--plot", type=Path, default=None, help="write the staging plot (PNG)")
@@ -80,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         plot=args.plot,
         l1=None,
         whole_plan_max=0,  # whole-plan cannot stage this; it runs at BSR's L1 and says so
-        dest_cap=parse_size("1GiB"),
+        dest_cap=args.dest_cap,
         ref_size=0,  # fio reads the records themselves; no second copy on the disk
         seed=11,
         keep=args.keep,

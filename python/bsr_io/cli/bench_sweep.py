@@ -2,7 +2,12 @@
 
 For each state size: the state is on L2 (written once, the largest first: smaller
 states are prefixes of it), the page cache is dropped, and each rank restores in
-a fresh process so its VmHWM belongs to that restore alone. The whole-plan
+a fresh process so its VmHWM belongs to that restore alone. BSR restores on both of
+its paths, side by side: through the W slots (what a GPU destination takes; its RWS
+is exactly W slots), and straight into a host cache's blocks (no slot used, so the
+ring never becomes resident), where a host cache of the whole state fits
+`--dest-cap` (larger states cycle through the cache's blocks, which direct reads
+refuse). The whole-plan
 baseline is run at the same L1 budget (it fails and says what it needed) and, up
 to `--whole-plan-max`, with L1 large enough (its measured peak). In the same run
 the engine reads a plain file of the same size class through the same window, the
@@ -15,6 +20,7 @@ buffers: the drive's time for the very bytes the largest restore read.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import time
@@ -145,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
     if not cold:
         print("note: cannot drop the page cache (not root): reads may be warm", file=sys.stderr)
     common = {"root": str(root / "store"), "layout": args.layout, "seed": args.seed}
+    # Other work on the machine skews the rates (not RWS or VmHWM): say how loaded it was.
+    load = {"cpus": os.cpu_count(), "loadavg_at_start": list(os.getloadavg())}
     try:
         _say(args, f"writing {fmt_size(top)} per rank x {args.ranks} rank(s) to {root} ...")
         t0 = time.perf_counter()
@@ -183,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         "chunk_bytes": chunk,
         "l1_budget_bytes": l1,
         "cold_cache": cold,
+        "machine_load": {**load, "loadavg_at_end": list(os.getloadavg())},
         "reference": ref,
         "records_fio": records,
         "rows": rows,
@@ -194,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
 
         plot_sweep(doc, args.plot)
         print(f"wrote {args.plot}")
-    return 0 if all(r["outcome"] == "complete" for r in rows) else 1
+    direct_ok = all(r["direct"].get("outcome", "complete") == "complete" for r in rows)
+    return 0 if direct_ok and all(r["outcome"] == "complete" for r in rows) else 1
 
 
 def _row(
@@ -212,7 +222,9 @@ def _row(
     }
     _say(args, f"restoring {n} tokens ({fmt_size(state)} per rank) with BSR, W={args.window}")
     drop_caches()
-    bsr = _check(launch(args.ranks, RESTORE, kw, timeout_s=3600), "bsr")
+    # The slot path: what a GPU destination takes, and the paper's bound (RWS = W slots).
+    bsr = _check(launch(args.ranks, RESTORE, {**kw, "direct_reads": False}, timeout_s=3600), "bsr")
+    direct = _direct(args, kw, state, dest_cap >= n)
     small = _check(
         launch(args.ranks, RESTORE, {**kw, "mode": "whole_plan", "l1_bytes": l1}),
         "whole-plan at the L1 budget",
@@ -258,6 +270,35 @@ def _row(
         "whole_plan_vmhwm_growth_bytes": (
             max(r["vmhwm_growth_bytes"] for r in ample) if ample else None
         ),
+        "path": "slots",
+        "direct": direct,
+    }
+
+
+def _direct(args: argparse.Namespace, kw: dict[str, Any], state: int, fits: bool) -> dict[str, Any]:
+    """BSR's direct path at this size: every chunk read straight into a host cache of
+    the whole state (no slot), or why it was not run."""
+    if not fits:
+        return {
+            "note": f"not run: a host cache of the whole state ({fmt_size(state)} per rank) "
+            f"exceeds --dest-cap ({fmt_size(args.dest_cap)}); cycling blocks refuse direct reads"
+        }
+    _say(args, "  BSR straight into the host cache (direct reads)")
+    drop_caches()
+    runs = _check(
+        launch(args.ranks, RESTORE, {**kw, "direct_reads": True}, timeout_s=3600), "direct"
+    )
+    restore_s = max(r["restore_s"] for r in runs)
+    outcomes = {r["outcome"] for r in runs}
+    return {
+        "rws_peak_bytes": max(r["rws_peak_bytes"] for r in runs),
+        "vmhwm_growth_bytes": max(r["vmhwm_growth_bytes"] for r in runs),
+        "direct_chunks": min(int(r["timings"].get("direct_chunks", 0)) for r in runs),
+        "restore_s": restore_s,
+        "gib_s": state / restore_s / GiB if restore_s else 0.0,
+        "aggregate_gib_s": args.ranks * state / restore_s / GiB if restore_s else 0.0,
+        "outcome": outcomes.pop() if len(outcomes) == 1 else "asymmetric",
+        "data_ok": all(r["data_ok"] for r in runs) if runs[0]["data_ok"] is not None else None,
     }
 
 
@@ -340,17 +381,28 @@ def _print(doc: dict[str, Any]) -> None:
         f"ranks {doc['ranks']}  cold cache: {doc['cold_cache']}"
     )
     hdr = (
+        f"{'':>20} {'through the W slots':^47} {'into a host cache, direct':^42}\n"
         f"{'tokens':>8} {'state/rank':>11} {'RWS peak':>11} {'VmHWM +':>11} {'GiB/s':>6} "
-        f"{'vs ssd':>6} {'outcome':>9} {'whole-plan L1':>14} {'at budget':>9}"
+        f"{'vs ssd':>6} {'outcome':>8} {'direct':>6} {'RWS peak':>9} {'VmHWM +':>10} {'GiB/s':>6} "
+        f"{'outcome':>8} {'whole-plan L1':>14} {'at budget':>9}"
     )
     print(hdr)
     for r in doc["rows"]:
         vs = f"{r['vs_ssd']:.2f}" if r.get("vs_ssd") else "-"
+        d = r.get("direct") or {}
+        if "outcome" in d:
+            direct = (
+                f"{d['direct_chunks']:>6} "
+                f"{fmt_size(d['rws_peak_bytes']):>9} {fmt_size(d['vmhwm_growth_bytes']):>10} "
+                f"{d['gib_s']:>6.2f} {d['outcome']:>8}"
+            )
+        else:
+            direct = f"{'not run (--dest-cap)':>43}"
         print(
             f"{r['tokens']:>8} {fmt_size(r['state_bytes']):>11} "
             f"{fmt_size(r['rws_peak_bytes']):>11} "
             f"{fmt_size(r['vmhwm_growth_bytes']):>11} {r['gib_s']:>6.2f} {vs:>6} "
-            f"{r['outcome']:>9} {fmt_size(r['whole_plan_l1_peak_bytes']):>14} "
+            f"{r['outcome']:>8} {direct} {fmt_size(r['whole_plan_l1_peak_bytes']):>14} "
             f"{r['whole_plan_at_budget']:>9}"
         )
     ref = doc["reference"]

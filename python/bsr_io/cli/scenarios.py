@@ -160,7 +160,8 @@ def restore_on_rank(
     token_ids = synthetic_tokens(seed, tokens)
     hit_tokens = tokens // lay.chunk_tokens * lay.chunk_tokens
     dest = _destination(lay, max(hit_tokens, lay.chunk_tokens), dest_cap_tokens)
-    dest.direct_reads = direct_reads
+    # Only ever turned off here: a cache whose block ids cycle refuses direct reads itself.
+    dest.direct_reads = direct_reads and dest.direct_reads
     # Baseline before the engine exists: growth then includes the staging ring itself.
     hwm0 = vmhwm_bytes()
     # Whole-plan stages in an L1 pool of its own; its engine needs one slot unless it is
