@@ -40,8 +40,10 @@ PY
     # torch stays at the pin: torchvision is resolved to the build made for it.
     python -m pip install -q -r "$VENV/sglang-rest.txt" dill torch==2.14.1
 fi
-# bsr-io itself, built into this venv (abi3 extension), and the test tools.
-python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "prometheus-client>=0.19" "mypy>=1.11"
+# bsr-io itself, built into this venv (abi3 extension), the test tools, and Mooncake
+# (tests/integrations/sglang read from a real loopback pool below the SSD tier).
+python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "prometheus-client>=0.19" "mypy>=1.11" \
+    "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 # The extension lands in python/bsr_io/ (shared with ./.venv) and the cargo target dir is
 # shared with the other venvs' builds: a concurrent build can race the staging rename.
 for attempt in 1 2 3; do
