@@ -230,6 +230,30 @@ class Server:
         self._wait_group(30.0)
         self.proc.wait()
 
+    def usage(self) -> dict[str, float]:
+        """The process tree's open files, threads and RSS (MiB), summed over the
+        processes of its group, from /proc (a process that exits while read is skipped)."""
+        procs = fds = threads = 0
+        rss_kib = 0
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    # pgrp is the 3rd field after the parenthesised command name.
+                    if int(f.read().rsplit(")", 1)[1].split()[2]) != self.pid:
+                        continue
+                n_fds = len(os.listdir(f"/proc/{entry}/fd"))
+                with open(f"/proc/{entry}/status") as f:
+                    status = dict(line.split(":", 1) for line in f if ":" in line)
+            except (OSError, ValueError, IndexError):
+                continue
+            procs += 1
+            fds += n_fds
+            threads += int(status["Threads"])
+            rss_kib += int(status.get("VmRSS", "0 kB").split()[0])
+        return {"procs": procs, "fds": fds, "threads": threads, "rss_mib": rss_kib / 1024}
+
     def log_tail(self, n: int = 6000) -> str:
         if self.log is None or not self.log.exists():
             return ""
@@ -268,9 +292,12 @@ class Server:
             list(r["choices"][0]["token_ids"]), details.get("cached_tokens"), r["id"], dt
         )
 
-    def stream(self, prompt: list[int], max_tokens: int = 8, **extra: Any) -> Iterator[Any]:
+    def stream(
+        self, prompt: list[int], max_tokens: int = 8, timeout: float = 600.0, **extra: Any
+    ) -> Iterator[Any]:
         """A streamed greedy completion: yields each server-sent event's JSON. Closing the
-        generator early closes the connection (vLLM aborts the request)."""
+        generator early, or `timeout` s without data (TimeoutError), closes the connection
+        (vLLM aborts the request)."""
         body = self.body(prompt, max_tokens, stream=True, **extra)
         body["stream_options"] = {"include_usage": True}
         req = urllib.request.Request(
@@ -279,7 +306,7 @@ class Server:
             method="POST",
             headers={"Content-Type": "application/json"},
         )
-        with urllib.request.urlopen(req, timeout=600) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data:"):

@@ -72,6 +72,7 @@ from bsr_io.integrations.vllm.metadata import (
     RecordOrder,
     Transfer,
 )
+from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED, SaveMetrics
 from bsr_io.integrations.vllm.ranktier import RankTier
 from bsr_io.load.records import COMPLETE, ZERO, LoadOptions, load_records
 from bsr_io.metrics import RestoreMetrics
@@ -177,6 +178,7 @@ class WorkerSide:
         self.inventory = StoreInventory(roots, {f"-w{world_size}r{r}" for r in owned})
         self.inventory.start(cfg.rescan_s)
         self.metrics = RestoreMetrics()
+        self.save_metrics = SaveMetrics(self.metrics.registry)
         if cfg.metrics_port is not None:
             from prometheus_client import start_http_server
 
@@ -260,6 +262,7 @@ class WorkerSide:
                     with self._lock:
                         self._skipped += 1
                     log.warning("bsr-io: rank %d: step save failed: %s", self.rank, exc)
+                    self._step_saved(t.request_id, FAILED, None, str(exc))
 
     def _cut(self, t: Transfer, r: RecordOrder, budget_end: float) -> None:
         """Extract record `r` into a save slot now and hand it to a writer."""
@@ -269,6 +272,7 @@ class WorkerSide:
         except EngineBusy:
             with self._lock:
                 self._skipped += 1
+            self._step_saved(t.request_id, SKIPPED, None, "no save slot within the step budget")
             return
         try:
             dest = self._dest(t, [r], Guard())
@@ -279,18 +283,28 @@ class WorkerSide:
         except BaseException:
             give_back(slot)
             raise
-        fut = self._writers.submit(self._write, self.key(t, r), g, slot)
+        fut = self._writers.submit(self._write, self.key(t, r), g, slot, t.request_id)
         with self._lock:
             self._writing.setdefault(t.request_id, []).append(fut)
 
-    def _write(self, key: ChunkKey, g: GroupLayout, slot: Slot) -> None:
+    def _write(self, key: ChunkKey, g: GroupLayout, slot: Slot, request_id: str) -> None:
+        t0 = time.monotonic()
         try:
             self.save_tier.write(key, slot, g.record)
             self._note_saved(key)
+            self._step_saved(request_id, SAVED, time.monotonic() - t0, "")
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
             log.warning("bsr-io: save of %s failed: %s", key.short(), exc)
+            self._step_saved(request_id, FAILED, time.monotonic() - t0, str(exc))
         finally:
             give_back(slot)
+
+    def _step_saved(self, request_id: str, outcome: str, seconds: float | None, why: str) -> None:
+        """A window record cut in a step: written, skipped or failed (counted, logged)."""
+        self.save_metrics.step(outcome, seconds)
+        fields: dict[str, Any] = {"kind": "step_save", "request_id": request_id}
+        fields |= {"outcome": COMPLETE if outcome == SAVED else outcome, "reason": why}
+        self._event(None, fields | ({"seconds": seconds} if seconds is not None else {}))
 
     def _note_saved(self, key: ChunkKey) -> None:
         # Written through to a pool too: no re-listing of the drive may take it back.
@@ -311,6 +325,25 @@ class WorkerSide:
         """The table's report of a job's end: the event log line."""
         outcome = COMPLETE if job.ok else ZERO
         self._event(job, {"outcome": outcome, "reason": job.reason, **details})
+        if job.kind == "save":
+            mine = int(details.get("records", sum(map(self._mine, job.transfer.records))))
+            self.save_metrics.finish(
+                mine,
+                int(details.get("written", 0)),
+                int(details.get("failed", 0 if job.ok else mine)),
+                details.get("seconds"),
+                started=job.started is not None,
+            )
+        elif not job.ok:
+            # vLLM's own line says only that a rank failed: say which and why here.
+            level = logging.INFO if job.aborted else logging.WARNING
+            log.log(
+                level,
+                "bsr-io: rank %d: load of request %s failed (%s); recomputed on every rank",
+                self.rank,
+                job.request_id,
+                job.reason,
+            )
 
     def worker_meta(self) -> BsrWorkerMeta:
         with self._lock:
@@ -398,6 +431,7 @@ class WorkerSide:
             else:
                 failures.append(f"{keys[i].short()}: {error}")
 
+        t0 = time.monotonic()
         written = save_records(
             self.save_engine,
             self.save_tier,
@@ -409,7 +443,12 @@ class WorkerSide:
             width=max(1, self.cfg.window // 2),
             on_done=done,
         )
-        extra = {"records": len(records), "written": written, "failed": len(failures)}
+        extra = {
+            "records": len(records),
+            "written": written,
+            "failed": len(failures),
+            "seconds": time.monotonic() - t0,
+        }
         return not failures, "; ".join(failures[:3]), extra
 
     def _event(self, job: Job | None, fields: dict[str, Any]) -> None:
