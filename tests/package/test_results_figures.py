@@ -686,6 +686,21 @@ VLLM_FIGURES: list[Fig] = [
         fmt="{:.0f}",
         scale=1024.0,
     ),
+    Fig(
+        "drives in {} ms (median)",
+        "vllm-two-nodes.json",
+        "restore_median_s",
+        scale=1e-3,
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "against {} ms recomputed",
+        "vllm-two-nodes.json",
+        "recompute_median_s",
+        scale=1e-3,
+        fmt="{:.0f}",
+    ),
+    Fig("first token of a {}-token prompt", "vllm-two-nodes.json", "prompt_tokens", fmt="{:,.0f}"),
     Fig("at {} records per rank", "vllm-inventory.json", "rows.1.records_per_rank", fmt="{:,.0f}"),
     Fig("own drive in {} s", "vllm-inventory.json", "rows.1.worker_list_s"),
     Fig(
@@ -875,7 +890,12 @@ PLACES: dict[str, list[Fig]] = {
 # Numbers that a text states as set-up, not as a measurement (a model's window, a step
 # size, a record's size by construction): named here, phrase by phrase, so that every
 # other number still has to be a JSON key. Kept with the text by its writer.
-PARAMETERS: dict[str, list[str]] = {}
+PARAMETERS: dict[str, list[str]] = {
+    VLLM_DOC: [
+        "(300 s by default)",  # vLLM's own setting
+        "(`/health` answers 200)",  # an HTTP status
+    ],
+}
 
 
 def _raw(place: str) -> str:
