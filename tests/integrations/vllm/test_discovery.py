@@ -27,7 +27,7 @@ from bsr_io.integrations.vllm import kv_shapes, scheduler
 from bsr_io.integrations.vllm.catalog import RecordCatalog
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import key_model
-from bsr_io.integrations.vllm.inventory import StoreInventory, list_records
+from bsr_io.integrations.vllm.inventory import SUFFIX, StoreInventory, list_records
 from bsr_io.integrations.vllm.layout import group_layouts
 from bsr_io.integrations.vllm.metadata import BsrHandshake, BsrWorkerMeta, Inventory
 from bsr_io.integrations.vllm.scheduler import SchedulerSide
@@ -407,3 +407,26 @@ def test_pool_records_survive_relisting_until_a_failed_load(tmp_path):
     inv.recheck(ns, [1])
     cat.report(0, inv.take(100))
     assert cat.holds([ns], 1)
+
+
+def test_a_pool_record_no_tier_could_serve_is_not_reported_again(tmp_path):
+    """A failed load unpins the records no tier had a good copy of (the worker's
+    `failed_chunks`): the scheduler's recheck then drops a pool-only record for good
+    instead of offering its bad pool copy again; one still on the drive stays."""
+    inv = StoreInventory([tmp_path], {"-w1r0"})
+    ns = "0" * 32 + "-" + "1" * 32 + "-w1r0"
+    (tmp_path / "chunks" / ns).mkdir(parents=True)
+    (tmp_path / "chunks" / ns / f"{2:032x}{SUFFIX}").write_bytes(b"x")
+    inv.saved(ns, 1, pinned=True)  # in the pool only
+    inv.saved(ns, 2, pinned=True)  # in the pool and on the drive
+    cat = RecordCatalog()
+    cat.report(0, inv.take(100))
+    for h in (1, 2):
+        inv.unpin(ns, h)
+    cat.drop(ns, [1, 2])
+    inv.recheck(ns, [1, 2])
+    cat.report(0, inv.take(100))
+    assert [cat.holds([ns], h) for h in (1, 2)] == [False, True]
+    inv.relist()
+    cat.report(0, inv.take(100))
+    assert [cat.holds([ns], h) for h in (1, 2)] == [False, True]

@@ -91,6 +91,12 @@ class StoreInventory:
                 self._pinned.setdefault(ns, set()).add(chunk_hash)
             self._queue(ns, chunk_hash, True)
 
+    def unpin(self, ns: str, chunk_hash: int) -> None:
+        """No tier had a good copy of this record in a load: a pool copy is no longer
+        vouched for, so the next recheck or listing reports it only if its file is here."""
+        with self._lock:
+            self._pinned.get(ns, set()).discard(chunk_hash)
+
     def recheck(self, ns: str, hashes: Iterable[int]) -> None:
         """The scheduler side dropped these after a failed load: report again those this
         store still holds (a bad one was quarantined, so its file is gone)."""

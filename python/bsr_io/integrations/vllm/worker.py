@@ -388,6 +388,9 @@ class WorkerSide:
         if not res.complete:
             # Nothing of a failed load may land later: close the blocks to it first.
             job.guard.close()
+            # A pool copy that failed too is not reported again on the scheduler's recheck.
+            for i in res.failed_chunks:
+                self.inventory.unpin(keys[i].namespace(), keys[i].chunk_hash)
         else:
             self.ssd.touch(keys)  # restored: the last of this rank's records to evict
         self.metrics.observe(res)
