@@ -32,6 +32,7 @@ RESULTS_DOC = "docs/results.md"
 VLLM_DOC = "docs/vllm.md"
 LMCACHE_DOC = "docs/lmcache.md"
 MOONCAKE_DOC = "docs/mooncake.md"
+SGLANG_DOC = "docs/sglang.md#Measured"
 HEADLINE = "README.md#Headline figures"  # a README section: file#title
 GIB, MIB = float(1 << 30), float(1 << 20)
 
@@ -847,6 +848,13 @@ HEADLINE_FIGURES: list[Fig] = [
         fmt="{:.0f}",
         scale=1024.0,
     ),
+    Fig(
+        "| {}x SGLang's own file backend",
+        "sglang.json",
+        "summary.bsr_over_file.ratio",
+        fmt="{:.1f}",
+    ),
+    Fig("backend; {}x fio on the same files", "sglang.json", "summary.bsr_over_fio.ratio"),
     Fig("The paper's scale: {} tokens x 2 ranks", "paper.json", "rows.0.tokens", fmt="{:,.0f}"),
     Fig("| restore in {} s,", "paper.json", "rows.0.restore_s"),
     Fig(
@@ -903,11 +911,24 @@ HEADLINE_FIGURES: list[Fig] = [
 ]
 
 # Each checked text and the entries that cover it.
+SGLANG_FIGURES: list[Fig] = [
+    Fig("{} pages of 8 MiB", "sglang.json", "pages", fmt="{:.0f}"),
+    Fig("pages of {} MiB (", "sglang.json", "page_bytes", fmt="{:.0f}", scale=MIB),
+    Fig("the pool) | {} | ", "sglang.json", "summary.bsr.gib_s"),
+    Fig("the pool) | 1.89 | {} |", "sglang.json", "summary.bsr.cpu_s_per_gib", fmt="{:.3f}"),
+    Fig("page get | {} | ", "sglang.json", "summary.file.gib_s", fmt="{:.3f}"),
+    Fig("page get | 0.147 | {} |", "sglang.json", "summary.file.cpu_s_per_gib"),
+    Fig("huge-page buffers | {} |", "sglang.json", "summary.fio.gib_s"),
+    Fig("prefix {}x faster", "sglang.json", "summary.bsr_over_file.ratio", fmt="{:.1f}"),
+    Fig("at {}x of fio", "sglang.json", "summary.bsr_over_fio.ratio"),
+]
+
 PLACES: dict[str, list[Fig]] = {
     RESULTS_DOC: FIGURES,
     VLLM_DOC: VLLM_FIGURES,
     LMCACHE_DOC: LMCACHE_FIGURES,
     MOONCAKE_DOC: MOONCAKE_FIGURES,
+    SGLANG_DOC: SGLANG_FIGURES,
     HEADLINE: HEADLINE_FIGURES,
 }
 
@@ -915,6 +936,9 @@ PLACES: dict[str, list[Fig]] = {
 # size, a record's size by construction): named here, phrase by phrase, so that every
 # other number still has to be a JSON key. Kept with the text by its writer.
 PARAMETERS: dict[str, list[str]] = {
+    SGLANG_DOC: [
+        "(64 tokens, 32 layers, 8 KV heads of 128, bf16)",  # the bench's page shape
+    ],
     VLLM_DOC: [
         "(300 s by default)",  # vLLM's own setting
         "(`/health` answers 200)",  # an HTTP status
