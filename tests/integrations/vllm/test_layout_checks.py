@@ -64,6 +64,27 @@ def test_dsv4_six_groups_block_first():
         group_layouts(cfg, 128)  # whole blocks of 256 and vLLM's 256-token alignment
 
 
+def test_replicated_groups_per_rank_when_drives_are_node_local():
+    """Across nodes with drives of their own, rank 0's copy of an MLA group is out of
+    other nodes' reach: each rank stores and reads its own ("auto" does so when vLLM's
+    engine spans nodes)."""
+    from bsr_io.integrations.vllm.config import KEYS, ConnectorConfig
+    from bsr_io.settings import parse
+
+    once = group_layouts(kv_shapes.dsv4(), 256)
+    own = group_layouts(kv_shapes.dsv4(), 256, replicate_once=False)
+    assert [g.key_rank(1) for g in once] == [0] * 6
+    assert [g.key_rank(1) for g in own] == [1] * 6
+    assert not any(g.replicated for g in own)
+    auto = ConnectorConfig(store_dir="/s")
+    assert [auto.replicate_once(n) for n in (1, 2)] == [True, False]
+    for mode, want in (("once", [True, True]), ("per_rank", [False, False])):
+        cfg = ConnectorConfig(store_dir="/s", replicated=mode)
+        assert [cfg.replicate_once(n) for n in (1, 2)] == want
+    with pytest.raises(ConfigError, match='replicated must be "once", "per_rank" or "auto"'):
+        parse(KEYS, {"store_dir": "/s", "replicated": "twice"})
+
+
 @pytest.mark.parametrize("shape", ["gemma3", "dsv4"])
 def test_records_round_trip_through_vllm_tensors(shape):
     cfg = getattr(kv_shapes, shape)(num_blocks=20)

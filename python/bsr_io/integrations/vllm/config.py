@@ -42,6 +42,7 @@ def check_chunk_tokens(
 _INT = "an int >= {}"
 _POSITIVE = "a positive number"
 _TEXT = "a non-empty string"
+_REPLICATED = ("once", "per_rank", "auto")
 
 KEYS = Table(
     (
@@ -68,6 +69,7 @@ KEYS = Table(
         Key("events_path", "str", None, _TEXT, not_empty),
         Key("metrics_port", "int", None, _INT.format(1), at_least(1)),
         Key("accept_load_errors", "bool", False, "true or false"),
+        Key("replicated", "str", "auto", '"once", "per_rank" or "auto"', _REPLICATED.__contains__),
     ),
     label="kv_connector_extra_config.{name}",
     unknown="unknown kv_connector_extra_config keys {unknown}; known: {known}",
@@ -110,9 +112,18 @@ class ConnectorConfig:
     model: str | None = _D("model")  # identity of the weights; default: vLLM's model and revision
     events_path: str | None = _D("events_path")  # JSON lines, one per load and save outcome
     metrics_port: int | None = _D("metrics_port")  # Prometheus on 127.0.0.1:<port + TP rank>
+    # Groups every TP rank holds the same bytes of (MLA): "once" stores them by rank 0
+    # for every rank to read (one drive, or a file system the nodes share); "per_rank"
+    # has each rank store and read its own copy (node-local drives: another node's
+    # records are out of reach); "auto" is "per_rank" when the engine spans nodes.
+    replicated: str = _D("replicated")
     # A Mooncake Store pool below the SSD tier (`bsr.mooncake.*` keys, as the LMCache
     # plugin takes them): saves write through, loads read it where the SSD tier misses.
     mooncake: MooncakeConfig | None = None
+
+    def replicate_once(self, nnodes: int) -> bool:
+        """Whether a replicated group is stored once (by rank 0) for every rank."""
+        return self.replicated == "once" or (self.replicated == "auto" and nnodes <= 1)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:

@@ -36,7 +36,10 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
-        self.groups = group_layouts(kv_cache_config, self.cfg.chunk_tokens)
+        nnodes = int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1)
+        self.groups = group_layouts(
+            kv_cache_config, self.cfg.chunk_tokens, replicate_once=self.cfg.replicate_once(nnodes)
+        )
         world_size = vllm_config.parallel_config.tensor_parallel_size
         model = model_identity(vllm_config, self.cfg.model)
         self._scheduler = None

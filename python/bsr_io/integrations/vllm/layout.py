@@ -178,9 +178,14 @@ def _record_name(
 
 
 def group_layouts(
-    kv_cache_config: Any, chunk_tokens: int, cache_layout: str | None = None
+    kv_cache_config: Any,
+    chunk_tokens: int,
+    cache_layout: str | None = None,
+    replicate_once: bool = True,
 ) -> list[GroupLayout]:
     """The record layout of every transferable vLLM KV cache group, in group order.
+    `replicate_once`: a group every TP rank holds the same bytes of is stored once, by
+    rank 0, for all (else each rank stores its own copy: drives local to each node).
 
     Raises GroupRefused for a group kind bsr-io cannot restore or pages it cannot
     address, ConfigError (config.py) when `chunk_tokens` does not fit the groups."""
@@ -232,7 +237,9 @@ def group_layouts(
             ),
             nwin,
         )
-        replicated = all(getattr(s, "max_tp_shards", None) == 1 for _, s in specs)
+        replicated = replicate_once and all(
+            getattr(s, "max_tp_shards", None) == 1 for _, s in specs
+        )
         out.append(
             GroupLayout(
                 gi,
