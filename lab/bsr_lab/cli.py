@@ -10,6 +10,7 @@ BENCHES = (
     "bsr_lab.bench.faults",
     "bsr_lab.bench.lmcache",
     "bsr_lab.bench.model",
+    "bsr_lab.bench.serve",
     "bsr_lab.bench.sglang",
     "bsr_lab.bench.vllm",
 )
