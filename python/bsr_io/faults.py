@@ -237,6 +237,7 @@ def _clobbered(inner: DirectChunk, bufs: Sequence[Any], runs: Sequence[Any]) -> 
         expected_xxh3=inner.expected_xxh3,
         reject=inner.reject,
         abandon=inner.abandon,
+        returned=inner.returned,
     )
     return outer
 
@@ -250,6 +251,7 @@ def _hung_direct(inner: DirectChunk, hang_s: float) -> DirectChunk:
         lambda: time.monotonic() >= until and inner.done(),
         expected_xxh3=inner.expected_xxh3,
         reject=inner.reject,
+        returned=lambda: time.monotonic() >= until and inner.returned(),
     )
 
 

@@ -150,6 +150,8 @@ def test_a_break_down_with_a_direct_read_in_the_kernel_ends_zero_and_spares_the_
     assert res.outcome == "zero" and res.unusable_chunks == [0], res
     assert "still owned by the kernel" in res.reason, res.reason
     assert unusable_chunks(dest) == {0}
+    # The kernel keeps that memory for good: never reported given back.
+    assert res.unusable_returned is not None and not res.unusable_returned()
     assert tier.stats()["quarantined"] == 0
     os.close(writer)
     engine.close()

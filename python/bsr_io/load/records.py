@@ -21,7 +21,7 @@ from bsr_io.load.window import InstallReport, Window
 
 if TYPE_CHECKING:
     from bsr_io.model.keys import ChunkKey
-    from bsr_io.tiers.base import Tier
+    from bsr_io.tiers.base import DirectChunk, Tier
 
 # How a restore ends: every hit chunk committed on every rank, or nothing (the caller
 # recomputes the prefix).
@@ -48,13 +48,31 @@ class RestoreResult:
     # Chunks whose destination blocks a read given up at its deadline (or left with the
     # kernel by an engine break-down) may still write: the caller must not reuse them.
     unusable_chunks: list[int] = field(default_factory=list)
+    # With unusable chunks: whether every read given up into their blocks has ended and
+    # left the memory to the caller (never, after an engine break-down with the read in
+    # the kernel's hands). Until then those blocks are not the caller's to reuse.
+    unusable_returned: Callable[[], bool] | None = field(default=None, repr=False)
 
     @property
     def complete(self) -> bool:
         return self.outcome == COMPLETE
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        del out["unusable_returned"]
+        return out
+
+
+def _all_returned(reads: Sequence[DirectChunk]) -> Callable[[], bool]:
+    """Whether every one of `reads` (direct reads given up) has left its memory to the
+    caller; a plain function, so that copying a result (`asdict`) never copies them."""
+    held = list(reads)
+
+    def returned() -> bool:
+        held[:] = [r for r in held if not r.returned()]
+        return not held
+
+    return returned
 
 
 def _never() -> bool:
@@ -146,6 +164,7 @@ def load_result(
         failed_chunks=report.failed_chunks if report else [],
         timed_out=report.timed_out if report else False,
         unusable_chunks=report.unusable if report else [],
+        unusable_returned=_all_returned(report.given_up) if report and report.given_up else None,
     )
 
 

@@ -209,10 +209,10 @@ class _DirectRead(_Read):
             self.handle.wait(timeout)
         except TimeoutError:
             if not self.handle.done() and not self.handle.abandon():
-                window._unusable(self.index)
+                window._unusable(self.index, self.handle)
             raise ReadTimedOut(self.index, self.key) from None
         except DestinationUnusable:
-            window._unusable(self.index)
+            window._unusable(self.index, self.handle)
             raise
 
     def land(self, window: Window, trail: _Trail) -> _Landed | None:
@@ -281,6 +281,8 @@ class InstallReport:
     direct: int = 0  # chunks read straight into the destination and verified there
     # Chunks whose destination blocks a read given up may still write: never reused.
     unusable: list[int] = field(default_factory=list)
+    # Those reads, kept: the caller learns from them when the memory is its own again.
+    given_up: list[DirectChunk] = field(default_factory=list)
 
 
 # Per destination, its chunks whose blocks a read may still write (given up at its
@@ -654,10 +656,11 @@ class Window:
         finally:
             self._install_s += time.perf_counter() - t0
 
-    def _unusable(self, index: int) -> None:
-        """Chunk `index`'s blocks may still be written by a read given up: reported, and
-        remembered with the destination, which no later run reuses."""
+    def _unusable(self, index: int, handle: DirectChunk) -> None:
+        """Chunk `index`'s blocks may still be written by a read given up (`handle`):
+        reported, and remembered with the destination, which no later run reuses."""
         self._report.unusable.append(index)
+        self._report.given_up.append(handle)
         try:
             _UNUSABLE.setdefault(self._dest, set()).add(index)
         except TypeError:

@@ -93,7 +93,11 @@ class DirectChunk:
     `abandon()` gives the read up at the caller's deadline: True when it never started
     (the memory is untouched and the caller's again), False when it may still write
     (the caller must report those blocks unusable). By default a read once submitted
-    counts as started."""
+    counts as started.
+
+    `returned()`: whether the memory is the caller's again. A read the kernel or a pool
+    still holds is not; nor is one an engine break-down left in the kernel's hands (its
+    memory is never given back). By default, `done()`."""
 
     def __init__(
         self,
@@ -104,10 +108,12 @@ class DirectChunk:
         expected_xxh3: int,
         reject: Callable[[str], Exception],
         abandon: Callable[[], bool] | None = None,
+        returned: Callable[[], bool] | None = None,
     ) -> None:
         self.key = key
         self._finish = finish
         self._done = done
+        self._returned = returned
         self._ended = False
         self.expected_xxh3 = expected_xxh3
         self.reject = reject
@@ -115,6 +121,10 @@ class DirectChunk:
 
     def done(self) -> bool:
         return self._ended or self._done()
+
+    def returned(self) -> bool:
+        """Whether the read's memory is the caller's again (see the class doc)."""
+        return self._returned() if self._returned is not None else self.done()
 
     def abandon(self) -> bool:
         """Give the read up: whether it never started (see the class doc)."""

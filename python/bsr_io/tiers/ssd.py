@@ -272,7 +272,22 @@ class SSDTier(FileTier):
             direct.done,
             expected_xxh3=header.payload_xxh3,
             reject=lambda why: self._corrupt(key, path, record, why),
+            returned=lambda: _memory_returned(direct),
         )
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:
         return self.submit_read(key, engine).wait()
+
+
+def _memory_returned(direct: DirectRead) -> bool:
+    """Whether the kernel gave a direct read's memory back: it ended, and not with
+    KernelOwnedError (an engine break-down left it in the kernel's hands for good)."""
+    if not direct.done():
+        return False
+    try:
+        direct.wait(0)  # ended: returns (or raises) at once, nothing else happens
+    except KernelOwnedError:
+        return False
+    except Exception:  # noqa: BLE001 - ended with an error: the memory is back
+        return True
+    return True

@@ -267,6 +267,7 @@ class StripedSSDTier(Tier):
             expected_xxh3=inner.expected_xxh3,
             reject=inner.reject,
             abandon=inner.abandon,
+            returned=inner.returned,
         )
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:

@@ -7,6 +7,13 @@ submission (time queued included), and `poll` reports each job exactly once: whe
 lane finished it, or when its deadline passed, whichever comes first. A job given up on
 has its guard closed before it is reported, so nothing touches its blocks afterwards.
 
+A job that ended while reads it gave up may still write its blocks (a direct read the
+kernel still holds: `hold`) is reported only once they returned: until then vLLM keeps
+the blocks allocated to the request (also when it was aborted), so it neither
+recomputes into them nor hands them to another request; the lane meanwhile is stuck
+(below), which says why. After an engine break-down that left a read with the kernel
+for good, the job is never reported and its blocks stay the request's.
+
 Each kind of job has one lane (a thread) that runs its jobs in submission order; a job
 that ended before its lane took it (deadline passed, request aborted) never starts. A
 lane whose current job is past its deadline by more than `grace_s` is stuck: new jobs
@@ -48,6 +55,8 @@ class Job:
     done: bool = False
     ok: bool = False
     reason: str = ""
+    # Ended with reads it gave up still writing its blocks: (why, whether they returned).
+    hold: tuple[str, Callable[[], bool]] | None = None
 
     @property
     def request_id(self) -> str:
@@ -129,8 +138,11 @@ class JobTable:
         recving: set[str] = set()
         failed: set[str] = set()
         with self._lock:
-            ended = [j for j in self._jobs if j.done]
-            self._jobs = [j for j in self._jobs if not j.done]
+            for job in self._jobs:
+                if job.done and job.hold is not None and job.hold[1]():
+                    job.hold = None  # the memory is the blocks' owner's again: report it
+            ended = [j for j in self._jobs if j.done and j.hold is None]
+            self._jobs = [j for j in self._jobs if not (j.done and j.hold is None)]
         for job in ended:
             if job.kind == "load":
                 recving.add(job.request_id)
@@ -142,6 +154,11 @@ class JobTable:
 
     def stuck(self, kind: Kind) -> str:
         """Why the `kind` lane cannot take work now ("" when it can)."""
+        with self._lock:
+            held = [j for j in self._jobs if j.kind == kind and j.hold is not None]
+        for j in held:
+            if j.hold is not None:
+                return f"{kind} of {j.request_id} holds its blocks: {j.hold[0]}"
         job = self._lanes[kind].current
         if job is not None and self._clock() > job.deadline + self._grace_s:
             return f"{kind} of {job.request_id} still running {self._grace_s:g} s past its deadline"

@@ -35,7 +35,10 @@ Design (one path, two lanes, nothing unbounded):
 - Health: a worker whose load timed out with a read still in flight (the load
   engine has fewer free slots than W with no load running) reports itself unhealthy
   in its per-step worker metadata; the scheduler answers 0 external tokens until it
-  recovers. Logging and events never kill a lane.
+  recovers. A load that gave up direct reads the kernel still holds (its blocks
+  `unusable`) is not reported failed until they return (jobs.py `hold`): vLLM keeps
+  those blocks the request's meanwhile, and the worker is unhealthy until then.
+  Logging and events never kill a lane.
 - Staging: the load engine holds W slots of the largest record of any group, so the
   RWS of a restore is at most W x that; the save engine holds W more for saves.
 
@@ -388,6 +391,14 @@ class WorkerSide:
         if not res.complete:
             # Nothing of a failed load may land later: close the blocks to it first.
             job.guard.close()
+            if res.unusable_returned is not None:
+                # Reads given up may still write these blocks: the failure is reported
+                # (and vLLM recomputes into them, or frees them) only once they returned.
+                why = (
+                    f"{len(res.unusable_chunks)} direct read(s) given up (at the deadline, "
+                    "or left with the kernel by an engine break-down) may still write them"
+                )
+                job.hold = (why, res.unusable_returned)
             # A pool copy that failed too is not reported again on the scheduler's recheck.
             for i in res.failed_chunks:
                 self.inventory.unpin(keys[i].namespace(), keys[i].chunk_hash)
