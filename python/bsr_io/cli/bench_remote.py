@@ -21,6 +21,8 @@ import dataclasses
 import os
 import random
 import statistics
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +39,7 @@ from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.cli.synthetic import fill_random, synthetic_tokens
 from bsr_io.engine import as_numpy
+from bsr_io.errors import TierDown
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.model.keys import ChunkKey, chunk_keys
 from bsr_io.model.layout import PRESETS, KVLayout, preset
@@ -103,7 +106,55 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_pool_args(args: argparse.Namespace) -> None:
+    """Refuse bad pool options before a pool is started or joined, naming the option."""
+    if not args.pool_timeout > 0:  # NaN too
+        raise ValueError(f"--pool-timeout {args.pool_timeout:g}: must be positive (seconds)")
+    threads = getattr(args, "io_threads", None)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--io-threads {threads}: must be at least 1")
+
+
+def open_tier(cfg: MooncakeConfig, layout: KVLayout) -> MooncakeTier:
+    """Join the pool: its tier, or one line (OSError) when the pool cannot be joined.
+
+    Stderr (fd 2) goes to a file meanwhile: Mooncake's client logs INFO lines and an
+    ERROR for its own segment not yet registered (a 404) on every successful join. The
+    file is kept, and named, only when the join failed and Mooncake wrote to it."""
+    from bsr_io.tiers.mooncake import MooncakeTier
+
+    # Mooncake logs each failed put or read at WARNING besides the error the command
+    # reports in its one line; MC_LOG_LEVEL=INFO (or WARNING) in the environment shows them.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    fd, log = tempfile.mkstemp(prefix="bsr-mooncake-setup-", suffix=".log")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    os.close(fd)
+    keep = False
+    try:
+        return MooncakeTier(cfg, layout=layout, name="L3")
+    except TierDown as exc:
+        keep = os.path.getsize(log) > 0
+        raise OSError(f"{exc}" + (f" (Mooncake's log: {log})" if keep else "")) from None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        if not keep:
+            os.unlink(log)
+
+
+def close_client(tier: MooncakeTier) -> None:
+    """Close the tier, then its Mooncake client while the pool is still up: left to its
+    destructor at exit, a client of a loopback pool already stopped logs failed DELETEs
+    to the gone metadata server. Only once no transfer is in flight (closing during one
+    to a stalled node crashed Mooncake 0.3.13; see `MooncakeTier.close`)."""
+    tier.close()
+    tier.client.close()
+
+
 def pool_config(args: argparse.Namespace) -> MooncakeConfig | None:
+    check_pool_args(args)
     if args.master is None:
         return None
     if not args.metadata_server:
@@ -118,19 +169,36 @@ def pool_config(args: argparse.Namespace) -> MooncakeConfig | None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    from bsr_io.tiers.mooncake import MooncakeTier
+def check_json_path(path: Path | None) -> None:
+    """Refuse a --json path that cannot be written before the run, not after it: its
+    directory is made as write_json would, the file opened for append (a new one removed)."""
+    if path is None:
+        return
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise OSError(f"--json {path}: cannot write it: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()
 
+
+def run(args: argparse.Namespace) -> int:
     layout = preset(args.layout)
     chunk = layout.chunk_bytes
     n = args.size // chunk
     if n < 1:
         raise ValueError(f"--size {args.size} is less than one chunk ({chunk} bytes)")
-    if args.window < 1 or args.rounds < 1:
-        raise ValueError("--window and --rounds must be at least 1")
+    for flag, value in (("--window", args.window), ("--rounds", args.rounds)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
     state_bytes = n * chunk
     record = HEADER_BYTES + chunk
     cfg = pool_config(args)
+    check_json_path(args.json)
+    measured = False
     with ExitStack() as stack:
         where = "given pool"
         if cfg is None:
@@ -149,19 +217,23 @@ def run(args: argparse.Namespace) -> int:
         if args.no_direct:
             cfg = dataclasses.replace(cfg, direct_reads=False)
         node = None if where == "given pool" else pool.node
-        tier = MooncakeTier(cfg, layout=layout, name="L3")
-        stack.callback(tier.close)
-        engine = stack.enter_context(Engine(args.window, chunk))
-        model = f"bench-remote-{os.getpid()}-{time.time_ns()}"
-        tokens = synthetic_tokens(7, n * layout.chunk_tokens)
-        keys = chunk_keys(tokens, layout, model)
+        # Said before the pool is joined: a closed stdout stops the run with no client.
         print(
             f"{where} at {cfg.master}: writing {n} chunks of {fmt_size(chunk)} "
             f"({fmt_size(state_bytes)})"
         )
+        tier = open_tier(cfg, layout)
+        # After a finished run nothing is in flight: the client closes before the pool
+        # stops (registered first, so it runs after the callbacks below).
+        stack.callback(lambda: close_client(tier) if measured else tier.close())
+        engine = stack.enter_context(Engine(args.window, chunk))
+        model = f"bench-remote-{os.getpid()}-{time.time_ns()}"
+        tokens = synthetic_tokens(7, n * layout.chunk_tokens)
+        keys = chunk_keys(tokens, layout, model)
         _fill(tier, engine, layout, keys)
         stack.callback(lambda: [tier.remove(k) for k in keys])
         doc = _measure(tier, engine, layout, keys, tokens, args, model, node)
+        measured = True
     doc.update(
         pool=where,
         master=cfg.master,
@@ -183,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         f"{doc['client_bulk_gib_s']:.2f} GiB/s into one {fmt_size(doc['bulk_buffer_bytes'])} "
         f"buffer: ratio {doc['ratio']:.3f} (median of rounds "
         f"{doc['ratio_median_of_rounds']:.3f}); "
-        f"RWS {fmt_size(doc['rws_peak_bytes'])} (bound W x chunk = "
+        f"RWS {fmt_size(doc['rws_peak_bytes'])} (bound W x slot = "
         f"{fmt_size(doc['rws_bound_bytes'])}), state {fmt_size(state_bytes)}, outcome "
         f"{doc['outcome']}; {doc['restore_read_wait_share']:.0%} of the restore waiting for "
         f"the pool, CPU {doc['restore_cpu_s_per_gib']:.2f} s/GiB (bulk "

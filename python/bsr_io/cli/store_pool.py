@@ -13,7 +13,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from bsr_io._core import Engine
-from bsr_io.cli.bench_remote import add_pool_args, pool_config
+from bsr_io.cli.bench_remote import add_pool_args, close_client, open_tier, pool_config
 from bsr_io.cli.synthetic import synthetic_chunk, synthetic_tokens
 from bsr_io.errors import ChunkError
 from bsr_io.model.keys import ChunkKey, chunk_keys
@@ -48,29 +48,38 @@ def register_pool(store_sub: Any) -> None:
 
 
 def _open(args: argparse.Namespace) -> tuple[MooncakeTier, KVLayout, list[ChunkKey]]:
-    from bsr_io.tiers.mooncake import MooncakeTier
-
     cfg = pool_config(args)
     if cfg is None:
         raise ValueError("give the pool: --master HOST:PORT --metadata-server URL")
     layout = preset(args.layout)
     if args.tokens < layout.chunk_tokens:
-        raise ValueError(f"--tokens {args.tokens} is less than one chunk ({layout.chunk_tokens})")
+        raise ValueError(
+            f"--tokens {args.tokens} is less than one chunk ({layout.chunk_tokens} tokens of "
+            f"{layout.name})"
+        )
+    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
+        raise ValueError(
+            f"--rank {args.rank} --world-size {args.world_size}: need --world-size >= 1 and "
+            "0 <= --rank < --world-size"
+        )
     keys = chunk_keys(
         synthetic_tokens(args.seed, args.tokens), layout, args.model, args.rank, args.world_size
     )
-    return MooncakeTier(cfg, layout=layout), layout, keys
+    return open_tier(cfg, layout), layout, keys
 
 
 def run_fill(args: argparse.Namespace) -> int:
     tier, layout, keys = _open(args)
+    new = done = 0
     try:
-        new = sum(
-            tier.write(k, synthetic_chunk(layout, args.seed, i, args.rank), layout)
-            for i, k in enumerate(keys)
-        )
+        for i, k in enumerate(keys):
+            new += tier.write(k, synthetic_chunk(layout, args.seed, i, args.rank), layout)
+            done += 1
+    except ChunkError as exc:  # a full or gone pool: one line, saying how far it got
+        raise OSError(f"{done} of {len(keys)} chunks in the pool, then: {exc}") from None
     finally:
         tier.close()
+    close_client(tier)  # every call returned: nothing in flight
     print(json.dumps({"chunks": len(keys), "written": new, "already_held": len(keys) - new}))
     return 0
 
@@ -79,8 +88,11 @@ def run_probe(args: argparse.Namespace) -> int:
     tier, layout, keys = _open(args)
     try:
         held = tier.probe(keys)
+    except ChunkError as exc:  # the pool went down between joining and asking
+        raise OSError(str(exc)) from None
     finally:
         tier.close()
+    close_client(tier)  # every call returned: nothing in flight
     print(
         json.dumps(
             {"chunks": len(keys), "leading_held": held, "tokens": held * layout.chunk_tokens}
@@ -94,7 +106,10 @@ def run_verify(args: argparse.Namespace) -> int:
     bad: list[dict[str, str]] = []
     ok = 0
     try:
-        held = tier.probe(keys)
+        try:
+            held = tier.probe(keys)
+        except ChunkError as exc:  # the pool went down between joining and asking
+            raise OSError(str(exc)) from None
         with Engine(1, layout.chunk_bytes) as engine:
             for i, k in enumerate(keys[:held]):
                 try:
@@ -113,5 +128,6 @@ def run_verify(args: argparse.Namespace) -> int:
                     bad.append({"chunk": str(i), "error": "verified record of other bytes"})
     finally:
         tier.close()
+    close_client(tier)  # every call returned: nothing in flight
     print(json.dumps({"chunks": len(keys), "held": held, "verified": ok, "bad": bad}))
     return 1 if bad else 0
