@@ -1,0 +1,65 @@
+"""Every window record a worker cuts in a step is counted, saved or skipped, with its
+duration and an event line (issue 31, item 4). No engine: the real worker side over
+vLLM's own planner and allocator (the tiny Gemma 3's groups), real files; the finish
+saves and the failed-load log line are checked on a running server by
+test_serve_soak.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from bsr_io._core import NoFreeSlot
+from bsr_io.integrations.vllm import kv_shapes
+from bsr_io.integrations.vllm.config import ConnectorConfig
+from bsr_io.integrations.vllm.layout import WINDOW, group_layouts
+from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
+from bsr_io.integrations.vllm.worker import WorkerSide
+
+STEP = "bsr_io_vllm_save_records_total{kind=step,outcome=%s}"
+
+
+def step_saves(group: int, request: str, hashes: range) -> BsrMetadata:
+    """Window records of `group` at chunk boundaries 1.., two blocks each (blocks 1..)."""
+    records = tuple(RecordOrder(group, c, h, (1 + 2 * c, 2 + 2 * c)) for c, h in enumerate(hashes))
+    return BsrMetadata(step_saves=[Transfer(request, "tiny", records)])
+
+
+def test_step_saves_are_counted_timed_and_logged_saved_or_skipped(tmp_path):
+    events = tmp_path / "events.jsonl"
+    cfg = ConnectorConfig(
+        store_dir=str(tmp_path / "store"),
+        chunk_tokens=256,
+        events_path=str(events),
+        step_save_budget_s=0.05,
+    )
+    groups = group_layouts(kv_shapes.gemma3(), 256)
+    window = next(g for g in groups if g.kind == WINDOW)
+    worker = WorkerSide(cfg, groups, 24, rank=0, world_size=1, model="tiny")
+    held = []
+    try:
+        worker.register(kv_shapes.allocate(kv_shapes.gemma3()))
+        worker.save_step(step_saves(window.index, "saved-1", range(100, 103)))
+        deadline = time.monotonic() + 30
+        while worker.metrics.snapshot().get(STEP % "saved", 0) < 3:
+            assert time.monotonic() < deadline, worker.metrics.snapshot()
+            time.sleep(0.05)
+        # Every save slot held (a busy save lane): the next step's records are skipped.
+        while True:
+            try:
+                held.append(worker.save_engine.lease())
+            except NoFreeSlot:
+                break
+        worker.save_step(step_saves(window.index, "skipped-1", range(200, 202)))
+        m = worker.metrics.snapshot()
+        assert m[STEP % "saved"] == 3 and m[STEP % "skipped"] == 2, m
+        assert m["bsr_io_vllm_save_seconds_count{kind=step}"] == 3, m
+        lines = [json.loads(x) for x in events.read_text().splitlines()]
+        steps = [(e["request_id"], e["outcome"]) for e in lines if e["kind"] == "step_save"]
+        assert sorted(steps) == [("saved-1", "complete")] * 3 + [("skipped-1", "skipped")] * 2
+        assert all(e["seconds"] >= 0 for e in lines if e.get("outcome") == "complete")
+    finally:
+        for slot in held:
+            slot.release()
+        worker.close()
