@@ -21,7 +21,7 @@ STEP = "bsr_io_vllm_save_records_total{kind=step,outcome=%s}"
 
 
 def step_saves(group: int, request: str, hashes: range) -> BsrMetadata:
-    """Window records of `group` at chunk boundaries 1.., two blocks each (blocks 1..)."""
+    """Window records of `group` at chunk boundaries 0.., two blocks each (blocks 1..)."""
     records = tuple(RecordOrder(group, c, h, (1 + 2 * c, 2 + 2 * c)) for c, h in enumerate(hashes))
     return BsrMetadata(step_saves=[Transfer(request, "tiny", records)])
 
