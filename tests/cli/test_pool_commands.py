@@ -165,6 +165,7 @@ def test_bench_remote_state_under_w_chunks_json(tmp_path):
         (["--pool-timeout", "-1"], "--pool-timeout -1: must be positive"),
         (["--json", "/proc/bsr-io-nope/r.json"], "--json /proc/bsr-io-nope/r.json: cannot write"),
         (["--json", "."], "--json .: cannot write it: Is a directory"),
+        (["--size", "64TiB"], "not enough memory: --size 64.00 TiB needs about"),
     ],
 )
 def test_bench_remote_bad_arguments_refused_before_a_pool(capsys, extra, says):

@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from bsr_io._core import Engine
-from bsr_io.cli.host import process_cpu_s
+from bsr_io.cli.host import check_memory, process_cpu_s
 from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.cli.synthetic import fill_random, synthetic_tokens
@@ -198,6 +198,12 @@ def run(args: argparse.Namespace) -> int:
     record = HEADER_BYTES + chunk
     cfg = pool_config(args)
     check_json_path(args.json)
+    # This host holds the bulk buffer (records) and the destination (the state), and a
+    # loopback pool's segment (sized below) as well.
+    need = n * record + state_bytes
+    if cfg is None:
+        need += n * record + max(n * record // 4, 256 << 20)
+    check_memory(need, f"--size {fmt_size(args.size)}", "a smaller --size")
     measured = False
     with ExitStack() as stack:
         where = "given pool"
@@ -207,7 +213,10 @@ def run(args: argparse.Namespace) -> int:
             inside = stack.enter_context(loopback_netns())
             segment = n * record + max(n * record // 4, 256 << 20)
             # Leases outlast a bulk read of the whole state on a slow, shared machine.
-            pool = stack.enter_context(LoopbackPool(segment, lease_ttl_ms=20000))
+            try:
+                pool = stack.enter_context(LoopbackPool(segment, lease_ttl_ms=20000))
+            except RuntimeError as exc:  # a master or node that would not start: one line
+                raise OSError(f"cannot start a loopback pool: {exc}") from None
             cfg = pool.config(timeout_s=args.pool_timeout)
             where = "loopback pool" + (" (loopback-only netns)" if inside else "")
         if args.io_threads is not None:
