@@ -19,14 +19,14 @@ import shutil
 import statistics
 import threading
 import time
-import urllib.error
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bsr_lab.vllm.harness import CHUNK_TOKENS, Events, tokens, write_tiny_llama
-from bsr_lab.vllm.nodes import Cluster, Reply
+from bsr_lab.vllm.nodes import Cluster
+from bsr_lab.vllm.server import Completion
 
 RESCAN_S = 4.0  # each worker re-lists its own drive this often
 LOAD_TIMEOUT_S = 30.0
@@ -52,7 +52,7 @@ def _records(disk: Path) -> set[Path]:
     return {p for p in disk.rglob("*") if p.is_file() and "quarantine" not in p.parts}
 
 
-def _settle(events: Events, reply: Reply, ranks: int = 2) -> None:
+def _settle(events: Events, reply: Completion, ranks: int = 2) -> None:
     """Wait until every rank has stored the request's chunks (its saves end after the
     response), and fail if any rank's save did not complete."""
     done = events.wait(reply.request_id, "save", ranks, timeout=300)
@@ -60,7 +60,7 @@ def _settle(events: Events, reply: Reply, ranks: int = 2) -> None:
     assert not bad, bad
 
 
-def _loads(events: Events, reply: Reply) -> dict[int, str]:
+def _loads(events: Events, reply: Completion) -> dict[int, str]:
     """rank -> outcome of the request's load on that rank and why (absent: no load)."""
     return {
         e["rank"]: f"{e['outcome']}: {e['reason']}" if e.get("reason") else e["outcome"]
@@ -68,8 +68,8 @@ def _loads(events: Events, reply: Reply) -> dict[int, str]:
     }
 
 
-def _summary(r: Reply, events: Events) -> dict[str, Any]:
-    return {"tokens": r.tokens, "cached": r.cached, "s": r.seconds, "loads": _loads(events, r)}
+def _summary(r: Completion, events: Events) -> dict[str, Any]:
+    return {"tokens": r.tokens, "cached": r.cached or 0, "s": r.seconds, "loads": _loads(events, r)}
 
 
 def _ttft(c: Cluster, prompt: list[int], rounds: int = 3) -> list[float]:
@@ -147,7 +147,7 @@ def _scenario(root: Path) -> dict[str, Any]:
             "delay_s": 600.0,
         }
     ]
-    c.env = (NODE_ENV, NODE_ENV | {"BSR_IO_FAULTS": json.dumps(hang)})
+    c.set_env((NODE_ENV, NODE_ENV | {"BSR_IO_FAULTS": json.dumps(hang)}))
     c.start()
     try:
         c.wait_ready()
@@ -183,8 +183,8 @@ def _scenario(root: Path) -> dict[str, Any]:
         def send() -> None:
             t0 = time.monotonic()
             try:
-                got["reply"] = c.complete(P["S"], timeout=600).tokens
-            except (urllib.error.URLError, OSError) as exc:
+                got["reply"] = c.complete(P["S"]).tokens
+            except (RuntimeError, OSError) as exc:  # the server's error reply, or none
                 got["error"] = repr(exc)[:300]
             got["s"] = time.monotonic() - t0
 
