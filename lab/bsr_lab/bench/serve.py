@@ -56,9 +56,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
         "--threads-bind",
         default="0" if cores <= 2 else f"0-{cores - 2}",
         help="VLLM_CPU_OMP_THREADS_BIND, the same for both servers (default: all cores but "
-        "the last, left to the API server and the connector's threads: with vLLM's "
-        "spinning OpenMP threads on every core, a smoke run on 2 cores was 3.9x slower "
-        "with the connector than without, and 1.24x faster with one core left free)",
+        "the last, left to the API server and the connector's threads: vLLM's OpenMP "
+        "threads spin, and on every core they starve the connector's lanes)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
