@@ -7,7 +7,6 @@ the argument alone says so; a closed stdout stops quietly (141)."""
 
 from __future__ import annotations
 
-import gc
 import json
 import subprocess
 import sys
@@ -44,17 +43,28 @@ def _dead_pool() -> list[str]:
     return ["--master", f"127.0.0.1:{free_port()}", "--metadata-server", "http://127.0.0.1:1/m"]
 
 
+def _cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """The command in a process of its own: a Mooncake client whose setup failed leaves
+    threads behind in its process (still retrying the dead master), and later clients of
+    that process then cannot set up (seen: every pool test after this module timed out)."""
+    cmd = [sys.executable, "-m", "bsr_io.cli", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
 # -- store pool ---------------------------------------------------------------------------
-def test_store_pool_fill_probe_verify_one_chunk_and_quiet_stderr(pool, capfd):
-    # One chunk (the smallest state --tokens allows), a seed no other test writes.
+def test_store_pool_fill_probe_verify_one_chunk_and_quiet_stderr(pool):
+    # One chunk (the smallest state --tokens allows), a seed no other test writes. Each
+    # command in a process of its own, as a user runs it: it closes its Mooncake client
+    # at the end, which leaves Mooncake's process-wide state unusable to later clients
+    # of the same process (seen: every pool test after this module timed out).
     args = ("--tokens", str(TINY.chunk_tokens), "--seed", "30")
-    assert main(_store_pool("fill", pool, *args)) == 0
-    assert main(_store_pool("probe", pool, *args)) == 0
-    assert main(_store_pool("verify", pool, *args)) == 0
-    out, err = capfd.readouterr()
-    # Mooncake's client logs its setup (INFO lines, an ERROR 404) on fd 2: kept off it.
-    assert err == ""
-    docs = [json.loads(line) for line in out.splitlines()]
+    docs = []
+    for cmd in ("fill", "probe", "verify"):
+        proc = _cli(_store_pool(cmd, pool, *args))
+        assert proc.returncode == 0, proc.stderr
+        # Mooncake's client logs its setup (INFO lines, an ERROR 404) on fd 2: kept off it.
+        assert proc.stderr == ""
+        docs += [json.loads(line) for line in proc.stdout.splitlines()]
     assert docs == [
         {"chunks": 1, "written": 1, "already_held": 0},
         {"chunks": 1, "leading_held": 1, "tokens": TINY.chunk_tokens},
@@ -76,14 +86,15 @@ def test_store_pool_bad_arguments_are_one_line(pool, capsys, extra, says):
     assert says in _one_line(capsys.readouterr().err)
 
 
-def test_store_pool_unreachable_pool_is_one_line(capfd):
+def test_store_pool_unreachable_pool_is_one_line():
     argv = ["store", "pool", "probe", "--layout", "tiny", "--tokens", "64", *_dead_pool()]
-    assert main([*argv, "--pool-timeout", "2"]) == 2
-    line = _one_line(capfd.readouterr().err)
+    proc = _cli([*argv, "--pool-timeout", "2"])
+    assert proc.returncode == 2, proc.stderr
+    line = _one_line(proc.stderr)
     assert line.startswith("bsr-io: error: cannot reach the Mooncake master at 127.0.0.1:")
 
 
-def test_store_pool_fill_into_a_pool_too_small_is_one_line(netns, tmp_path, capfd):
+def test_store_pool_fill_into_a_pool_too_small_is_one_line(netns, tmp_path):
     # One llama-3.1-8b chunk (32 MiB) into the smallest segment Mooncake takes (16 MiB).
     small = mf.start_pool(tmp_path / "pool", segment_bytes=16 << 20)
     try:
@@ -97,11 +108,11 @@ def test_store_pool_fill_into_a_pool_too_small_is_one_line(netns, tmp_path, capf
             "--tokens",
             str(big.chunk_tokens),
         ]
-        assert main([*argv, *_pool_args(small)]) == 2
+        proc = _cli([*argv, *_pool_args(small)])
     finally:
-        gc.collect()  # the failed fill's client goes while its pool is up: no DELETE errors
         small.stop()
-    line = _one_line(capfd.readouterr().err)
+    assert proc.returncode == 2, proc.stderr
+    line = _one_line(proc.stderr)
     assert "0 of 1 chunks in the pool, then: pool full or no storage node" in line
 
 
