@@ -116,14 +116,34 @@ def test_a_hung_job_is_given_up_on_then_its_lane_takes_no_new_saves():
         t.close()
 
 
-def test_a_hung_load_fails_its_request_and_marks_the_load_lane_stuck():
+def test_a_hung_load_is_reported_failed_only_once_its_lane_returned():
+    """A running load given up past its deadline may still have a read writing its
+    blocks: vLLM must keep them until the lane returned. Before, the load was reported
+    failed (blocks freed) at deadline + grace with the lane still inside it. Meanwhile
+    the load lane is stuck: a new load ends at once and is reported, a queued one at its
+    own deadline."""
     work = Work()
     t = table(work, load=work.hung)
     try:
-        t.submit("load", transfer("r1"), 0.2)
+        hung = t.submit("load", transfer("r1"), 0.2)
+        time.sleep(0.05)  # the lane took it and hangs
+        queued = t.submit("load", transfer("queued"), 0.3)
         _, recving, failed = poll_until(t, 1)
-        assert recving == failed == {"r1"}
-        assert t.stuck("load") and t.running("load")
+        assert recving == failed == {"queued"} and "queued" in queued.reason
+        time.sleep(0.2 + GRACE + 0.1)  # r1 is past deadline + grace now
+        assert t.poll() == (set(), set(), set())  # given up on, not reported
+        assert hung.done and not hung.ok and not hung.guard.open
+        assert "holds its blocks" in t.stuck("load") and t.running("load")
+        new = t.submit("load", transfer("new"), 30)
+        assert new.done and not new.ok and "stuck" in new.reason
+        assert t.poll()[1:] == ({"new"}, {"new"})
+        time.sleep(0.2)
+        assert t.poll() == (set(), set(), set())  # still inside the lane: still held
+        work.hold.set()  # the lane returns
+        _, recving, failed = poll_until(t, 1)
+        assert recving == failed == {"r1"}, (recving, failed)
+        assert [e[0] for e in work.ended] == ["queued", "r1", "new"]
+        assert t.stuck("load") == "" and t.pending() == 0
     finally:
         work.hold.set()
         t.close()

@@ -4,7 +4,8 @@ vLLM learns that a transfer ended only from what `get_transfer_results` reports,
 keeps the request's blocks until then: a transfer never reported pins its blocks for
 good, and enough of those admit nothing. So every job's deadline counts from its
 submission (time queued included), and `poll` reports each job exactly once: when its
-lane finished it, or when its deadline passed, whichever comes first. A job given up on
+lane finished it, or when its deadline passed, whichever comes first (a running load
+given up on: once its lane returned, below). A job given up on
 has its guard closed before it is reported, so nothing touches its blocks afterwards.
 
 A job that ended while reads it gave up may still write its blocks (a direct read the
@@ -12,7 +13,9 @@ kernel still holds: `hold`) is reported only once they returned: until then vLLM
 the blocks allocated to the request (also when it was aborted), so it neither
 recomputes into them nor hands them to another request; the lane meanwhile is stuck
 (below), which says why. After an engine break-down that left a read with the kernel
-for good, the job is never reported and its blocks stay the request's.
+for good, the job is never reported and its blocks stay the request's. A running load
+given up `grace_s` past its deadline is held the same way until its lane returned (a
+read it started may still write the blocks); a queued job is reported at its deadline.
 
 Each kind of job has one lane (a thread) that runs its jobs in submission order; a job
 that ended before its lane took it (deadline passed, request aborted) never starts. A
@@ -133,7 +136,13 @@ class JobTable:
             late = [j for j in self._jobs if not j.done and now > self._limit(j)]
         for job in late:
             where = "queued" if job.started is None else "running"
-            self._end(job, False, f"{job.kind} did not end within its deadline ({where})", {})
+            self._end(
+                job,
+                False,
+                f"{job.kind} did not end within its deadline ({where})",
+                {},
+                until_returned=job.kind == "load" and job.started is not None,
+            )
         sending: set[str] = set()
         recving: set[str] = set()
         failed: set[str] = set()
@@ -184,9 +193,13 @@ class JobTable:
         # end at the deadline); a queued one none: nothing of it has started.
         return job.deadline + (self._grace_s if job.started is not None else 0.0)
 
-    def _end(self, job: Job, ok: bool, reason: str, details: Details) -> None:
+    def _end(
+        self, job: Job, ok: bool, reason: str, details: Details, *, until_returned: bool = False
+    ) -> None:
         """Mark `job` ended once (the lane and a give-up may race: the first wins).
-        A job that did not succeed has its blocks closed to it before it is reported."""
+        A job that did not succeed has its blocks closed to it before it is reported.
+        `until_returned`: a running load given up on is held (not reported) until its
+        lane returned, since a read it started may still write its blocks meanwhile."""
         with self._lock:
             if job.done:
                 return
@@ -196,10 +209,26 @@ class JobTable:
             if job.done:
                 return
             job.ok, job.reason, job.done = ok, reason, True
+            if until_returned:
+                self._hold_until_returned(job)
         try:
             self._on_end(job, details)
         except Exception:  # noqa: BLE001 - reporting a job never stops a lane
             log.exception("bsr-io: on_end of %s %s failed", job.kind, job.request_id)
+
+    def _hold_until_returned(self, job: Job) -> None:
+        """Hold `job` until its lane returned from it (and any hold it set itself ended)."""
+        lane = self._lanes[job.kind]
+        before = job.hold
+
+        def returned() -> bool:
+            return lane.current is not job and (before is None or before[1]())
+
+        job.hold = (
+            f"given up {self._grace_s:g} s past its deadline, its lane has not returned "
+            "(a read it started may still write the blocks)",
+            returned,
+        )
 
     def _serve(self, lane: _Lane) -> None:
         while True:
@@ -210,8 +239,8 @@ class JobTable:
                 if not job.done:
                     self._end(job, False, f"{job.kind} not started by its deadline", {})
                 continue
+            lane.current = job  # first: a started job always has its lane's current set
             job.started = self._clock()
-            lane.current = job
             try:
                 ok, reason, details = lane.run(job)
             except Exception as exc:  # noqa: BLE001 - any failure is a zero-reuse outcome
