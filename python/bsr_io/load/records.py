@@ -168,6 +168,24 @@ def load_result(
     )
 
 
+def _problems_seen(tiers: Sequence[Tier]) -> list[int]:
+    """How many bad records each tier has withdrawn so far (tiers that keep files)."""
+    return [len(getattr(t, "problems", ())) for t in tiers]
+
+
+def _withdrawn(tiers: Sequence[Tier], seen: list[int], key: ChunkKey) -> str:
+    """Why discovery just withdrew `key` ("" when it did not): a record whose header
+    failed its check is quarantined and then held by no tier, and the load's reason
+    must say so, not only that the record is missing."""
+    why = [
+        f"{t.name}: {p.reason}; record quarantined"
+        for t, n in zip(tiers, seen, strict=True)
+        for p in list(getattr(t, "problems", ()))[n:]
+        if p.key == key
+    ]
+    return f" ({'; '.join(why)})" if why else ""
+
+
 def load_records(
     engine: Engine,
     tiers: Sequence[Tier],
@@ -194,6 +212,7 @@ def load_records(
         chunk_bytes = max(sizes, default=0) if sizes is not None else engine.slot_bytes
     width = engine.window if width is None else width
     timings: dict[str, float] = {}
+    seen = _problems_seen(tiers)
     try:
         sources = sources_of(tiers, keys, options.deadline)
         stalled = ""
@@ -204,7 +223,9 @@ def load_records(
     if stalled:
         reason = stalled
     elif len(sources) < n:
-        reason = f"record {len(sources)} of {n} ({keys[len(sources)].short()}) is in no tier"
+        missing = keys[len(sources)]
+        reason = f"record {len(sources)} of {n} ({missing.short()}) is in no tier"
+        reason += _withdrawn(tiers, seen, missing)
     elif options.should_stop():
         reason = "stopped before the load started"
     else:

@@ -102,6 +102,19 @@ def _fault_double(tiers: list[Any], rank: int) -> list[Any]:
     return list(plan.wrap_all(tiers, rank))
 
 
+def _log_quarantined_at_start(tiers: list[Any], rank: int) -> None:
+    """The records the tiers' start scans quarantined (bad headers): they are no longer
+    listed, so their requests just miss; the log says which record and why."""
+    for tier in dict.fromkeys(tiers):
+        for p in getattr(tier, "problems", ()):
+            log.warning(
+                "bsr-io: rank %d: record %s quarantined at start (%s); its requests recompute",
+                rank,
+                p.path,
+                p.reason,
+            )
+
+
 def describe(g: GroupLayout) -> dict[str, Any]:
     """A group as the event log records it (enough to rebuild its record layout)."""
     return {
@@ -176,6 +189,7 @@ class WorkerSide:
                     rank,
                     exc,
                 )
+        _log_quarantined_at_start([*load_tiers, self.ssd], rank)
         self.load_tiers = _fault_double(load_tiers, rank)
         roots = [cfg.store_dir] + ([cfg.lower_dir] if cfg.lower_dir else [])
         self.inventory = StoreInventory(roots, {f"-w{world_size}r{r}" for r in owned})
