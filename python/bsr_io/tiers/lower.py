@@ -7,10 +7,12 @@ O_DIRECT, and this tier is read once per fallback, not on the hot path.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine, Slot, xxh3_64
+from bsr_io.errors import ChunkWriteError
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 from bsr_io.model.record import HEADER_BYTES, RecordHeader, make_header
@@ -22,18 +24,17 @@ from bsr_io.tiers.base import (
     payload_view,
 )
 from bsr_io.tiers.files import FileTier, RecordId, open_record
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data = data[n:]
-        offset += n
+from bsr_io.tiers.files.bounded import call_within, pwrite_all
 
 
 class LowerTier(FileTier):
     """Record files under `root`, read and written buffered; unbounded unless a capacity
-    is given."""
+    is given.
+
+    A record's writes and its fdatasync run on a thread of their own and are waited for
+    `write_timeout_s` at most, together (as L2's): a stalled mount fails the save
+    (ChunkWriteError, nothing published, earlier records intact) instead of holding the
+    caller."""
 
     def __init__(
         self,
@@ -42,7 +43,11 @@ class LowerTier(FileTier):
         *,
         layout: KVLayout | None = None,
         name: str = "L3",
+        write_timeout_s: float = 30.0,
     ) -> None:
+        if not write_timeout_s > 0:
+            raise ValueError(f"write_timeout_s must be > 0 seconds, got {write_timeout_s}")
+        self.write_timeout_s = write_timeout_s
         super().__init__(root, capacity_bytes, name=name, layout=layout)
 
     def _stage(self, payload: Payload, layout: KVLayout) -> memoryview:
@@ -53,9 +58,23 @@ class LowerTier(FileTier):
     ) -> RecordHeader:
         view: memoryview = staged
         header = make_header(key, layout, xxh3_64(view))
-        _pwrite_all(fd, memoryview(header.encode()), 0)
-        _pwrite_all(fd, view, HEADER_BYTES)
-        os.fdatasync(fd)
+
+        def write(fd: int, stop: threading.Event) -> None:
+            pwrite_all(fd, memoryview(header.encode()), 0, stop)
+            pwrite_all(fd, view, HEADER_BYTES, stop)
+            if not stop.is_set():
+                os.fdatasync(fd)
+
+        try:
+            call_within(self.write_timeout_s, fd, write)
+        except TimeoutError as exc:
+            raise ChunkWriteError(
+                f"the write of {tmp.name} did not end within {self.write_timeout_s} s "
+                "(mount stalled?); record not stored, earlier records intact",
+                key=key,
+                tier=self.name,
+                cause=exc,
+            ) from None
         return header
 
     def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:

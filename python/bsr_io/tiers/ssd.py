@@ -33,6 +33,7 @@ from bsr_io.tiers.base import (
     payload_view,
 )
 from bsr_io.tiers.files import FileTier, RecordId
+from bsr_io.tiers.files.bounded import call_within, pwrite_all
 
 _local = threading.local()
 
@@ -52,9 +53,10 @@ class SSDTier(FileTier):
     One record per file: opening and closing a file costs microseconds against
     milliseconds for reading a 16 MiB chunk (see the issue note for the measurement).
 
-    A record's write and its fdatasync run on the engine's I/O thread and are waited for
-    `write_timeout_s` at most, together: a stalled drive fails the save (ChunkWriteError,
-    nothing published) instead of holding the caller.
+    A record's payload write and its fdatasync run on the engine's I/O thread, its header
+    write on a thread of its own (`bounded.py`), and all are waited for `write_timeout_s`
+    at most, together: a stalled drive fails the save (ChunkWriteError, nothing
+    published) instead of holding the caller.
     """
 
     def __init__(
@@ -105,7 +107,14 @@ class SSDTier(FileTier):
             try:
                 # Checksum while the payload is on its way: both only read the slot.
                 header = make_header(key, layout, slot.checksum(0, n))
-                os.pwrite(fd, header.encode(), 0)
+                raw = memoryview(header.encode())
+                self._by(
+                    deadline,
+                    key,
+                    tmp,
+                    "header write",
+                    lambda t: call_within(t, fd, lambda d, stop: pwrite_all(d, raw, 0, stop)),
+                )
             finally:
                 try:
                     # Past the deadline the write goes on without us; its op keeps the

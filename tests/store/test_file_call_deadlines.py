@@ -1,0 +1,148 @@
+"""The plain file calls of a save have the save's deadline too (`tiers/files/bounded.py`).
+
+- L2's header pwrite (the payload write and fdatasync go through the engine, tested in
+  test_write_deadlines.py) is waited for within the same `write_timeout_s`.
+- L3's writes and fdatasync (buffered, on the caller's thread before) are waited for
+  `write_timeout_s` at most.
+
+Past it the save fails (ChunkWriteError), nothing is published, no temp file is left and
+earlier records read back intact. The stall is a fault double: `os.pwrite` or
+`os.fdatasync` blocks, as on a stalled drive or mount, for the descriptors of the tier's
+temp files only (found through /proc/self/fd), until the test releases it. No
+device-mapper here to suspend a real device (`dmsetup` finds no kernel driver). The
+save runs on a thread of the test's, so that a save with no deadline fails the test
+instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bsr_io import Engine
+from bsr_io.cli.synthetic import fill_state, synthetic_chunk
+from bsr_io.errors import ChunkWriteError
+from bsr_io.model.layout import preset
+from bsr_io.tiers import LowerTier, SSDTier
+
+LAYOUT = preset("tiny")
+DEADLINE_S = 1.0
+SLACK_S = 2.0
+
+
+class _Stall:
+    """Fault double of `os.<name>`: blocks on a temp file under `root` until released."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.real = getattr(os, name)
+        self.root = str(root)
+        self.released = threading.Event()
+        self.hits = 0
+
+    def __call__(self, fd: int, *args: Any) -> Any:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        if target.startswith(self.root) and ".tmp" in target:
+            self.hits += 1
+            self.released.wait(60)
+        return self.real(fd, *args)
+
+
+@contextmanager
+def _stalled(monkeypatch: pytest.MonkeyPatch, name: str, root: Path) -> Iterator[_Stall]:
+    stall = _Stall(name, root)
+    monkeypatch.setattr(os, name, stall)
+    try:
+        yield stall
+    finally:
+        stall.released.set()
+        time.sleep(0.2)  # the stalled call returns on its own thread, into the doomed file
+        monkeypatch.undo()
+
+
+def _save_in_time(save: Callable[[], object]) -> tuple[float, BaseException | None]:
+    """Run `save` on a thread; (seconds it took, what it raised). Fails the test when it
+    is still blocked well past the deadline (a wait with no limit)."""
+    got: list[BaseException | None] = []
+
+    def body() -> None:
+        try:
+            save()
+            got.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked by the caller
+            got.append(exc)
+
+    t0 = time.monotonic()
+    worker = threading.Thread(target=body, daemon=True)
+    worker.start()
+    worker.join(DEADLINE_S + SLACK_S)
+    took = time.monotonic() - t0
+    assert not worker.is_alive(), f"the save still waits {took:.1f} s in (no deadline)"
+    return took, got[0]
+
+
+def _no_leftovers(root: Path, chunks: int) -> None:
+    assert len(list(root.rglob("*.chunk"))) == chunks
+    assert not list(root.rglob("*.tmp"))
+
+
+def test_a_stalled_l2_header_write_fails_the_save_at_its_deadline(tmp_path, monkeypatch):
+    """Before, the header's pwrite ran on the caller's thread with no limit."""
+    root = tmp_path / "l2"
+    with Engine(2, LAYOUT.chunk_bytes) as engine:
+        tier = SSDTier(root, None, engine, write_timeout_s=DEADLINE_S)
+        _, first = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=1, model="m")
+        with _stalled(monkeypatch, "pwrite", root) as stall:
+            took, exc = _save_in_time(
+                lambda: fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=2, model="m")
+            )
+            assert isinstance(exc, ChunkWriteError), exc
+            assert "header write" in str(exc) and "did not end within" in str(exc)
+            assert stall.hits == 1 and took < DEADLINE_S + SLACK_S
+            assert tier.keys() == first
+            _no_leftovers(root, 1)
+        _no_leftovers(root, 1)  # the late write went into the removed temp file
+        assert bytes(memoryview(tier.read_into(first[0], engine))) == (
+            synthetic_chunk(LAYOUT, 1, 0).tobytes()
+        )
+        # Control: with the call free the same save works.
+        _, second = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=2, model="m")
+        assert set(tier.keys()) == {first[0], second[0]}
+
+
+@pytest.mark.parametrize("call", ["pwrite", "fdatasync"])
+def test_a_stalled_l3_write_fails_the_save_at_its_deadline(tmp_path, monkeypatch, call):
+    """Before, L3's writes and fdatasync ran on the caller's thread with no limit."""
+    root = tmp_path / "l3"
+    tier = LowerTier(root, write_timeout_s=DEADLINE_S)
+    _, first = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=1, model="m")
+    with _stalled(monkeypatch, call, root) as stall:
+        took, exc = _save_in_time(
+            lambda: fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=2, model="m")
+        )
+        assert isinstance(exc, ChunkWriteError), exc
+        assert "did not end within" in str(exc), exc
+        assert stall.hits == 1 and took < DEADLINE_S + SLACK_S
+        assert tier.keys() == first
+        _no_leftovers(root, 1)
+    _no_leftovers(root, 1)
+    with Engine(2, LAYOUT.chunk_bytes) as engine:
+        got = tier.submit_read(first[0], engine).wait()
+        assert bytes(memoryview(got)) == synthetic_chunk(LAYOUT, 1, 0).tobytes()
+        got.release()
+    _, second = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=2, model="m")
+    assert set(tier.keys()) == {first[0], second[0]}
+
+
+def test_write_timeout_must_be_positive(tmp_path):
+    with pytest.raises(ValueError, match="write_timeout_s must be > 0"):
+        LowerTier(tmp_path / "l3", write_timeout_s=0)
