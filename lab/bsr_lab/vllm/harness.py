@@ -37,9 +37,18 @@ VOCAB = 512
 
 
 def write_tiny_llama(
-    path: str | os.PathLike[str], *, layers: int = 2, seed: int = 0, max_tokens: int = 16384
+    path: str | os.PathLike[str],
+    *,
+    layers: int = 2,
+    seed: int = 0,
+    max_tokens: int = 16384,
+    hidden: int = 128,
+    heads: int = 2,
+    kv_heads: int = 2,
 ) -> str:
-    """A random-weight Llama (head_dim 64, 2 KV heads, bf16) saved with save_pretrained.
+    """A random-weight Llama (head_dim 64, bf16) saved with save_pretrained: by default
+    2 KV heads, hidden 128; wider (`hidden`, `heads`, `kv_heads`) where a bench needs a
+    prefill that costs more than the server's own per-step overhead.
 
     A wide weight init makes the output depend on the context, so KV from another
     prefix visibly changes it."""
@@ -51,11 +60,11 @@ def write_tiny_llama(
         return str(out)
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=max_tokens,
         initializer_range=0.2,
