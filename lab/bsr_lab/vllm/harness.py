@@ -612,6 +612,7 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
     the connector's per-rank load and save events."""
     store = os.path.join(work, "store")
     events = Events(os.path.join(work, "events.jsonl"))
+    port = free_ports(tp)  # each rank's save counters
     cfg = {
         "store_dir": store,
         "window": WINDOW,
@@ -619,6 +620,7 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
         "load_timeout_s": 60.0,
         "save_timeout_s": 600.0,
         "events_path": events.path,
+        "metrics_port": port,
         "step_save_budget_s": 5.0,
         # Every prompt hashed off the scheduler thread: vLLM is answered None (ask
         # again) first, so every phase below runs through that path too.
@@ -651,6 +653,11 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
     # Restore a 4K prefix under another suffix, then a 16K one: identical output, and
     # the window groups read the same bytes for both.
     out["A"] = run("A", save=True)
+    # The first request's records (window records cut in steps, full ones at its finish)
+    # against the saves its events say were written.
+    chunks = os.walk(os.path.join(store, "chunks"))
+    out["A_files"] = sum(f.endswith(".chunk") for _, _, fs in chunks for f in fs)
+    out["A_events"] = len(events.all())
     reset(llm)
     out["A2"] = run("A2")
     out["L16_first"] = run("L16", save=True)
@@ -693,6 +700,10 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
     out["P2"] = run("P2")
     out["P8b"] = run("P8b")
     out["events"] = events.all()
+    out["save_metrics"] = [
+        {k: v for k, v in scrape(port + r).items() if "vllm_save_records_total" in k}
+        for r in range(tp)
+    ]
     return out
 
 
