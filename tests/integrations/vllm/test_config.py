@@ -38,6 +38,7 @@ def _vllm_config(policy="recompute", prefix=True, block=32, parallel=None, **ext
         ({"store_dir": "/s", "window": 0}, "window must be an int >= 1"),
         ({"store_dir": "/s", "window": None}, "window must be an int >= 1, got None"),
         ({"store_dir": "/s", "chunk_tokens": None}, "chunk_tokens must be an int >= 1"),
+        ({"store_dir": "/s", "io_cpus": "3-1"}, 'io_cpus must be "auto", "inherit" or a CPU'),
         (
             {
                 "store_dir": "/s",

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bsr_io.integrations.vllm.cpus import valid_setting
 from bsr_io.settings import Key, Table, at_least, not_empty, parse, positive
 from bsr_io.tiers.mooncake import EXTRA_PREFIX, MooncakeConfig
 
@@ -70,6 +71,7 @@ KEYS = Table(
         Key("metrics_port", "int", None, _INT.format(1), at_least(1)),
         Key("accept_load_errors", "bool", False, "true or false"),
         Key("replicated", "str", "auto", '"once", "per_rank" or "auto"', _REPLICATED.__contains__),
+        Key("io_cpus", "str", "auto", '"auto", "inherit" or a CPU list ("1,3-5")', valid_setting),
     ),
     label="kv_connector_extra_config.{name}",
     unknown="unknown kv_connector_extra_config keys {unknown}; known: {known}",
@@ -117,6 +119,9 @@ class ConnectorConfig:
     # has each rank store and read its own copy (node-local drives: another node's
     # records are out of reach); "auto" is "per_rank" when the engine spans nodes.
     replicated: str = _D("replicated")
+    # The CPUs of the connector's threads in the worker (cpus.py): "auto" keeps them off
+    # the cores vLLM bound its OpenMP threads to.
+    io_cpus: str = _D("io_cpus")
     # A Mooncake Store pool below the SSD tier (`bsr.mooncake.*` keys, as the LMCache
     # plugin takes them): saves write through, loads read it where the SSD tier misses.
     mooncake: MooncakeConfig | None = None

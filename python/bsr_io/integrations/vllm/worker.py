@@ -65,6 +65,7 @@ from bsr_io.engine import as_tensor, give_back, lease
 from bsr_io.errors import EngineBusy, TierDown
 from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
+from bsr_io.integrations.vllm.cpus import connector_cpus, pinner, threads_started_on
 from bsr_io.integrations.vllm.inventory import StoreInventory
 from bsr_io.integrations.vllm.jobs import Details, Job, JobTable
 from bsr_io.integrations.vllm.layout import GroupLayout
@@ -144,6 +145,23 @@ class WorkerSide:
         world_size: int,
         model: str = "",
     ) -> None:
+        # Every thread started here (io_uring, lanes, inventory, a pool client's) and the
+        # writers started later run off vLLM's OpenMP cores (cpus.py).
+        self.cpus = connector_cpus(cfg.io_cpus)
+        with threads_started_on(self.cpus):
+            self._build(cfg, groups, num_blocks, rank, world_size, model)
+        if self.cpus is not None:
+            log.info("bsr-io: rank %d: connector threads on CPUs %s", rank, sorted(self.cpus))
+
+    def _build(
+        self,
+        cfg: ConnectorConfig,
+        groups: list[GroupLayout],
+        num_blocks: int,
+        rank: int,
+        world_size: int,
+        model: str,
+    ) -> None:
         self.cfg = cfg
         self.model = model  # the model identity keys are made under (for the event log)
         self.groups = {g.index: g for g in groups}
@@ -205,7 +223,9 @@ class WorkerSide:
         self.pages: KVPages | None = None
         self._lock = threading.Lock()
         self._skipped = 0  # window records not saved (no slot in budget, or an error)
-        self._writers = ThreadPoolExecutor(cfg.window, thread_name_prefix=f"bsr-w{rank}")
+        self._writers = ThreadPoolExecutor(
+            cfg.window, thread_name_prefix=f"bsr-w{rank}", initializer=pinner(self.cpus)
+        )
         self._writing: dict[str, list[Future[None]]] = {}  # request -> its window writes
         self.jobs = JobTable(
             {"load": self._load, "save": self._save},
