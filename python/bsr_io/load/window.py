@@ -65,7 +65,15 @@ from bsr_io.load.discovery import holds
 from bsr_io.load.install import HostRuns, fused_runs, install_chunk, scoped
 from bsr_io.load.kvcache import Destination, Fence
 from bsr_io.model.keys import ChunkKey
-from bsr_io.tiers.base import ENGINE_ERRORS, DirectChunk, DirectUnavailable, PendingChunk, Tier
+from bsr_io.tiers.base import (
+    ENGINE_ERRORS,
+    DirectChunk,
+    DirectUnavailable,
+    PendingChunk,
+    Tier,
+    reads_by,
+    reads_end,
+)
 
 
 def _record_of(exc: BaseException) -> object | None:
@@ -368,6 +376,7 @@ class Window:
         self._begin(keys, sources, dest, sizes, slot_deadline, read_deadline)
         report = self._report
         stop_every = stop_every or self.width
+        deadline = reads_by(self._read_deadline)  # a tier's waits to start a read too
         try:
             spoiled = unusable_chunks(dest)
             if spoiled:
@@ -395,6 +404,7 @@ class Window:
             report.error = str(exc)
         finally:
             self._end()
+            reads_end(deadline)
         if report.failed_chunks and not report.error:
             report.error = f"chunks {report.failed_chunks[:8]} unavailable in every tier"
         return report

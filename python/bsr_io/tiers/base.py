@@ -8,8 +8,10 @@ advertises it again. Probing reads metadata only.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar, Token
 from typing import Any
 
 import torch
@@ -25,6 +27,28 @@ Payload = Any  # Slot | torch.Tensor (uint8, CPU) | any contiguous buffer of chu
 # a ChunkError (a full ring is back-pressure, not a failed chunk; a broken engine
 # failed every read it had, good records included).
 ENGINE_ERRORS = (NoFreeSlot, EngineClosedError, EngineBrokenError)
+
+# The deadline (time.monotonic) of the reads this thread starts: set by the window for
+# its run, so that a tier's own waits while starting a read (a record's header) end
+# with the run's, without a deadline argument through every tier and wrapper.
+_READ_DEADLINE: ContextVar[float | None] = ContextVar("bsr_io_read_deadline", default=None)
+READ_TIMEOUT_S = 30.0  # without a run: the window's default deadline
+
+
+def read_deadline() -> float:
+    """When the reads started now must have ended: the running window's deadline, else
+    READ_TIMEOUT_S from now."""
+    deadline = _READ_DEADLINE.get()
+    return time.monotonic() + READ_TIMEOUT_S if deadline is None else deadline
+
+
+def reads_by(deadline: float) -> Token[float | None]:
+    """Set this thread's read deadline until `reads_end(token)`."""
+    return _READ_DEADLINE.set(deadline)
+
+
+def reads_end(token: Token[float | None]) -> None:
+    _READ_DEADLINE.reset(token)
 
 
 class PendingChunk:

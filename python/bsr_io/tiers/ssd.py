@@ -31,6 +31,7 @@ from bsr_io.tiers.base import (
     PendingChunk,
     check_slot_fits,
     payload_view,
+    read_deadline,
 )
 from bsr_io.tiers.files import FileTier, RecordId
 from bsr_io.tiers.files.bounded import call_within, pwrite_all
@@ -169,9 +170,8 @@ class SSDTier(FileTier):
             record = RecordId.of(st)
             header = self._known_header(key, st)
             if header is None:
-                buf = _header_buffer()
-                got = os.preadv(fd, [buf], 0)
-                header = self._open_checks(key, path, bytes(buf[:got]), st)
+                raw = _read_header(engine, f, st.st_size)
+                header = self._open_checks(key, path, raw, st)
                 self._checked(key, header, st)
             record = RecordId.of(st, header)
             pending = submit(f, header.payload_len)
@@ -286,6 +286,29 @@ class SSDTier(FileTier):
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:
         return self.submit_read(key, engine).wait()
+
+
+def _read_header(engine: Engine, f: File, size: int) -> bytes:
+    """A record's header bytes (fewer when the file is shorter), read through the engine
+    by the read's deadline (`read_deadline`): a stalled drive costs the chunk then, as a
+    read error (TimeoutError, an OSError: it proves nothing against the record).
+
+    Read straight into this thread's aligned buffer; one given up is left to the read
+    (the kernel may still write it, the DirectRead keeps it) and the thread takes a new
+    one."""
+    buf = _header_buffer()
+    want = min(size, HEADER_BYTES)
+    read = engine.submit_read_into(f, 0, [buf], [(0, 0, 0, HEADER_BYTES)])
+    try:
+        read.wait(max(0.0, read_deadline() - time.monotonic()))
+    except TimeoutError:
+        _local.buf = None
+        raise TimeoutError(
+            f"the header read of {f.path} did not end by the read's deadline (device stalled?)"
+        ) from None
+    except ShortReadError:
+        pass  # the file ends within the header: its checks say what is wrong
+    return bytes(buf[:want])
 
 
 def _memory_returned(direct: DirectRead) -> bool:
