@@ -30,6 +30,7 @@ from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
 from bsr_io.errors import ChunkWriteError
 from bsr_io.model.layout import preset
+from bsr_io.model.record import HEADER_BYTES
 from bsr_io.tiers import LowerTier, SSDTier
 
 LAYOUT = preset("tiny")
@@ -146,3 +147,28 @@ def test_a_stalled_l3_write_fails_the_save_at_its_deadline(tmp_path, monkeypatch
 def test_write_timeout_must_be_positive(tmp_path):
     with pytest.raises(ValueError, match="write_timeout_s must be > 0"):
         LowerTier(tmp_path / "l3", write_timeout_s=0)
+
+
+def test_a_stalled_demotion_to_l3_does_not_hold_the_l2_save(tmp_path, monkeypatch):
+    """L2 full: saving a record evicts the oldest, copied down to L3 first (best
+    effort). L3's copy stalls (its fdatasync): the copy is given up at L3's
+    `write_timeout_s`, the record is evicted anyway and the L2 save goes on. Before, the
+    copy ran on the saving thread with no limit."""
+    l3_root = tmp_path / "l3"
+    l3 = LowerTier(l3_root, write_timeout_s=DEADLINE_S)
+    with Engine(2, LAYOUT.chunk_bytes) as engine:
+        one = HEADER_BYTES + LAYOUT.chunk_bytes
+        l2 = SSDTier(tmp_path / "l2", one, engine, evict_to=l3)
+        _, first = fill_state(l2, LAYOUT, LAYOUT.chunk_tokens, seed=1, model="m")
+        with _stalled(monkeypatch, "fdatasync", l3_root) as stall:
+            took, exc = _save_in_time(
+                lambda: fill_state(l2, LAYOUT, LAYOUT.chunk_tokens, seed=2, model="m")
+            )
+            assert exc is None and stall.hits == 1 and took < DEADLINE_S + SLACK_S
+            assert len(l2.keys()) == 1 and l2.keys() != first
+            assert l3.keys() == []
+            _no_leftovers(l3_root, 0)
+        _no_leftovers(l3_root, 0)
+        # Control: with the call free the next eviction lands in L3.
+        fill_state(l2, LAYOUT, LAYOUT.chunk_tokens, seed=3, model="m")
+        assert len(l3.keys()) == 1

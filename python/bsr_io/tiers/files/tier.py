@@ -20,6 +20,7 @@ from bsr_io.errors import (
     ChunkError,
     ChunkMissing,
     ChunkReadError,
+    ChunkWriteError,
     LayoutError,
     TierDown,
     proves_bad,
@@ -34,6 +35,7 @@ from bsr_io.model.record import (
     decode_header,
 )
 from bsr_io.tiers.base import Payload, Tier, check_capacity, check_payload
+from bsr_io.tiers.files.bounded import call_within
 from bsr_io.tiers.files.capacity import Room
 from bsr_io.tiers.files.index import RecordIndex, scan_records
 from bsr_io.tiers.files.publish import copy_record, publish
@@ -52,6 +54,10 @@ PATHS_KEPT = 1 << 16  # record paths remembered per tier (a few MiB at most)
 
 class FileTier(Tier):
     """A tier of record files under `root`; subclasses supply the payload I/O."""
+
+    # How long a record's writes and sync may take together (subclasses take it as an
+    # argument): a stalled device fails the save then instead of holding the caller.
+    write_timeout_s: float = 30.0
 
     def __init__(
         self,
@@ -258,12 +264,26 @@ class FileTier(Tier):
         return True
 
     def _copy_from(self, key: ChunkKey, src: Path, header: RecordHeader, fd: int) -> RecordHeader:
-        src_fd, _ = open_record(src)
+        def copy(fd: int, _stop: object) -> bool:
+            # Only the source file and the doomed temp file: nothing of the caller's.
+            src_fd, _ = open_record(src)
+            try:
+                return copy_record(src_fd, fd, header.record_bytes)
+            finally:
+                os.close(src_fd)
+
         try:
-            if not copy_record(src_fd, fd, header.record_bytes):
-                raise ChunkCorrupt("demoted record is truncated", key=key, tier=self.name)
-        finally:
-            os.close(src_fd)
+            whole = call_within(self.write_timeout_s, fd, copy)
+        except TimeoutError as exc:
+            raise ChunkWriteError(
+                f"the copy of {src.name} did not end within {self.write_timeout_s} s "
+                "(device stalled?); record not stored, earlier records intact",
+                key=key,
+                tier=self.name,
+                cause=exc,
+            ) from None
+        if not whole:
+            raise ChunkCorrupt("demoted record is truncated", key=key, tier=self.name)
         return header
 
     # -- what subclasses provide --------------------------------------------------------
