@@ -1,0 +1,75 @@
+"""`bsr-lab bench serve`'s figures from its rounds (the servers themselves run in the
+bench; these are its pairing rules, on rounds written here): the miss penalty pairs only
+requests that missed on both servers, equal outputs are counted only for equal prompts,
+and a restored request is compared with the same request recomputed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bsr_lab.bench.serve import CACHED, equality, penalty, restores
+
+
+def req(kind: str, ttft: float, prompt: str, tokens=(1, 2), restored: int = 0) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "ttft_s": ttft,
+        "total_s": ttft + 0.1,
+        "tokens": list(tokens),
+        "prompt_hash": prompt,
+        "restored": restored,
+        "cached": 0,
+    }
+
+
+def rnd(sat: list[dict[str, Any]], turns: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    return {
+        "saturated": {"requests": sat, "wall_s": wall},
+        "paced": {"requests": [], "wall_s": 0.0},
+        "turns": {"requests": turns, "wall_s": wall},
+    }
+
+
+def test_penalty_pairs_misses_on_both_servers_only():
+    base = [rnd([req("miss", 1.0, "a"), req("miss", 1.0, "b"), req("local", 0.1, "c")], [], 2.0)]
+    # The third request hit vLLM's own cache on the reference: not a miss pair, however
+    # slow it was with bsr-io.
+    bsr = [rnd([req("miss", 1.1, "a"), req("miss", 1.1, "b"), req("miss", 9.0, "c")], [], 2.5)]
+    p = penalty(base, bsr, "saturated")
+    assert p["requests"] == 2
+    assert p["ttft_p50_ratio"] == pytest.approx(1.1)
+    assert p["throughput_ratio"] == pytest.approx(2.0 / 2.5)
+
+
+def test_equality_counts_equal_prompts_only():
+    base = [rnd([req("miss", 1, "a"), req("miss", 1, "b")], [req("miss", 1, "t1")], 1)]
+    bsr = [
+        rnd(
+            [req("miss", 1, "a"), req("miss", 1, "x", tokens=(9,))],  # another prompt
+            [req("restored", 0.1, "t1", tokens=(1, 3), restored=256)],
+            1,
+        )
+    ]
+    cached = [rnd([], [req("local", 0.05, "t1", tokens=(1, 3))], 1)]
+    eq = equality({"baseline": base, "bsr_io": bsr, CACHED: cached})
+    assert eq["misses_both"] == "1/1"
+    assert eq["restored_vs_recomputed"] == "0/1"
+    assert eq["vllm_hit_vs_recomputed"] == "0/1"
+    assert eq["restored_vs_vllm_hit"] == "1/1"
+
+
+def test_restores_pair_the_same_request_recomputed():
+    base = [rnd([], [req("miss", 0.5, "t"), req("local", 0.05, "u")], 1)]
+    bsr = [
+        rnd(
+            [],
+            [req("restored", 0.1, "t", restored=512), req("restored", 0.1, "u", restored=256)],
+            1,
+        )
+    ]
+    r = restores({"baseline": base, "bsr_io": bsr}, 256)
+    assert r["requests"] == 1  # the second was vLLM's own hit on the reference
+    assert r["speedup_p50"] == pytest.approx(5.0)
+    assert list(r["by_restored_chunks"]) == [2]
