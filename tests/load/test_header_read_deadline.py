@@ -1,5 +1,5 @@
-"""An L2 record's header read, when the index does not know the record (written by
-another process, or replaced since it was indexed), has the read's deadline.
+"""An L2 record's open and header read, when the index does not know the record
+(written by another process, or replaced since it was indexed), have the read's deadline.
 
 The header is read through the engine (io_uring), waited for until the window's run
 deadline: a stalled drive makes the chunk a read error then, which proves nothing
@@ -7,7 +7,9 @@ against the record (nothing quarantined), and the chunk comes from a lower tier;
 run returns by its deadline. Before, the header was a plain pread on the window's
 thread, outside the engine and with no deadline.
 
-The stall is real: the engine's only I/O lane is held by a read of a FIFO nobody
+The open runs on a thread of its own then, waited for until that deadline (a test double
+of the engine stalls it below: opening a record blocks, as a path lookup on a stalled
+drive does). The header stall is real: the engine's only I/O lane is held by a read of a FIFO nobody
 writes (a hung device as the engine sees one: every later request waits behind it).
 The engine, tiers and window are the real ones; the records are written by a second
 tier over the same directory after the reading tier scanned it (another process's
@@ -17,6 +19,7 @@ records, as the reading tier sees them).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -117,3 +120,57 @@ def test_a_stalled_header_read_is_a_read_error_at_the_deadline(backend, tmp_path
         assert report.installed == CHUNKS and report.sources == ["L2"] * CHUNKS, report
         assert report.direct == (CHUNKS if direct else 0), report
         assert _holds_state(dest)
+
+
+class _OpenStalls:
+    """Fault double of the engine: the real one, except that opening a record file
+    blocks (a path lookup on a stalled drive) until released."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.released = threading.Event()
+        self.hits = 0
+
+    def open(self, path, *args, **kw):  # type: ignore[no-untyped-def]
+        if str(path).endswith(".chunk"):
+            self.hits += 1
+            self.released.wait(60)
+        return self._engine.open(path, *args, **kw)
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(self._engine, name)
+
+
+def test_a_stalled_open_is_a_read_error_at_the_deadline(tmp_path):
+    """Before, the open ran on the window's thread with no limit (here: 60 s a chunk)."""
+    root = tmp_path / "l2"
+    with Engine(4, LAYOUT.chunk_bytes) as real:
+        engine = _OpenStalls(real)
+        l2 = SSDTier(root, None, engine, layout=LAYOUT)  # type: ignore[arg-type]
+        fill_state(
+            SSDTier(root, None, real, layout=LAYOUT), LAYOUT, LAYOUT.chunk_tokens * CHUNKS, seed=1
+        )
+        l3 = LowerTier(tmp_path / "l3", layout=LAYOUT)
+        _, keys = fill_state(l3, LAYOUT, LAYOUT.chunk_tokens * CHUNKS, seed=1)
+        dest, reg = _dest(real)
+        got: list = []
+        worker = threading.Thread(
+            target=lambda: got.append(_run(engine, [l2, l3], keys, dest, False)),
+            daemon=True,  # type: ignore[arg-type]
+        )
+        try:
+            worker.start()
+            worker.join(DEADLINE_S + 1.5)
+            assert not worker.is_alive(), "the run still waits for an open (no deadline)"
+            report, took = got[0]
+            assert report.installed == CHUNKS and report.sources == ["L3"] * CHUNKS, report
+            assert "open did not end" in report.fallbacks[0]["causes"][0], report.fallbacks
+            assert engine.hits >= 1 and _holds_state(dest)
+            assert l2.stats()["quarantined"] == 0
+        finally:
+            engine.released.set()
+        worker.join(5)
+        # Control: opens free again, the same read comes from L2.
+        dest, reg = _dest(real)
+        report, _ = _run(engine, [l2, l3], keys, dest, False)  # type: ignore[arg-type]
+        assert report.installed == CHUNKS and report.sources == ["L2"] * CHUNKS, report

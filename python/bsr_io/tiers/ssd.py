@@ -34,7 +34,7 @@ from bsr_io.tiers.base import (
     read_deadline,
 )
 from bsr_io.tiers.files import FileTier, RecordId
-from bsr_io.tiers.files.bounded import call_within, pwrite_all
+from bsr_io.tiers.files.bounded import call_within, pwrite_all, run_within
 
 _local = threading.local()
 
@@ -157,11 +157,23 @@ class SSDTier(FileTier):
         through: the record is fine, the caller reads it another way."""
         path = self.path_of(key)
         try:
-            f = engine.open(path, root=self.root)
+            if self._index.get(key) is None:
+                # Not indexed: the header is read too. A stalled drive can block even the
+                # open (a path lookup it must read): both have the read's deadline.
+                f = run_within(
+                    read_deadline() - time.monotonic(),
+                    lambda: engine.open(path, root=self.root),
+                    late=lambda f: f.close(),
+                )
+            else:
+                f = engine.open(path, root=self.root)  # the hot path: no thread hop
         except ENGINE_ERRORS:
             raise
         except FileNotFoundError as exc:
             raise self._missing(key, exc) from None
+        except TimeoutError:
+            late = TimeoutError("the open did not end by the read's deadline (device stalled?)")
+            raise self._read_error(key, path, late) from None
         except OSError as exc:
             raise self._read_error(key, path, exc) from exc
         try:

@@ -23,31 +23,60 @@ T = TypeVar("T")
 Work = Callable[[int, threading.Event], T]
 
 
-def call_within(timeout: float, fd: int, work: Work[T]) -> T:
-    """`work(dup of fd, stop)` on a thread of its own: its result or its exception, or
-    TimeoutError when it has not returned within `timeout` seconds (it goes on alone)."""
-    dup = os.dup(fd)
-    stop = threading.Event()
+def run_within(timeout: float, work: Callable[[], T], late: Callable[[T], None] | None = None) -> T:
+    """`work()` on a thread of its own: its result or its exception, or TimeoutError when
+    it has not returned within `timeout` seconds (it goes on alone; a result it gives
+    after that goes to `late`, e.g. to close a file nobody will use)."""
+    lock = threading.Lock()
     done = threading.Event()
     out: list[T] = []
     err: list[BaseException] = []
+    given_up = False
 
     def body() -> None:
         try:
-            out.append(work(dup, stop))
+            got = work()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller as is
             err.append(exc)
+        else:
+            with lock:
+                orphan = given_up
+                if not orphan:
+                    out.append(got)
+            if orphan and late is not None:
+                late(got)
         finally:
-            os.close(dup)
             done.set()
 
     threading.Thread(target=body, name="bsr-file-io", daemon=True).start()
     if not done.wait(max(0.0, timeout)):
-        stop.set()
-        raise TimeoutError(f"file call did not return within {timeout:.3g} s")
+        with lock:
+            if not out and not err:
+                given_up = True
+                raise TimeoutError(f"file call did not return within {timeout:.3g} s")
+        done.wait()  # it ended just now: its result or error is (being) stored
     if err:
         raise err.pop()
     return out[0]
+
+
+def call_within(timeout: float, fd: int, work: Work[T]) -> T:
+    """`work(dup of fd, stop)` on a thread of its own (`run_within`); `stop` is set when
+    the caller gave up on it."""
+    dup = os.dup(fd)
+    stop = threading.Event()
+
+    def run() -> T:
+        try:
+            return work(dup, stop)
+        finally:
+            os.close(dup)
+
+    try:
+        return run_within(timeout, run)
+    except TimeoutError:
+        stop.set()
+        raise
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int, stop: threading.Event | None = None) -> None:
