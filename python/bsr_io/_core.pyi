@@ -298,10 +298,14 @@ class Engine:
         `runs` ((buffer index, offset in it, payload offset, length), covering the payload
         in order without gaps or overlap): no slot is taken. AlignmentError when a run's
         address or length does not suit O_DIRECT on this file (read through a slot)."""
-    def register_memory(self, bufs: Sequence[Buffer]) -> MemoryRegistration:
+    def register_memory(
+        self, bufs: Sequence[Buffer], timeout: float | None = None
+    ) -> MemoryRegistration:
         """Register the writable buffers `bufs` (a host KV cache's tensors) with the I/O
         ring for `submit_read_into`. Costs a pass over their pages once; OSError (ENOMEM:
-        RLIMIT_MEMLOCK) when the kernel will not pin them, ValueError for an empty one."""
+        RLIMIT_MEMLOCK) when the kernel will not pin them, ValueError for an empty one.
+        The I/O thread registers between requests, waited for at most `timeout` seconds:
+        WaitTimeoutError past it, and the buffers are never registered."""
     def sync(self, file: File, timeout: float | None = None) -> None:
         """fdatasync `file` on the engine's I/O thread, waiting at most `timeout` seconds
         (GIL released): WaitTimeoutError then, while the sync goes on without a waiter."""

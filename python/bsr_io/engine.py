@@ -35,6 +35,7 @@ __all__ = [
     "give_back",
     "lease",
     "register_cuda",
+    "REGISTER_TIMEOUT_S",
     "register_memory",
     "registered",
     "registrations",
@@ -198,13 +199,24 @@ def _spans(bufs: Sequence[Any]) -> Spans:
     return tuple(out)
 
 
-def register_memory(engine: Engine, bufs: Sequence[Any], holder: Any = None) -> RegisteredMemory:
+# How long a registration waits for the engine's I/O thread, outside a run's deadline:
+# the thread registers between requests, so one the kernel never completes holds it.
+REGISTER_TIMEOUT_S = 30.0
+
+
+def register_memory(
+    engine: Engine, bufs: Sequence[Any], holder: Any = None, timeout: float = REGISTER_TIMEOUT_S
+) -> RegisteredMemory:
     """`bufs` (writable host buffers) registered with `engine`'s ring, once per engine and
     memory: a later call over the same buffers (same addresses and lengths) gets the same
     registration, whoever asks. It lasts while someone holds it: the returned object (the
     memory's owner, a serving engine's KV pool, may keep it for the memory's life) or
     `holder` (kept weakly: a destination, for as long as it lives). The kernel pins the
-    pages once; the registration holds the buffers (exported) until it ends."""
+    pages once; the registration holds the buffers (exported) until it ends.
+
+    TimeoutError when the I/O thread has not taken it within `timeout` seconds (a hung
+    request holds the thread): the buffers are then never registered, nothing is kept,
+    and a later call tries again."""
     spans = _spans(bufs)
     held = _holders.get(engine)
     if held is None:
@@ -221,9 +233,14 @@ def register_memory(engine: Engine, bufs: Sequence[Any], holder: Any = None) -> 
     if got is None:
         _made[engine] = _made.get(engine, 0) + 1
         try:
-            reg: MemoryRegistration | None = engine.register_memory(list(bufs))
+            reg: MemoryRegistration | None = engine.register_memory(list(bufs), max(0.0, timeout))
         except (NoFreeSlot, EngineClosedError, EngineBrokenError):
             raise
+        except TimeoutError as exc:
+            raise TimeoutError(
+                f"registering memory waited {timeout:.3g} s for the engine's I/O thread "
+                "(a request it holds has not returned); nothing registered"
+            ) from exc
         except (OSError, ValueError):
             reg = None
         got = RegisteredMemory(spans, reg)

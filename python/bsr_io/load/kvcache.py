@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from bsr_io._core import Engine
-from bsr_io.engine import RegisteredMemory, register_memory
+from bsr_io.engine import REGISTER_TIMEOUT_S, RegisteredMemory, register_memory
 from bsr_io.model.layout import KVLayout
 
 
@@ -216,15 +216,16 @@ class PagedKVCache:
             return event
         return None
 
-    def register(self, engine: Engine) -> RegisteredMemory:
+    def register(self, engine: Engine, timeout: float = REGISTER_TIMEOUT_S) -> RegisteredMemory:
         """Register this cache's host memory with `engine`'s ring for as long as the
         returned object is kept: its owner (a serving engine, for its KV pool's life)
         keeps it, and every destination made over the same tensors (a request's view
-        with its own block ids) reads into that one registration."""
+        with its own block ids) reads into that one registration. TimeoutError when
+        the engine's I/O thread is held past `timeout` seconds (nothing registered)."""
         bufs = [b for b in self._host_bytes if b is not None]
         if len(bufs) != len(self._host_bytes):
             raise ValueError("only a cache in host memory can be registered with a ring")
-        return register_memory(engine, bufs)
+        return register_memory(engine, bufs, timeout=timeout)
 
     def host_runs(
         self, chunk_index: int

@@ -267,12 +267,12 @@ class _NotStarted(_Read):
         pass  # nothing in flight
 
 
-def register_once(engine: Engine, dest: Destination, bufs: Sequence[Any]) -> None:
+def register_once(engine: Engine, dest: Destination, bufs: Sequence[Any], timeout: float) -> None:
     """Register a lasting destination's buffers with `engine`'s ring, once per memory
     (engine.py): every destination over the same buffers (per-request views of one
     serving pool) shares the registration, which lasts while one of them, or the
-    memory's owner (`PagedKVCache.register`), holds it."""
-    register_memory(engine, bufs, holder=dest)
+    memory's owner (`PagedKVCache.register`), holds it. TimeoutError past `timeout`."""
+    register_memory(engine, bufs, holder=dest, timeout=timeout)
 
 
 @dataclass
@@ -490,8 +490,14 @@ class Window:
         if where is None or not all(b is not None for b in where[0]):
             return None
         if self._register:
-            register_once(self.engine, self._dest, where[0])
             self._register = False
+            try:
+                register_once(self.engine, self._dest, where[0], self._remaining())
+            except TimeoutError:
+                # The I/O thread is held past the run's deadline: no direct read (its
+                # blocks would be written late); slot reads end the run as timed out.
+                self._direct_now = False
+                return None
         try:
             return _DirectRead(index, key, source, into(key, self.engine, *where), where)
         except ENGINE_ERRORS:

@@ -2,6 +2,7 @@
 //! files, leasing, and the checks on every request before it reaches the kernel.
 
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use crate::align::{is_aligned, round_up};
 use crate::arena::{Arena, SlotLease, PAGE};
@@ -400,11 +401,20 @@ impl Engine {
     /// request. Where the backend cannot (the pread pool, a kernel without sparse buffer
     /// tables) the registration holds nothing and reads work as before.
     ///
+    /// The I/O thread registers between requests: `timeout` bounds the wait for it
+    /// (`Error::Timeout` past it, with nothing registered, then or later: a hung
+    /// request must not hang the caller, nor pin memory the caller has since freed).
+    ///
     /// # Safety
     /// Every region must stay mapped, at the same pages (not unmapped, remapped or
-    /// discarded), until the registration is dropped: the kernel pins the pages it finds
-    /// now, and a direct read lands in them.
-    pub unsafe fn register_memory(&self, regions: &[(usize, u64)]) -> Result<MemoryRegistration> {
+    /// discarded), until this returns an error or the registration it returns is
+    /// dropped: the kernel pins the pages it finds when it registers, and a direct read
+    /// lands in them.
+    pub unsafe fn register_memory(
+        &self,
+        regions: &[(usize, u64)],
+        timeout: Option<Duration>,
+    ) -> Result<MemoryRegistration> {
         self.check_open()?;
         let mut spans = Vec::with_capacity(regions.len());
         for (i, &(addr, len)) in regions.iter().enumerate() {
@@ -419,7 +429,7 @@ impl Engine {
         match self.driver().as_ref() {
             Some(Driver::Uring(d)) if d.info.memory_entries > 0 && !spans.is_empty() => {
                 Ok(MemoryRegistration {
-                    indices: d.register_memory(spans)?,
+                    indices: d.register_memory(spans, timeout)?,
                     release: Some(d.memory_release()),
                 })
             }
@@ -1020,6 +1030,62 @@ mod tests {
     }
 
     #[test]
+    fn a_registration_behind_a_hung_request_times_out_and_never_happens() {
+        let dir = tempfile::tempdir().unwrap();
+        let Ok(e) = Engine::new(EngineConfig {
+            backend: BackendChoice::Uring,
+            ..EngineConfig::new(2, 4096)
+        }) else {
+            return; // the kernel refuses io_uring
+        };
+        if !matches!(e.driver().as_ref(), Some(Driver::Uring(d)) if d.info.memory_entries > 0) {
+            return; // no io_uring, or no room for caller memory here: nothing to wait for
+        }
+        // The I/O thread held by a read of a FIFO nobody writes (a hung device).
+        let fifo = dir.path().join("stall");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path we own.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let special = OpenOptions {
+            special: true,
+            ..Default::default()
+        };
+        let src = e.open(fifo.to_str().unwrap(), special).unwrap();
+        let writer = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&fifo)
+            .unwrap();
+        let stuck = e.submit_read(&src, 0, 4096).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let given_up = AlignedBlock::new(64 << 10).unwrap();
+        let t0 = std::time::Instant::now();
+        let wait = Some(Duration::from_millis(200));
+        // SAFETY: `given_up` stays mapped to the end (past it a caller may free it).
+        let got = unsafe { e.register_memory(&[(given_up.ptr as usize, 64 << 10)], wait) };
+        assert!(matches!(got, Err(Error::Timeout)), "{:?}", got.err());
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        std::io::Write::write_all(&mut &writer, &[0u8; 8192]).unwrap();
+        assert_eq!(stuck.wait(Some(Duration::from_secs(10))).unwrap(), 4096);
+        drop(stuck.take_lease());
+        // A read sent after the given-up command ends after the thread handled it: the
+        // first caller-memory entry (after the two slots) is still empty.
+        let after = e.submit_read(&src, 0, 4096).unwrap();
+        assert_eq!(after.wait(Some(Duration::from_secs(10))).unwrap(), 4096);
+        drop(after.take_lease());
+        assert_eq!(buffer_entry(&e, 2, "<none>"), "<none>");
+        // A registration now takes that entry.
+        let kept = AlignedBlock::new(64 << 10).unwrap();
+        let addr = kept.ptr as usize;
+        // SAFETY: `kept` stays mapped until after `reg` is dropped.
+        let reg = unsafe { e.register_memory(&[(addr, 64 << 10)], wait) }.unwrap();
+        assert_eq!(reg.entries(), 1);
+        let want = format!("0x{addr:x}/{}", 64 << 10);
+        assert_eq!(buffer_entry(&e, 2, &want), want);
+        drop(reg);
+    }
+
+    #[test]
     fn registered_memory_takes_direct_reads_until_dropped() {
         let (_dir, path, data, engines) = direct_setup(2);
         for (b, e) in engines {
@@ -1029,7 +1095,7 @@ mod tests {
             // The first 256 KiB only: requests in it read into the registered buffer,
             // the rest (the same op) as plain reads.
             // SAFETY: `block` is ours and stays mapped until after `reg` is dropped.
-            let reg = unsafe { e.register_memory(&[(addr, 256 << 10)]) }.unwrap();
+            let reg = unsafe { e.register_memory(&[(addr, 256 << 10)], None) }.unwrap();
             let table = match e.driver().as_ref() {
                 Some(Driver::Uring(d)) => d.info.memory_entries,
                 _ => 0,
@@ -1058,7 +1124,7 @@ mod tests {
             let got = unsafe { std::slice::from_raw_parts(block.ptr, 256 << 10) };
             assert!(got == &data[8192..8192 + (256 << 10)], "{b:?}");
             // SAFETY: refused before anything is registered.
-            let bad = unsafe { e.register_memory(&[(addr, 0)]) };
+            let bad = unsafe { e.register_memory(&[(addr, 0)], None) };
             assert!(matches!(bad, Err(Error::InvalidArgument(_))), "{b:?}");
         }
     }

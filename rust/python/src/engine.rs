@@ -261,12 +261,17 @@ impl PyEngine {
 
     /// Register the writable buffers `bufs` with the I/O ring: direct reads into them
     /// then skip pinning their pages per request. The registration holds the buffers
-    /// (they can be neither freed nor resized) until it is closed or collected.
+    /// (they can be neither freed nor resized) until it is closed or collected. The I/O
+    /// thread registers between requests: waited for at most `timeout` seconds
+    /// (WaitTimeoutError then, and the buffers are never registered).
+    #[pyo3(signature = (bufs, timeout = None))]
     fn register_memory(
         &self,
         py: Python<'_>,
         bufs: Vec<Bound<'_, PyAny>>,
+        timeout: Option<f64>,
     ) -> PyResult<PyMemoryRegistration> {
+        let timeout = timeout_arg(timeout)?;
         let exports = bufs
             .iter()
             .map(|b| Exported::get(b, true))
@@ -275,9 +280,10 @@ impl PyEngine {
             exports.iter().map(|e| (e.addr(), e.len() as u64)).collect();
         let engine = &self.inner;
         // SAFETY: the exports keep every region's memory alive and its size fixed; the
-        // returned object drops the registration before it releases them.
+        // returned object drops the registration before it releases them, and on an
+        // error (a timeout included) nothing was or will be registered before they drop.
         let reg = py
-            .detach(|| unsafe { engine.register_memory(&regions) })
+            .detach(|| unsafe { engine.register_memory(&regions, timeout) })
             .raise()?;
         Ok(PyMemoryRegistration::new(reg, Held::new(exports)))
     }

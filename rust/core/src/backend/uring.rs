@@ -15,7 +15,8 @@
 use std::collections::{HashSet, VecDeque};
 use std::os::fd::AsRawFd;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -34,6 +35,11 @@ const MAX_FIXED_BUFFERS: usize = 1 << 14;
 const MAX_FIXED_BUFFER_BYTES: usize = 1 << 30;
 /// Slots in the sparse file table.
 const FILE_TABLE: u32 = 1024;
+/// A memory registration's claim: waiting for the I/O thread, taken by it (it registers
+/// now), or given up by its caller at its deadline (it is never registered).
+const CLAIM_WAITING: u8 = 0;
+const CLAIM_TAKEN: u8 = 1;
+const CLAIM_GIVEN_UP: u8 = 2;
 /// How long a broken ring's thread keeps reaping what the kernel still holds.
 const ORPHAN_GRACE: Duration = Duration::from_millis(100);
 
@@ -60,8 +66,13 @@ enum Command {
     /// An operation's requests, split by the submitter.
     Op(Vec<Request>),
     Unregister(u32),
-    /// Register caller memory ((address, length) regions) and say with which entries.
-    RegisterMemory(Vec<(usize, usize)>, mpsc::SyncSender<Result<Vec<u16>>>),
+    /// Register caller memory ((address, length) regions) and say with which entries,
+    /// unless its caller gave up first (`CLAIM_GIVEN_UP`).
+    RegisterMemory(
+        Vec<(usize, usize)>,
+        Arc<AtomicU8>,
+        mpsc::SyncSender<Result<Vec<u16>>>,
+    ),
     UnregisterMemory(Vec<u16>),
     /// Start recording request timings (at most this many events), dropping any earlier.
     TraceStart(usize),
@@ -181,10 +192,38 @@ impl UringDriver {
     }
 
     /// Register caller memory with the ring (memory.rs): the entries it took.
-    pub fn register_memory(&self, regions: Vec<(usize, usize)>) -> Result<Vec<u16>> {
+    /// `timeout` bounds the wait for the I/O thread to take the command (it takes
+    /// commands between completions, so a request the kernel holds forever holds the
+    /// command too): past it `Error::Timeout`, and the thread will never register it.
+    pub fn register_memory(
+        &self,
+        regions: Vec<(usize, usize)>,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<u16>> {
         let (tx, rx) = mpsc::sync_channel(1);
-        self.send(Command::RegisterMemory(regions, tx))?;
-        rx.recv().map_err(|_| self.gone())?
+        let claim = Arc::new(AtomicU8::new(CLAIM_WAITING));
+        self.send(Command::RegisterMemory(regions, Arc::clone(&claim), tx))?;
+        let Some(timeout) = timeout else {
+            return rx.recv().map_err(|_| self.gone())?;
+        };
+        match rx.recv_timeout(timeout) {
+            Ok(got) => got,
+            Err(RecvTimeoutError::Disconnected) => Err(self.gone()),
+            Err(RecvTimeoutError::Timeout) => {
+                let give_up = claim.compare_exchange(
+                    CLAIM_WAITING,
+                    CLAIM_GIVEN_UP,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                if give_up.is_ok() {
+                    return Err(Error::Timeout);
+                }
+                // The thread took it just now: the registration itself (pinning pages, no
+                // I/O) is under way; its result is the caller's, who still holds the memory.
+                rx.recv().map_err(|_| self.gone())?
+            }
+        }
     }
 
     /// What unregisters memory registered here, queued behind the operations sent
@@ -396,8 +435,28 @@ impl RingLoop {
                     *used = false;
                 }
             }
-            Command::RegisterMemory(regions, reply) => {
-                let _ = reply.send(self.register_memory(&regions));
+            Command::RegisterMemory(regions, claim, reply) => {
+                // SAFETY (of what follows): the caller keeps the regions mapped until it
+                // has our reply or has given up. Given up (CLAIM_GIVEN_UP), it may free them,
+                // so they are not touched; taken, it waits for the reply (uring.rs
+                // `UringDriver::register_memory`), so they are still its memory while the
+                // kernel pins them, and registered entries always reach an owner that
+                // will unregister them.
+                let taken = claim.compare_exchange(
+                    CLAIM_WAITING,
+                    CLAIM_TAKEN,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                if taken.is_ok() {
+                    let got = self.register_memory(&regions);
+                    if let Err(mpsc::SendError(Ok(indices))) = reply.send(got) {
+                        // Nobody to hand them to (cannot happen: a taken claim is waited
+                        // for): never leave entries naming memory no one holds.
+                        self.clear_entries(&indices);
+                        self.memory.remove(&indices);
+                    }
+                }
             }
             Command::UnregisterMemory(indices) => {
                 self.clear_entries(&indices);

@@ -1,0 +1,140 @@
+"""Registering a destination's memory with the ring has a deadline.
+
+The engine's I/O thread registers memory between requests, so a request the kernel never
+completes (a hung device) holds every registration behind it. Before, the wait had no
+limit: the first direct read into a lasting cache not yet registered hung the restore,
+and an owner's `PagedKVCache.register` hung. Now the wait ends at the run's read
+deadline (or the owner's timeout) with nothing registered, then or later (the Rust test
+`a_registration_behind_a_hung_request_times_out_and_never_happens` checks the ring's
+table); the run goes on through slots and ends as timed out, no block written late.
+
+The hang is real: the engine's only lane is held by a read of a FIFO nobody writes
+(tests/load/test_header_read_deadline.py holds it the same way). Engine, tier and window
+are the real ones.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from bsr_io import Engine
+from bsr_io.cli.synthetic import fill_state, synthetic_chunk
+from bsr_io.engine import registered, registrations
+from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.load.window import Window
+from bsr_io.model.layout import AllocatorGroup, KVLayout
+from bsr_io.tiers import SSDTier
+
+# Blocks of 4 KiB: every run suits O_DIRECT, so a direct window reads straight into them.
+LAYOUT = KVLayout(
+    "aligned",
+    (
+        AllocatorGroup("k", torch.float16, (128,), 16),
+        AllocatorGroup("v", torch.float16, (2, 64), 16),
+    ),
+    64,
+)
+CHUNKS = 3
+DEADLINE_S = 1.0
+SLACK_S = 1.5
+
+
+@contextmanager
+def _lane_held(engine: Engine, tmp_path: Path) -> Iterator[None]:
+    """The engine's only lane busy with a read of a FIFO until the block ends."""
+    fifo = tmp_path / "stall"
+    os.mkfifo(fifo)
+    src = engine.open(fifo, special=True)
+    writer = os.open(fifo, os.O_RDWR)
+    stuck = engine.submit_read(src, 0, 4096)
+    time.sleep(0.2)
+    try:
+        yield
+    finally:
+        os.write(writer, bytes(4096))
+        stuck.wait(10).release()
+        os.close(writer)
+
+
+def _holds_state(dest: PagedKVCache) -> bool:
+    return all(
+        dest.chunk_bytes(i) == synthetic_chunk(LAYOUT, 1, i).tobytes() for i in range(CHUNKS)
+    )
+
+
+def _bufs(dest: PagedKVCache) -> list:  # type: ignore[type-arg]
+    return [b for b in dest._host_bytes if b is not None]
+
+
+def test_an_owners_registration_times_out_behind_a_hung_request(backend, tmp_path):
+    if backend == "pread":
+        pytest.skip("the pread pool registers nothing (and a FIFO cannot hold it)")
+    with Engine(2, LAYOUT.chunk_bytes, backend=backend, queue_depth=1) as engine:
+        if not engine.features["registered_memory"]:
+            pytest.skip("this kernel's ring takes no caller memory")
+        dest = PagedKVCache.allocate(LAYOUT, LAYOUT.chunk_tokens * CHUNKS)
+        got: list = []  # type: ignore[type-arg]
+
+        def register() -> None:
+            try:
+                got.append(dest.register(engine, timeout=DEADLINE_S))
+            except TimeoutError as exc:
+                got.append(exc)
+
+        with _lane_held(engine, tmp_path):
+            worker = threading.Thread(target=register, daemon=True)
+            worker.start()
+            worker.join(DEADLINE_S + SLACK_S)
+            assert not worker.is_alive(), "registering still waits (no deadline)"
+            assert isinstance(got[0], TimeoutError) and "nothing registered" in str(got[0])
+            assert registered(engine, _bufs(dest)) is None  # nothing kept: tried again later
+        # Control: with the lane free the same call registers.
+        reg = dest.register(engine, timeout=DEADLINE_S)
+        assert reg.entries >= 1 and registered(engine, _bufs(dest)) is reg
+
+
+def test_a_run_into_an_unregistered_cache_ends_at_its_deadline(backend, tmp_path):
+    if backend == "pread":
+        pytest.skip("the pread pool registers nothing (and a FIFO cannot hold it)")
+    root = tmp_path / "l2"
+    with Engine(4, LAYOUT.chunk_bytes, backend=backend, queue_depth=1) as engine:
+        if not engine.features["registered_memory"]:
+            pytest.skip("this kernel's ring takes no caller memory")
+        l2 = SSDTier(root, None, engine, layout=LAYOUT)
+        _, keys = fill_state(l2, LAYOUT, LAYOUT.chunk_tokens * CHUNKS, seed=1)
+        window = Window(engine, [l2], LAYOUT.chunk_bytes, direct=True)
+        dest = PagedKVCache.allocate(LAYOUT, LAYOUT.chunk_tokens * CHUNKS)  # not registered
+        made = registrations(engine)
+        got: list = []  # type: ignore[type-arg]
+
+        def run() -> None:
+            t0 = time.monotonic()
+            report = window.run(keys, [0] * CHUNKS, dest, read_deadline=t0 + DEADLINE_S)
+            got.append((report, time.monotonic() - t0))
+
+        with _lane_held(engine, tmp_path):
+            worker = threading.Thread(target=run, daemon=True)
+            worker.start()
+            worker.join(DEADLINE_S + SLACK_S)
+            assert not worker.is_alive(), "the run still waits to register (no deadline)"
+            report, took = got[0]
+            # The registration was asked for and given up; no direct read started (none
+            # reported unusable), the slot reads timed out: nothing installed.
+            assert registrations(engine) == made + 1
+            assert registered(engine, _bufs(dest)) is None
+            assert report.timed_out and report.installed == 0, report
+            assert report.direct == 0 and report.unusable == [], report
+            assert l2.stats()["quarantined"] == 0
+        # Control: the lane free, the same run registers and reads straight in.
+        dest = PagedKVCache.allocate(LAYOUT, LAYOUT.chunk_tokens * CHUNKS)
+        report = window.run(keys, [0] * CHUNKS, dest, read_deadline=time.monotonic() + 10)
+        assert report.installed == CHUNKS and report.direct == CHUNKS, report
+        assert registered(engine, _bufs(dest)) is not None and _holds_state(dest)
