@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine, Slot, xxh3_64
-from bsr_io.errors import ChunkWriteError
+from bsr_io.errors import ChunkReadError, ChunkWriteError
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 from bsr_io.model.record import HEADER_BYTES, RecordHeader, make_header
@@ -22,9 +23,10 @@ from bsr_io.tiers.base import (
     PendingChunk,
     check_slot_fits,
     payload_view,
+    read_deadline,
 )
 from bsr_io.tiers.files import FileTier, RecordId, open_record
-from bsr_io.tiers.files.bounded import call_within, pwrite_all
+from bsr_io.tiers.files.bounded import call_within, pwrite_all, run_within
 
 
 class LowerTier(FileTier):
@@ -78,7 +80,34 @@ class LowerTier(FileTier):
         return header
 
     def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:
+        """Read `key`'s record into a slot by the read's deadline (`read_deadline`): the
+        buffered file calls (open, header, payload) block in the kernel for as long as a
+        stalled mount likes, so they run on a thread of their own (bounded.py); past the
+        deadline the chunk is a read error (nothing withdrawn) and the read goes on alone,
+        stopping before its next call, its slot released when it returns."""
         path = self.path_of(key)
+        stop = threading.Event()
+        try:
+            slot, n = run_within(
+                read_deadline() - time.monotonic(),
+                lambda: self._read(key, path, engine, stop),
+                late=lambda got: got[0].release(),
+            )
+        except TimeoutError:
+            stop.set()
+            # No call on the stalled mount here (not even _read_error's directory check).
+            late = TimeoutError("the read did not end by the read's deadline (mount stalled?)")
+            raise ChunkReadError(
+                f"cannot read {path}", key=key, tier=self.name, cause=late
+            ) from None
+        self._touch(key)
+        self._count(hits=1, reads=1, bytes_read=n)
+        return PendingChunk.ready(key, slot)
+
+    def _read(
+        self, key: ChunkKey, path: Path, engine: Engine, stop: threading.Event
+    ) -> tuple[Slot, int]:
+        """`submit_read`'s file calls: the verified slot and its length."""
         try:
             fd, st = open_record(path)
         except FileNotFoundError as exc:
@@ -95,15 +124,19 @@ class LowerTier(FileTier):
             record = RecordId.of(st, header)
             n = header.payload_len
             check_slot_fits(self.name, engine, key, n)
+            if stop.is_set():
+                raise TimeoutError("read given up at its deadline")  # no slot for nobody
             slot = engine.lease()
             try:
                 slot.set_length(n)
-                done = _pread_into(fd, slot, HEADER_BYTES)
+                done = _pread_into(fd, slot, HEADER_BYTES, stop)
                 good = done == n and slot.checksum(0, n) == header.payload_xxh3
             except BaseException:
                 slot.release()  # back to the ring now: a kept exception must not hold it
                 raise
         except ENGINE_ERRORS:
+            raise
+        except TimeoutError:
             raise
         except OSError as exc:
             raise self._read_error(key, path, exc, record) from exc
@@ -113,16 +146,17 @@ class LowerTier(FileTier):
             slot.release()
             why = "payload checksum mismatch" if done == n else "record truncated while reading"
             raise self._corrupt(key, path, record, why)
-        self._touch(key)
-        self._count(hits=1, reads=1, bytes_read=n)
-        return PendingChunk.ready(key, slot)
+        return slot, n
 
 
-def _pread_into(fd: int, slot: Slot, offset: int) -> int:
-    """Fill the slot's valid bytes from `fd` at `offset`; returns how many were read."""
+def _pread_into(fd: int, slot: Slot, offset: int, stop: threading.Event) -> int:
+    """Fill the slot's valid bytes from `fd` at `offset`; returns how many were read.
+    Stops before the next call once `stop` is set (its reader gave up)."""
     done = 0
     with memoryview(slot) as raw, raw.cast("B") as view:
         while done < len(view):
+            if stop.is_set():
+                raise TimeoutError("read given up at its deadline")
             got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
                 break
