@@ -230,19 +230,28 @@ class Server:
         self._wait_group(30.0)
         self.proc.wait()
 
-    def usage(self) -> dict[str, float]:
-        """The process tree's open files, threads and RSS (MiB), summed over the
-        processes of its group, from /proc (a process that exits while read is skipped)."""
-        procs = fds = threads = 0
-        rss_kib = 0
+    def group_pids(self) -> list[int]:
+        """The processes of the server's process group, from /proc."""
+        out = []
         for entry in os.listdir("/proc"):
             if not entry.isdigit():
                 continue
             try:
                 with open(f"/proc/{entry}/stat") as f:
                     # pgrp is the 3rd field after the parenthesised command name.
-                    if int(f.read().rsplit(")", 1)[1].split()[2]) != self.pid:
-                        continue
+                    if int(f.read().rsplit(")", 1)[1].split()[2]) == self.pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):  # it exited while read
+                continue
+        return out
+
+    def usage(self) -> dict[str, float]:
+        """The process tree's open files, threads and RSS (MiB), summed over the
+        processes of its group, from /proc (a process that exits while read is skipped)."""
+        procs = fds = threads = 0
+        rss_kib = 0
+        for entry in map(str, self.group_pids()):
+            try:
                 n_fds = len(os.listdir(f"/proc/{entry}/fd"))
                 with open(f"/proc/{entry}/status") as f:
                     status = dict(line.split(":", 1) for line in f if ":" in line)

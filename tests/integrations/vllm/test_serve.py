@@ -116,3 +116,43 @@ def errors(log: str) -> list[str]:
         if (" ERROR " in line or "Traceback" in line or "CRITICAL" in line)
         and " WARNING " not in line
     ]
+
+
+def test_records_saved_in_steps_serve_a_repeat(vllm_root):
+    """`save_in_steps`: the records are cut in the steps that computed them, no finish
+    save is asked for (vLLM freed the blocks at once), and a repeat restores them."""
+    work = vllm_root / "serve-in-steps"
+    work.mkdir()
+    chunk = 256
+    events = Events(str(work / "events.jsonl"))
+    srv = Server(
+        write_tiny_llama(work / "model"),
+        connector={
+            "store_dir": str(work / "store"),
+            "chunk_tokens": chunk,
+            "events_path": events.path,
+            "save_in_steps": True,
+        },
+        log=work / "serve.log",
+        max_model_len=4096,
+        threads_bind="0",
+    )
+    srv.start()
+    try:
+        srv.wait_ready(600)
+        prompt = tokens(32, 5 * chunk + 40)
+        first = srv.complete(prompt, max_tokens=16)
+        deadline = time.monotonic() + 120
+        while len([e for e in events.all() if e.get("kind") == "step_save"]) < 5:
+            assert time.monotonic() < deadline, f"records not cut in steps: {events.all()}"
+            time.sleep(0.2)
+        steps = [e for e in events.all() if e.get("kind") == "step_save"]
+        assert [e["outcome"] for e in steps] == ["complete"] * 5, steps
+        assert not [e for e in events.all() if e.get("kind") == "save"]  # no finish save
+        srv.reset_prefix_cache()
+        second = srv.complete(prompt, max_tokens=16)
+        assert second.cached == 5 * chunk, (first, second)
+        assert second.tokens == first.tokens
+        assert not errors(srv.log_tail(10**7))
+    finally:
+        srv.stop()

@@ -62,6 +62,7 @@ KEYS = Table(
         Key("save_timeout_s", "float", 120.0, _POSITIVE, positive),
         Key("save", "bool", True, "true or false"),
         Key("step_save_budget_s", "float", 0.05, _POSITIVE, positive),
+        Key("save_in_steps", "bool", False, "true or false"),
         Key("rescan_s", "float", 5.0, _POSITIVE, positive),
         Key("report_batch", "int", 4096, _INT.format(1), at_least(1)),
         Key("handshake_batch", "int", 131072, _INT.format(0), at_least(0)),
@@ -100,6 +101,9 @@ class ConnectorConfig:
     # Sliding-window records are cut in the step that computed them; a step waits at
     # most this long for a free save slot, then skips the record (a future miss).
     step_save_budget_s: float = _D("step_save_budget_s")
+    # Full-attention records cut in the step that completes them (as window records
+    # always are), not read at the request's finish while vLLM holds its blocks.
+    save_in_steps: bool = _D("save_in_steps")
     # Each worker re-lists its own records this often and reports what changed (records
     # evicted, quarantined, deleted by hand, written by another process).
     rescan_s: float = _D("rescan_s")

@@ -55,6 +55,7 @@ class _Request:
     local_seen: int = 0  # vLLM's own hit, as last offered to get_num_new_matched_tokens
     touched: bool = False  # its chunks' recency sent to the workers once
     hashing: Future[list[int]] | None = None  # a long prompt being hashed off this thread
+    step_saved: set[int] = field(default_factory=set)  # full-group chunks cut in a step
 
 
 class SchedulerSide:
@@ -278,7 +279,13 @@ class SchedulerSide:
         return out
 
     def _step_saves(self, so: Any) -> list[Transfer]:
-        if not self.window or not self.cfg.save:
+        """Records whose chunk this step completes, cut by the workers after its forward
+        while the blocks still hold them: every window group's (its blocks are recycled
+        as the request goes on) and, with `save_in_steps`, every full group's, so that a
+        finished request has nothing left to save and vLLM frees its blocks at once
+        instead of a step later (a queued request waits that step at saturation)."""
+        groups = self.window + (self.full if self.cfg.save_in_steps else [])
+        if not groups or not self.cfg.save:
             return []
         state = getattr(so, "kv_connector_block_state", None)
         saves = []
@@ -299,7 +306,9 @@ class SchedulerSide:
             for c in range(first, last):
                 if (c + 1) * self.chunk <= computed:
                     continue
-                for g in self.window:
+                for g in groups:
+                    if g.kind == FULL:
+                        st.step_saved.add(c)  # stored or cut now: not saved again at finish
                     if self.catalog.holds(self.dirs(st.key_model, g), hashes[c]):
                         continue  # stored already (every rank)
                     order = self._order(g, c, st, ids[g.index], 0)
@@ -382,6 +391,8 @@ class SchedulerSide:
             first = min(first, self.catalog.leading(self.dirs(st.key_model, g), hashes, 0, n))
         records = []
         for c in range(first, n):
+            if c in st.step_saved:
+                continue  # cut in the step that computed it
             orders = [self._order(g, c, st, block_ids[g.index], 0) for g in self.full]
             if any(-1 in o.ids for o in orders):
                 break  # a block is gone (never for full attention): save what precedes
