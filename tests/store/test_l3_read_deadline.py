@@ -136,7 +136,9 @@ def test_a_stalled_l3_read_is_a_read_error_at_the_deadline(tmp_path, monkeypatch
 
 def test_a_tier_read_ends_at_its_threads_read_deadline(tmp_path, monkeypatch):
     """The tier's own call (as a store's read outside a window uses it) has the deadline
-    set for its thread (`reads_by`; without one, READ_TIMEOUT_S from now)."""
+    set for its thread (`reads_by`; without one, READ_TIMEOUT_S from now). A read started
+    past it gets READ_FLOOR_S (L3 serving what a stalled tier above could not: see
+    test_header_read_deadline.py), unless one of the tier's reads is still stuck."""
     from bsr_io.tiers.base import reads_by, reads_end
 
     root = tmp_path / "l3"
@@ -146,10 +148,20 @@ def test_a_tier_read_ends_at_its_threads_read_deadline(tmp_path, monkeypatch):
         def read() -> Any:
             token = reads_by(time.monotonic() + DEADLINE_S)
             try:
-                return l3.submit_read(keys[0], engine)
+                out: list[Any] = []
+                for key in keys:  # the second starts past the deadline
+                    t0 = time.monotonic()
+                    try:
+                        out.append(l3.submit_read(key, engine))
+                    except ChunkReadError as exc:
+                        out.append((exc, time.monotonic() - t0))
+                return out
             finally:
                 reads_end(token)
 
         took, got = _in_time(read)
-        assert isinstance(got, ChunkReadError), got
+        assert all(isinstance(g, tuple) for g in got), got
         assert took < DEADLINE_S + SLACK_S
+        # Past the deadline, with the first read still stuck, the next fails at once
+        # (no READ_FLOOR_S for a tier whose mount is stalled).
+        assert got[1][1] < 0.3, got

@@ -28,6 +28,9 @@ from bsr_io.tiers.base import (
 from bsr_io.tiers.files import FileTier, RecordId, open_record
 from bsr_io.tiers.files.bounded import call_within, pwrite_all, run_within
 
+# The least a read gets (see LowerTier.submit_read).
+READ_FLOOR_S = 0.5
+
 
 class LowerTier(FileTier):
     """Record files under `root`, read and written buffered; unbounded unless a capacity
@@ -50,13 +53,15 @@ class LowerTier(FileTier):
         if not write_timeout_s > 0:
             raise ValueError(f"write_timeout_s must be > 0 seconds, got {write_timeout_s}")
         self.write_timeout_s = write_timeout_s
+        self._stuck = 0  # reads given up on whose file calls have not returned yet
+        self._stuck_lock = threading.Lock()
         super().__init__(root, capacity_bytes, name=name, layout=layout)
 
     def _stage(self, payload: Payload, layout: KVLayout) -> memoryview:
         return payload_view(payload, layout)
 
     def _write_record(
-        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any
+        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any, deadline: float
     ) -> RecordHeader:
         view: memoryview = staged
         header = make_header(key, layout, xxh3_64(view))
@@ -68,7 +73,7 @@ class LowerTier(FileTier):
                 os.fdatasync(fd)
 
         try:
-            call_within(self.write_timeout_s, fd, write)
+            call_within(deadline - time.monotonic(), fd, write)
         except TimeoutError as exc:
             raise ChunkWriteError(
                 f"the write of {tmp.name} did not end within {self.write_timeout_s} s "
@@ -84,17 +89,36 @@ class LowerTier(FileTier):
         buffered file calls (open, header, payload) block in the kernel for as long as a
         stalled mount likes, so they run on a thread of their own (bounded.py); past the
         deadline the chunk is a read error (nothing withdrawn) and the read goes on alone,
-        stopping before its next call, its slot released when it returns."""
+        stopping before its next call, its slot released when it returns.
+
+        A read started with less than READ_FLOOR_S left (L3 serving, after the deadline,
+        what a stalled tier above could not) gets READ_FLOOR_S, unless one of this tier's
+        reads is still stuck: its mount stalled, the read fails at the deadline."""
         path = self.path_of(key)
         stop = threading.Event()
+        state = {"ended": False, "counted": False}
+
+        def work() -> tuple[Slot, int]:
+            try:
+                return self._read(key, path, engine, stop)
+            finally:
+                with self._stuck_lock:
+                    state["ended"] = True
+                    if state["counted"]:
+                        self._stuck -= 1
+
+        with self._stuck_lock:
+            left = read_deadline() - time.monotonic()
+            if self._stuck == 0:
+                left = max(left, READ_FLOOR_S)
         try:
-            slot, n = run_within(
-                read_deadline() - time.monotonic(),
-                lambda: self._read(key, path, engine, stop),
-                late=lambda got: got[0].release(),
-            )
+            slot, n = run_within(left, work, late=lambda got: got[0].release())
         except TimeoutError:
             stop.set()
+            with self._stuck_lock:
+                if not state["ended"]:
+                    state["counted"] = True
+                    self._stuck += 1
             # No call on the stalled mount here (not even _read_error's directory check).
             late = TimeoutError("the read did not end by the read's deadline (mount stalled?)")
             raise ChunkReadError(

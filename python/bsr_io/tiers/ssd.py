@@ -97,11 +97,10 @@ class SSDTier(FileTier):
         return slot
 
     def _write_record(
-        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any
+        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any, deadline: float
     ) -> RecordHeader:
         slot: Slot = staged
         n = layout.chunk_bytes
-        deadline = time.monotonic() + self.write_timeout_s
         f = self.engine.open(tmp, write=True, root=self.root)
         try:
             pending = self.engine.submit_write(slot, f, HEADER_BYTES, n)

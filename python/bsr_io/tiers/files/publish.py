@@ -3,48 +3,117 @@
 A record is written to a temp file in its final directory, made durable (fdatasync),
 renamed over its final name and the directory fsynced: it is visible only once it is
 complete. On any failure the temp file is removed and nothing is published.
+
+All of it has the record's deadline (the tier's `write_timeout_s`, from the start). The
+directory calls (creating the temp file, the rename, the directory's fsync, removing the
+temp file) block in the kernel as long as a stalled drive likes, so they run on a thread
+of their own (bounded.py) and the save fails (ChunkWriteError) at the deadline, the
+caller touching the directory no more. A rename given up on may still complete on its
+thread: it then publishes the temp file, which was written whole and fdatasynced before
+the rename began (a record like one another process wrote: found by the next scan or
+read, its header checked and its payload verified on every read); one that fails there
+removes the temp file. A temp file created after its caller gave up is removed.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from bsr_io.errors import ChunkError, ChunkWriteError
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.record import RecordHeader
+from bsr_io.tiers.files.bounded import run_within
 from bsr_io.tiers.files.records import fsync_dir, mkdir_private, tmp_path
 
-# Writes the whole record into the new temp file (fd, its path) durably; returns its header.
-WriteRecord = Callable[[int, Path], RecordHeader]
+# Writes the whole record into the new temp file (fd, its path) durably, by the deadline
+# (time.monotonic) it is given; returns its header.
+WriteRecord = Callable[[int, Path, float], RecordHeader]
+# How long removing a failed save's temp file is waited for at least (the deadline may
+# be spent by then); past it the removal goes on alone.
+CLEANUP_S = 0.5
 
 
 def publish(
-    tier: str, key: ChunkKey, final: Path, write: WriteRecord
+    tier: str, key: ChunkKey, final: Path, write: WriteRecord, timeout: float
 ) -> tuple[RecordHeader, os.stat_result]:
-    """Publish the record `write` produces at `final`; (header, stat of the new file)."""
+    """Publish the record `write` produces at `final` within `timeout` seconds; (header,
+    stat of the new file). ChunkWriteError past it, nothing published by this call."""
+    deadline = time.monotonic() + timeout
     tmp = tmp_path(final)
     try:
-        mkdir_private(final.parent)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = run_within(
+            deadline - time.monotonic(), lambda: _create(final, tmp), late=lambda fd: _drop(fd, tmp)
+        )
+    except TimeoutError:
+        raise _late(tier, key, final, "temp file's creation", timeout) from None
+    except OSError as exc:
+        raise write_error(tier, key, final, exc) from exc
+    try:
         try:
-            header = write(fd, tmp)
+            header = write(fd, tmp, deadline)
             st = os.fstat(fd)
         finally:
             os.close(fd)
-        os.rename(tmp, final)
-        fsync_dir(final.parent)
+        run_within(deadline - time.monotonic(), lambda: _rename(tmp, final))
+    except TimeoutError:
+        # The rename (or fsync) goes on alone; it removes the temp file if it fails.
+        raise _late(tier, key, final, "rename", timeout, " (it may yet publish it whole)") from None
     except (OSError, ChunkError) as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _remove(tmp, max(CLEANUP_S, deadline - time.monotonic()))
         if isinstance(exc, ChunkError):
             raise
         raise write_error(tier, key, final, exc) from exc
     return header, st
+
+
+def _create(final: Path, tmp: Path) -> int:
+    mkdir_private(final.parent)
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+
+def _drop(fd: int, tmp: Path) -> None:
+    """A temp file created after its caller gave up: nobody writes it."""
+    os.close(fd)
+    _unlink_quietly(tmp)
+
+
+def _rename(tmp: Path, final: Path) -> None:
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        _unlink_quietly(tmp)
+        raise
+    fsync_dir(final.parent)
+
+
+def _remove(tmp: Path, timeout: float) -> None:
+    try:
+        run_within(timeout, lambda: _unlink_quietly(tmp))
+    except TimeoutError:
+        pass  # goes on alone; a temp file left behind is never read as a record
+
+
+def _unlink_quietly(tmp: Path) -> None:
+    try:
+        os.unlink(tmp)
+    except OSError:
+        pass
+
+
+def _late(
+    tier: str, key: ChunkKey, final: Path, what: str, timeout: float, note: str = ""
+) -> ChunkWriteError:
+    return ChunkWriteError(
+        f"the {what} of {final.name} did not end within {timeout:.3g} s (device stalled?); "
+        f"record not stored{note}, earlier records intact",
+        key=key,
+        tier=tier,
+        cause=TimeoutError(what),
+    )
 
 
 def copy_record(src_fd: int, fd: int, nbytes: int) -> bool:

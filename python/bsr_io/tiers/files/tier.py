@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from abc import abstractmethod
 from pathlib import Path
 from typing import Any
@@ -233,7 +234,8 @@ class FileTier(Tier):
                 self.name,
                 key,
                 self.path_of(key),
-                lambda fd, tmp: self._write_record(fd, tmp, key, layout, staged.pop()),
+                lambda fd, tmp, by: self._write_record(fd, tmp, key, layout, staged.pop(), by),
+                self.write_timeout_s,
             )
         finally:
             staged.clear()  # even on error
@@ -255,7 +257,8 @@ class FileTier(Tier):
                 self.name,
                 key,
                 self.path_of(key),
-                lambda fd, _tmp: self._copy_from(key, src, header, fd),
+                lambda fd, _tmp, by: self._copy_from(key, src, header, fd, by),
+                self.write_timeout_s,
             )
         finally:
             self._room.release(header.record_bytes)
@@ -263,7 +266,9 @@ class FileTier(Tier):
         self._count(writes=1, bytes_written=header.payload_len)
         return True
 
-    def _copy_from(self, key: ChunkKey, src: Path, header: RecordHeader, fd: int) -> RecordHeader:
+    def _copy_from(
+        self, key: ChunkKey, src: Path, header: RecordHeader, fd: int, deadline: float
+    ) -> RecordHeader:
         def copy(fd: int, _stop: object) -> bool:
             # Only the source file and the doomed temp file: nothing of the caller's.
             src_fd, _ = open_record(src)
@@ -273,7 +278,7 @@ class FileTier(Tier):
                 os.close(src_fd)
 
         try:
-            whole = call_within(self.write_timeout_s, fd, copy)
+            whole = call_within(deadline - time.monotonic(), fd, copy)
         except TimeoutError as exc:
             raise ChunkWriteError(
                 f"the copy of {src.name} did not end within {self.write_timeout_s} s "
@@ -293,9 +298,10 @@ class FileTier(Tier):
 
     @abstractmethod
     def _write_record(
-        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any
+        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any, deadline: float
     ) -> RecordHeader:
-        """Write header and payload to the new temp file `fd` and make them durable."""
+        """Write header and payload to the new temp file `fd` and make them durable, by
+        `deadline` (time.monotonic; ChunkWriteError past it)."""
 
     # -- shared read checks -------------------------------------------------------------
     def _known_header(self, key: ChunkKey, st: os.stat_result) -> RecordHeader | None:

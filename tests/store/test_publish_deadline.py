@@ -1,0 +1,157 @@
+"""Publishing a saved record has the record's deadline (`write_timeout_s`) too.
+
+The directory calls of a save (creating the temp file, the rename over the final name,
+the directory's fsync) ran on the saving thread with no limit, after the bounded write
+and fdatasync: a stalled drive held the save for good. Now they run on a thread of their
+own (tiers/files/publish.py) and the save fails (ChunkWriteError) at the deadline.
+
+What a call given up on does when it returns late: a temp file created late is removed;
+a rename that completes late publishes the record, which was written whole and
+fdatasynced before the rename began, and which a reader then verifies like any record
+another process wrote (checked below: it reads back equal); a late directory fsync
+follows a rename already done (the same). No temp file is left either way.
+
+The stall is a fault double: `os.open` (the temp file's creation), `os.rename` or
+`os.fsync` (of the record's directory) blocks, as on a stalled drive, for the tier's
+paths only, until the test releases it. The tiers are the real ones; the save runs on a
+thread of the test's, so that a save with no deadline fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bsr_io import Engine
+from bsr_io.cli.synthetic import fill_state, synthetic_chunk
+from bsr_io.errors import ChunkWriteError
+from bsr_io.model.layout import preset
+from bsr_io.tiers import LowerTier, SSDTier
+
+LAYOUT = preset("tiny")
+DEADLINE_S = 1.0
+SLACK_S = 1.5
+
+
+class _Stall:
+    """Fault double of `os.<name>`: blocks on the tier's temp file (`open`, `rename`) or
+    record directory (`fsync` of a descriptor) under `root` until released."""
+
+    def __init__(self, name: str, root: Path) -> None:
+        self.name = name
+        self.real = getattr(os, name)
+        self.root = str(root)
+        self.released = threading.Event()
+        self.hits = 0
+
+    def _ours(self, first: Any) -> bool:
+        if self.name == "fsync":
+            try:
+                target = os.readlink(f"/proc/self/fd/{first}")
+            except OSError:
+                return False
+            return target.startswith(self.root) and os.path.isdir(target)
+        path = os.fspath(first)
+        return isinstance(path, str) and path.startswith(self.root) and path.endswith(".tmp")
+
+    def __call__(self, first: Any, *args: Any, **kw: Any) -> Any:
+        if self._ours(first) and not self.released.is_set():
+            self.hits += 1
+            self.released.wait(60)
+        return self.real(first, *args, **kw)
+
+
+@contextmanager
+def _stalled(monkeypatch: pytest.MonkeyPatch, name: str, root: Path) -> Iterator[_Stall]:
+    stall = _Stall(name, root)
+    monkeypatch.setattr(os, name, stall)
+    try:
+        yield stall
+    finally:
+        stall.released.set()
+        time.sleep(0.3)  # the stalled call returns on its own thread
+        monkeypatch.undo()
+
+
+def _save_in_time(save: Callable[[], object]) -> tuple[float, BaseException | None]:
+    """Run `save` on a thread; (seconds it took, what it raised). Fails the test when it
+    is still blocked well past the deadline (a wait with no limit)."""
+    got: list[BaseException | None] = []
+
+    def body() -> None:
+        try:
+            save()
+            got.append(None)
+        except BaseException as exc:  # noqa: BLE001 - checked by the caller
+            got.append(exc)
+
+    t0 = time.monotonic()
+    worker = threading.Thread(target=body, daemon=True)
+    worker.start()
+    worker.join(DEADLINE_S + SLACK_S)
+    took = time.monotonic() - t0
+    assert not worker.is_alive(), f"the save still waits {took:.1f} s in (no deadline)"
+    return took, got[0]
+
+
+def _reads_back(root: Path, scratch: Path, seed: int) -> bool:
+    """A fresh L3 over `root` (as another process) reads the record of `seed` verified."""
+    key = fill_state(LowerTier(scratch / str(seed)), LAYOUT, LAYOUT.chunk_tokens, seed=seed)[1][0]
+    tier = LowerTier(root, layout=LAYOUT)
+    with Engine(2, LAYOUT.chunk_bytes) as engine:
+        slot = tier.submit_read(key, engine).wait()
+        try:
+            return bytes(memoryview(slot)) == synthetic_chunk(LAYOUT, seed, 0).tobytes()
+        finally:
+            slot.release()
+
+
+@pytest.mark.parametrize("call", ["open", "rename", "fsync"])
+def test_a_stalled_publish_fails_the_save_at_its_deadline(tmp_path, monkeypatch, call):
+    root = tmp_path / "l3"
+    tier = LowerTier(root, layout=LAYOUT, write_timeout_s=DEADLINE_S)
+    _, first = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=1)
+    with _stalled(monkeypatch, call, root) as stall:
+        took, exc = _save_in_time(lambda: fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=2))
+        assert isinstance(exc, ChunkWriteError), exc
+        assert "did not end within" in str(exc), exc
+        assert stall.hits == 1 and took < DEADLINE_S + SLACK_S
+        assert tier.keys() == first  # not indexed: the caller was told it failed
+    # Released: no temp file left; a late rename (or fsync after it) published the whole
+    # record, verified on read; a temp file created late was removed.
+    assert not list(root.rglob("*.tmp"))
+    chunks = len(list(root.rglob("*.chunk")))
+    assert chunks == (1 if call == "open" else 2)
+    if call != "open":
+        assert _reads_back(root, tmp_path / "scratch", 2)
+    assert _reads_back(root, tmp_path / "scratch", 1)
+    # Control: with the calls free the next save is published and indexed.
+    _, third = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=3)
+    assert third[0] in tier.keys()
+
+
+def test_a_stalled_l2_rename_fails_the_save_at_its_deadline(tmp_path, monkeypatch):
+    root = tmp_path / "l2"
+    with Engine(2, LAYOUT.chunk_bytes) as engine:
+        tier = SSDTier(root, None, engine, layout=LAYOUT, write_timeout_s=DEADLINE_S)
+        _, first = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=1)
+        with _stalled(monkeypatch, "rename", root) as stall:
+            took, exc = _save_in_time(lambda: fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=2))
+            assert isinstance(exc, ChunkWriteError) and "rename" in str(exc), exc
+            assert stall.hits == 1 and took < DEADLINE_S + SLACK_S
+            assert tier.keys() == first
+        assert not list(root.rglob("*.tmp"))
+        # The late rename published the whole record: it reads back verified.
+        fresh = SSDTier(root, None, engine, layout=LAYOUT)
+        assert len(fresh.keys()) == 2
+        for key in fresh.keys():
+            slot = fresh.submit_read(key, engine).wait()
+            slot.release()
+        assert fresh.stats()["quarantined"] == 0
