@@ -31,6 +31,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from bsr_io._core import Engine, MemoryRegistration
+from bsr_io.engine import REGISTER_TIMEOUT_S
 from bsr_io.integrations.sglang.config import Settings
 from bsr_io.integrations.sglang.identity import RankIdentity
 from bsr_io.integrations.sglang.pages import HostPages, PoolPages
@@ -96,7 +97,7 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         if s.direct_reads:
             try:  # once: the kernel pins the pool's pages now, not per read
                 bufs: list[Any] = list(pages.views)  # numpy arrays: buffers to the engine
-                self._registration = self._read_engine.register_memory(bufs)
+                self._registration = self._read_engine.register_memory(bufs, REGISTER_TIMEOUT_S)
             except (OSError, ValueError) as exc:
                 logger.info("bsr HiCache: pool memory not registered (%s); reads still direct", exc)
         ours = self._key("")  # the namespace: model, world, rank, layout
