@@ -613,6 +613,128 @@ MOONCAKE_FIGURES: list[Fig] = [
 
 # docs/vllm.md: the CPU engine runs, the hybrid model and scheduler-side discovery.
 VLLM_FIGURES: list[Fig] = [
+    # bench serve (serve.json; the --pin-front run: serve-pinned.json).
+    Fig("more at {} requests/s", "serve.json", "paced_rate_req_s", fmt="{:.2f}"),
+    Fig(
+        "TTFT p50 is {}x the reference's",
+        "serve.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "reference's ({} s against",
+        "serve.json",
+        "miss_penalty.paced.ttft_bsr_io_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "s against {} s; per round",
+        "serve.json",
+        "miss_penalty.paced.ttft_baseline_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "per round {}x to",
+        "serve.json",
+        "miss_penalty.paced.ttft_p50_ratio_per_round.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x to {}x) and", "serve.json", "miss_penalty.paced.ttft_p50_ratio_per_round.1", fmt="{:.3f}"
+    ),
+    Fig(
+        "output throughput {}x. This",
+        "serve.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "met. TTFT p50 is {}x", "serve.json", "miss_penalty.saturated.ttft_p50_ratio", fmt="{:.3f}"
+    ),
+    Fig("x ({} s against", "serve.json", "miss_penalty.saturated.ttft_bsr_io_s.p50", fmt="{:.3f}"),
+    Fig(
+        "s against {} s) and throughput",
+        "serve.json",
+        "miss_penalty.saturated.ttft_baseline_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "and throughput {}x.", "serve.json", "miss_penalty.saturated.throughput_ratio", fmt="{:.3f}"
+    ),
+    Fig(
+        "saturation worse ({}x TTFT,",
+        "serve-pinned.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT, {}x throughput)",
+        "serve-pinned.json",
+        "miss_penalty.saturated.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig("{} requests bsr-io restored", "serve.json", "restore_vs_recompute.requests", fmt="{:.0f}"),
+    Fig(
+        "TTFT p50 {} s against",
+        "serve.json",
+        "restore_vs_recompute.ttft_restored_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "s against {} s (",
+        "serve.json",
+        "restore_vs_recompute.ttft_recomputed_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig("s ({}x); p99", "serve.json", "restore_vs_recompute.speedup_p50", fmt="{:.2f}"),
+    Fig("p99 {} s against", "serve.json", "restore_vs_recompute.ttft_restored_s.p99", fmt="{:.3f}"),
+    Fig(
+        "against {} s. - vLLM's",
+        "serve.json",
+        "restore_vs_recompute.ttft_recomputed_s.p99",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "same requests took {} s.",
+        "serve.json",
+        "restore_vs_recompute.ttft_vllm_hit_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "first whole chunk: {} s against",
+        "serve.json",
+        "restore_vs_recompute.by_restored_chunks.1.ttft_restored_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "against {} s with one chunk",
+        "serve.json",
+        "restore_vs_recompute.by_restored_chunks.1.ttft_recomputed_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "misses: {} equal",
+        "serve.json",
+        "outputs_equal.misses_both",
+        fmt="{}",
+        derive=lambda d: _get(d["serve.json"], "outputs_equal.misses_both"),
+    ),
+    Fig(
+        "restored against recomputed: {};",
+        "serve.json",
+        "outputs_equal.restored_vs_recomputed",
+        fmt="{}",
+        derive=lambda d: _get(d["serve.json"], "outputs_equal.restored_vs_recomputed"),
+    ),
+    Fig(
+        "hit against recomputed: {}, the",
+        "serve.json",
+        "outputs_equal.vllm_hit_vs_recomputed",
+        fmt="{}",
+        derive=lambda d: _get(d["serve.json"], "outputs_equal.vllm_hit_vs_recomputed"),
+    ),
+    Fig("A save took {} s at p50", "serve.json", "bsr_io.save_seconds.p50", fmt="{:.3f}"),
+    Fig("read at {} GiB/s per load", "serve.json", "bsr_io.restore_bytes_per_s", scale=GIB),
     Fig(
         "is {}x shorter at 1K tokens",
         "vllm.json",
@@ -821,6 +943,52 @@ VLLM_FIGURES: list[Fig] = [
 
 # The README's headline table: one row per claim, each linking its JSON.
 HEADLINE_FIGURES: list[Fig] = [
+    Fig(
+        "TTFT p50 {}x, output throughput",
+        "serve.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "output throughput {}x |", "serve.json", "miss_penalty.paced.throughput_ratio", fmt="{:.3f}"
+    ),
+    Fig(
+        "| TTFT p50 {}x, throughput",
+        "serve.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x, throughput {}x: the goal",
+        "serve.json",
+        "miss_penalty.saturated.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "| TTFT p50 {} s against",
+        "serve.json",
+        "restore_vs_recompute.ttft_restored_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "s against {} s recomputed",
+        "serve.json",
+        "restore_vs_recompute.ttft_recomputed_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig("recomputed ({}x); p99", "serve.json", "restore_vs_recompute.speedup_p50"),
+    Fig(
+        "x); p99 {} s against",
+        "serve.json",
+        "restore_vs_recompute.ttft_restored_s.p99",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "s against {} s | [serve",
+        "serve.json",
+        "restore_vs_recompute.ttft_recomputed_s.p99",
+        fmt="{:.3f}",
+    ),
     Fig("Staging at {} tokens of", "sweep.json", "rows.3.tokens", fmt="{:,.0f}"),
     Fig("| RWS {} B for a", "sweep.json", "rows.3.rws_peak_bytes", fmt="{:,.0f}"),
     Fig("B for a {} GiB state", "sweep.json", "rows.3.state_bytes", scale=GIB),

