@@ -613,7 +613,26 @@ MOONCAKE_FIGURES: list[Fig] = [
 
 # docs/vllm.md: the CPU engine runs, the hybrid model and scheduler-side discovery.
 VLLM_FIGURES: list[Fig] = [
-    # bench serve (serve.json; the --pin-front run: serve-pinned.json).
+    # bench serve (serve.json; the --pin-front run: serve-pinned.json; save_in_steps:
+    # serve-in-steps.json).
+    Fig(
+        "saturation TTFT p50 is {}x and",
+        "serve-in-steps.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x and throughput {}x; at the",
+        "serve-in-steps.json",
+        "miss_penalty.saturated.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "fixed rate TTFT p50 is {}x. Hence",
+        "serve-in-steps.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
     Fig("more at {} requests/s", "serve.json", "paced_rate_req_s", fmt="{:.2f}"),
     Fig(
         "TTFT p50 is {}x the reference's",
