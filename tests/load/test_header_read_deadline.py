@@ -18,15 +18,12 @@ records, as the reading tier sees them).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
+from stalls import lane_held
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
@@ -46,23 +43,6 @@ LAYOUT = KVLayout(
 )
 CHUNKS = 3
 DEADLINE_S = 1.0
-
-
-@contextmanager
-def _lane_held(engine: Engine, tmp_path: Path) -> Iterator[None]:
-    """The engine's only lane busy with a read of a FIFO until the block ends."""
-    fifo = tmp_path / "stall"
-    os.mkfifo(fifo)
-    src = engine.open(fifo, special=True)
-    writer = os.open(fifo, os.O_RDWR)
-    stuck = engine.submit_read(src, 0, 4096)
-    time.sleep(0.2)
-    try:
-        yield
-    finally:
-        os.write(writer, bytes(4096))
-        stuck.wait(10).release()
-        os.close(writer)
 
 
 def _run(engine: Engine, tiers: list, keys: list, dest: PagedKVCache, direct: bool):  # type: ignore[no-untyped-def]
@@ -102,7 +82,7 @@ def test_a_stalled_header_read_is_a_read_error_at_the_deadline(backend, tmp_path
         l3 = LowerTier(tmp_path / "l3", layout=LAYOUT)
         assert fill_state(l3, LAYOUT, LAYOUT.chunk_tokens * CHUNKS, seed=1)[1] == keys
         dest, reg = _dest(engine)
-        with _lane_held(engine, tmp_path):
+        with lane_held(engine, tmp_path):
             report, took = _run(engine, [l2, l3], keys, dest, direct)
             assert took < DEADLINE_S + 1.5, f"the run took {took:.1f} s"
             # Every chunk came from L3; L2's header reads were read errors, no timeout of

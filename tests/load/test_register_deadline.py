@@ -15,15 +15,12 @@ are the real ones.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
+from stalls import lane_held
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
@@ -45,23 +42,6 @@ LAYOUT = KVLayout(
 CHUNKS = 3
 DEADLINE_S = 1.0
 SLACK_S = 1.5
-
-
-@contextmanager
-def _lane_held(engine: Engine, tmp_path: Path) -> Iterator[None]:
-    """The engine's only lane busy with a read of a FIFO until the block ends."""
-    fifo = tmp_path / "stall"
-    os.mkfifo(fifo)
-    src = engine.open(fifo, special=True)
-    writer = os.open(fifo, os.O_RDWR)
-    stuck = engine.submit_read(src, 0, 4096)
-    time.sleep(0.2)
-    try:
-        yield
-    finally:
-        os.write(writer, bytes(4096))
-        stuck.wait(10).release()
-        os.close(writer)
 
 
 def _holds_state(dest: PagedKVCache) -> bool:
@@ -89,7 +69,7 @@ def test_an_owners_registration_times_out_behind_a_hung_request(backend, tmp_pat
             except TimeoutError as exc:
                 got.append(exc)
 
-        with _lane_held(engine, tmp_path):
+        with lane_held(engine, tmp_path):
             worker = threading.Thread(target=register, daemon=True)
             worker.start()
             worker.join(DEADLINE_S + SLACK_S)
@@ -120,7 +100,7 @@ def test_a_run_into_an_unregistered_cache_ends_at_its_deadline(backend, tmp_path
             report = window.run(keys, [0] * CHUNKS, dest, read_deadline=t0 + DEADLINE_S)
             got.append((report, time.monotonic() - t0))
 
-        with _lane_held(engine, tmp_path):
+        with lane_held(engine, tmp_path):
             worker = threading.Thread(target=run, daemon=True)
             worker.start()
             worker.join(DEADLINE_S + SLACK_S)

@@ -16,15 +16,11 @@ instead of hanging it.
 
 from __future__ import annotations
 
-import os
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+from stalls import ends_within, fd_path, stalled
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
@@ -38,57 +34,18 @@ DEADLINE_S = 1.0
 SLACK_S = 2.0
 
 
-class _Stall:
-    """Fault double of `os.<name>`: blocks on a temp file under `root` until released."""
-
-    def __init__(self, name: str, root: Path) -> None:
-        self.real = getattr(os, name)
-        self.root = str(root)
-        self.released = threading.Event()
-        self.hits = 0
-
-    def __call__(self, fd: int, *args: Any) -> Any:
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            target = ""
-        if target.startswith(self.root) and ".tmp" in target:
-            self.hits += 1
-            self.released.wait(60)
-        return self.real(fd, *args)
+def _stalled(monkeypatch: pytest.MonkeyPatch, name: str, root: Path):  # type: ignore[no-untyped-def]
+    """`os.<name>` blocked on the tier's temp files under `root` (fault double)."""
+    return stalled(monkeypatch, name, lambda fd: _temp_under(fd_path(fd), root))
 
 
-@contextmanager
-def _stalled(monkeypatch: pytest.MonkeyPatch, name: str, root: Path) -> Iterator[_Stall]:
-    stall = _Stall(name, root)
-    monkeypatch.setattr(os, name, stall)
-    try:
-        yield stall
-    finally:
-        stall.released.set()
-        time.sleep(0.2)  # the stalled call returns on its own thread, into the doomed file
-        monkeypatch.undo()
+def _temp_under(path: str, root: Path) -> bool:
+    return path.startswith(str(root)) and ".tmp" in path
 
 
 def _save_in_time(save: Callable[[], object]) -> tuple[float, BaseException | None]:
-    """Run `save` on a thread; (seconds it took, what it raised). Fails the test when it
-    is still blocked well past the deadline (a wait with no limit)."""
-    got: list[BaseException | None] = []
-
-    def body() -> None:
-        try:
-            save()
-            got.append(None)
-        except BaseException as exc:  # noqa: BLE001 - checked by the caller
-            got.append(exc)
-
-    t0 = time.monotonic()
-    worker = threading.Thread(target=body, daemon=True)
-    worker.start()
-    worker.join(DEADLINE_S + SLACK_S)
-    took = time.monotonic() - t0
-    assert not worker.is_alive(), f"the save still waits {took:.1f} s in (no deadline)"
-    return took, got[0]
+    """(seconds, what it raised or None); fails the test past the deadline's slack."""
+    return ends_within(lambda: (save(), None)[1], DEADLINE_S + SLACK_S, "save")
 
 
 def _no_leftovers(root: Path, chunks: int) -> None:

@@ -16,15 +16,12 @@ hanging it.
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from stalls import ends_within, fd_path, stalled
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
@@ -40,56 +37,18 @@ DEADLINE_S = 1.0
 SLACK_S = 1.5
 
 
-class _Stall:
-    """Fault double of `os.<name>`: blocks on a record file under `root` until released."""
+def _stalled(monkeypatch: pytest.MonkeyPatch, name: str, root: Path):  # type: ignore[no-untyped-def]
+    """`os.<name>` blocked on L3's record files under `root` (fault double)."""
 
-    def __init__(self, name: str, root: Path) -> None:
-        self.real = getattr(os, name)
-        self.root = str(root)
-        self.released = threading.Event()
-        self.hits = 0
+    def ours(fd: int) -> bool:
+        path = fd_path(fd)
+        return path.startswith(str(root)) and path.endswith(".chunk")
 
-    def __call__(self, fd: int, *args: Any) -> Any:
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            target = ""
-        if target.startswith(self.root) and target.endswith(".chunk"):
-            self.hits += 1
-            self.released.wait(60)
-        return self.real(fd, *args)
-
-
-@contextmanager
-def _stalled(monkeypatch: pytest.MonkeyPatch, name: str, root: Path) -> Iterator[_Stall]:
-    stall = _Stall(name, root)
-    monkeypatch.setattr(os, name, stall)
-    try:
-        yield stall
-    finally:
-        stall.released.set()
-        time.sleep(0.3)  # the stalled call returns on its own thread
-        monkeypatch.undo()
+    return stalled(monkeypatch, name, ours)
 
 
 def _in_time(work: Any) -> tuple[float, Any]:
-    """Run `work` on a thread; (seconds it took, what it returned or raised). Fails the
-    test when it is still blocked well past the deadline (a wait with no limit)."""
-    got: list[Any] = []
-
-    def body() -> None:
-        try:
-            got.append(work())
-        except BaseException as exc:  # noqa: BLE001 - checked by the caller
-            got.append(exc)
-
-    t0 = time.monotonic()
-    worker = threading.Thread(target=body, daemon=True)
-    worker.start()
-    worker.join(DEADLINE_S + SLACK_S)
-    took = time.monotonic() - t0
-    assert not worker.is_alive(), f"the read still waits {took:.1f} s in (no deadline)"
-    return took, got[0]
+    return ends_within(work, DEADLINE_S + SLACK_S, "read")
 
 
 def _tier(root: Path, call: str) -> tuple[LowerTier, list]:  # type: ignore[type-arg]

@@ -20,14 +20,12 @@ thread of the test's, so that a save with no deadline fails the test instead of 
 from __future__ import annotations
 
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from stalls import ends_within, fd_path, stalled
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
@@ -40,65 +38,23 @@ DEADLINE_S = 1.0
 SLACK_S = 1.5
 
 
-class _Stall:
-    """Fault double of `os.<name>`: blocks on the tier's temp file (`open`, `rename`) or
-    record directory (`fsync` of a descriptor) under `root` until released."""
+def _stalled(monkeypatch: pytest.MonkeyPatch, name: str, root: Path):  # type: ignore[no-untyped-def]
+    """`os.<name>` blocked on the tier's temp file (`open`, `rename`) or record
+    directory (`fsync` of a descriptor) under `root` (fault double)."""
 
-    def __init__(self, name: str, root: Path) -> None:
-        self.name = name
-        self.real = getattr(os, name)
-        self.root = str(root)
-        self.released = threading.Event()
-        self.hits = 0
-
-    def _ours(self, first: Any) -> bool:
-        if self.name == "fsync":
-            try:
-                target = os.readlink(f"/proc/self/fd/{first}")
-            except OSError:
-                return False
-            return target.startswith(self.root) and os.path.isdir(target)
+    def ours(first: Any) -> bool:
+        if name == "fsync":
+            target = fd_path(first)
+            return target.startswith(str(root)) and os.path.isdir(target)
         path = os.fspath(first)
-        return isinstance(path, str) and path.startswith(self.root) and path.endswith(".tmp")
+        return isinstance(path, str) and path.startswith(str(root)) and path.endswith(".tmp")
 
-    def __call__(self, first: Any, *args: Any, **kw: Any) -> Any:
-        if self._ours(first) and not self.released.is_set():
-            self.hits += 1
-            self.released.wait(60)
-        return self.real(first, *args, **kw)
-
-
-@contextmanager
-def _stalled(monkeypatch: pytest.MonkeyPatch, name: str, root: Path) -> Iterator[_Stall]:
-    stall = _Stall(name, root)
-    monkeypatch.setattr(os, name, stall)
-    try:
-        yield stall
-    finally:
-        stall.released.set()
-        time.sleep(0.3)  # the stalled call returns on its own thread
-        monkeypatch.undo()
+    return stalled(monkeypatch, name, ours)
 
 
 def _save_in_time(save: Callable[[], object]) -> tuple[float, BaseException | None]:
-    """Run `save` on a thread; (seconds it took, what it raised). Fails the test when it
-    is still blocked well past the deadline (a wait with no limit)."""
-    got: list[BaseException | None] = []
-
-    def body() -> None:
-        try:
-            save()
-            got.append(None)
-        except BaseException as exc:  # noqa: BLE001 - checked by the caller
-            got.append(exc)
-
-    t0 = time.monotonic()
-    worker = threading.Thread(target=body, daemon=True)
-    worker.start()
-    worker.join(DEADLINE_S + SLACK_S)
-    took = time.monotonic() - t0
-    assert not worker.is_alive(), f"the save still waits {took:.1f} s in (no deadline)"
-    return took, got[0]
+    """(seconds, what it raised or None); fails the test past the deadline's slack."""
+    return ends_within(lambda: (save(), None)[1], DEADLINE_S + SLACK_S, "save")
 
 
 def _reads_back(root: Path, scratch: Path, seed: int) -> bool:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 
 import pytest
+from stalls import lane_held
 
 from bsr_io import Engine, WaitTimeoutError
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
@@ -46,29 +46,12 @@ def _one_lane_engine(backend: str) -> Engine:
     return Engine(2, LAYOUT.chunk_bytes, backend=backend, queue_depth=1)
 
 
-@contextmanager
-def _lane_held(engine: Engine, tmp_path):
-    """The engine's only lane busy with a read of a FIFO until the block ends."""
-    fifo = tmp_path / "stall"
-    os.mkfifo(fifo)
-    src = engine.open(fifo, special=True)
-    writer = os.open(fifo, os.O_RDWR)
-    stuck = engine.submit_read(src, 0, 4096)
-    time.sleep(0.2)
-    try:
-        yield
-    finally:
-        os.write(writer, bytes(4096))
-        stuck.wait(10).release()
-        os.close(writer)
-
-
 def test_a_stalled_write_fails_the_save_at_its_deadline(backend, tmp_path):
     """Before, the save waited for the write without a limit (here: until the FIFO is
     written, i.e. for good)."""
     with _one_lane_engine(backend) as engine:
         tier = SSDTier(tmp_path / "l2", None, engine, write_timeout_s=DEADLINE_S)
-        with _lane_held(engine, tmp_path):
+        with lane_held(engine, tmp_path):
             t0 = time.monotonic()
             with pytest.raises(ChunkWriteError, match="did not end within") as exc:
                 fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=1, model="m")
@@ -94,7 +77,7 @@ def test_a_stalled_sync_is_bounded(backend, tmp_path):
         (tmp_path / "f").write_bytes(bytes(4096))
         f = engine.open(tmp_path / "f", write=True)
         engine.sync(f, timeout=5)  # control: it works
-        with _lane_held(engine, tmp_path):
+        with lane_held(engine, tmp_path):
             t0 = time.monotonic()
             with pytest.raises(WaitTimeoutError):
                 engine.sync(f, timeout=DEADLINE_S)
