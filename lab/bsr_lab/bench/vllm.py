@@ -227,7 +227,6 @@ def run_discovery(args: argparse.Namespace) -> int:
     file-system calls; the store holds every record."""
     import time
     from dataclasses import replace
-    from types import SimpleNamespace
 
     import numpy as np
 
@@ -236,7 +235,7 @@ def run_discovery(args: argparse.Namespace) -> int:
     from bsr_io.integrations.vllm.identity import key_model
     from bsr_io.integrations.vllm.layout import group_layouts
     from bsr_io.model.keys import prefix_hashes
-    from bsr_lab.vllm.harness import FsCalls, tokens
+    from bsr_lab.vllm.harness import FsCalls, scheduler_request, tokens
 
     chunk, tp = 256, args.tp
     base = scratch_base(Path(args.dir)) if args.dir else make_scratch(None, "bsr-vllm-disc-")
@@ -248,15 +247,7 @@ def run_discovery(args: argparse.Namespace) -> int:
     cfg = ConnectorConfig(store_dir=str(root), chunk_tokens=chunk)
 
     def request(rid: str) -> Any:
-        return SimpleNamespace(
-            request_id=rid,
-            all_token_ids=toks,
-            num_tokens=len(toks),
-            cache_salt=None,
-            lora_request=None,
-            mm_features=None,
-            prompt_embeds=None,
-        )
+        return scheduler_request(rid, toks)
 
     t0 = time.perf_counter()
     side = _fed_side(cfg, groups, tp, root)  # every worker's inventory, as vLLM hands it

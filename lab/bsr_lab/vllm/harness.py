@@ -36,6 +36,24 @@ WINDOW = 4
 VOCAB = 512
 
 
+def scheduler_request(rid: str, toks: list[int]) -> Any:
+    """The fields of vLLM's `Request` the connector's scheduler side reads, for driving
+    it without an engine (tests and the discovery bench): a plain prompt, no adapter,
+    salt or images, nothing computed yet."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        request_id=rid,
+        all_token_ids=toks,
+        num_tokens=len(toks),
+        cache_salt=None,
+        lora_request=None,
+        mm_features=None,
+        prompt_embeds=None,
+        num_computed_tokens=0,
+    )
+
+
 def write_tiny_llama(
     path: str | os.PathLike[str],
     *,

@@ -33,7 +33,7 @@ from bsr_io.integrations.vllm.metadata import BsrHandshake, BsrWorkerMeta, Inven
 from bsr_io.integrations.vllm.scheduler import SchedulerSide
 from bsr_io.model.keys import ChunkKey, prefix_hashes
 from bsr_io.tiers.files.records import record_path
-from bsr_lab.vllm.harness import tokens
+from bsr_lab.vllm.harness import scheduler_request, tokens
 
 CHUNK = 256
 MODEL = "m"
@@ -48,16 +48,7 @@ NO_STEP = SimpleNamespace(
 
 
 def _request(rid: str, toks: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid,
-        all_token_ids=toks,
-        num_tokens=len(toks),
-        cache_salt=None,
-        lora_request=None,
-        mm_features=None,
-        prompt_embeds=None,
-        num_computed_tokens=0,
-    )
+    return scheduler_request(rid, toks)  # type: ignore[no-any-return]
 
 
 class Store:

@@ -18,22 +18,9 @@ from bsr_io.integrations.vllm import kv_shapes
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.layout import FULL, group_layouts
 from bsr_io.integrations.vllm.scheduler import SchedulerSide
-from bsr_lab.vllm.harness import tokens
+from bsr_lab.vllm.harness import scheduler_request, tokens
 
 CHUNK = 256
-
-
-def request(rid: str, toks: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid,
-        all_token_ids=toks,
-        num_tokens=len(toks),
-        cache_salt=None,
-        lora_request=None,
-        mm_features=None,
-        prompt_embeds=None,
-        num_computed_tokens=0,
-    )
 
 
 def prefill_step(rid: str, n: int, block_ids: tuple[list[int], ...]) -> SimpleNamespace:
@@ -53,7 +40,7 @@ def test_full_records_saved_in_the_step_free_the_blocks_at_finish(tmp_path, in_s
     cfg = ConnectorConfig(store_dir=str(tmp_path), chunk_tokens=CHUNK, save_in_steps=in_steps)
     side = SchedulerSide(cfg, groups, "m", 1)
     toks = tokens(3, 3 * CHUNK + 10)
-    req = request("a", toks)
+    req = scheduler_request("a", toks)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # an empty store
     blocks = tuple(list(range(100 * (g.index + 1), 100 * (g.index + 1) + 8)) for g in groups)
 
