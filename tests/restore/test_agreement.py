@@ -87,7 +87,7 @@ def test_a_forgotten_request_id_never_reads_its_old_decision(keep_keys):
 @pytest.mark.parametrize("lone_rank", [0, 1])
 def test_keys_a_missing_rank_leaves_expire(lone_rank):
     """Whichever rank was left waiting deletes what it left, `expire_s` later."""
-    lone = 4  # 4 x 0.3 s of timeouts: none expires (6 s) before the count
+    lone = 4  # 4 x 0.3 s of timeouts: none expires (12 s) before the count
     r0, r1 = run("expire_on_rank", lone=lone, lone_rank=lone_rank)
     assert r0["left"] - r0["base"] >= lone * 3  # post, decision, read count per request
     assert r0["after"] <= r0["base"] + 2  # expired by the lone rank's next requests
