@@ -86,11 +86,15 @@ class JobTable:
         on_end: Callable[[Job, Details], None],
         *,
         grace_s: float = 2.0,
+        hold_running_loads: bool = True,
         name: str = "bsr",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._on_end = on_end
         self._grace_s = grace_s
+        # False where loads read only into slots: they write their blocks only through
+        # their guard, closed when they are given up, so there is nothing to hold.
+        self._hold_running = hold_running_loads
         self._clock = clock
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # submitted, not yet reported
@@ -141,7 +145,9 @@ class JobTable:
                 False,
                 f"{job.kind} did not end within its deadline ({where})",
                 {},
-                until_returned=job.kind == "load" and job.started is not None,
+                until_returned=self._hold_running
+                and job.kind == "load"
+                and job.started is not None,
             )
         sending: set[str] = set()
         recving: set[str] = set()

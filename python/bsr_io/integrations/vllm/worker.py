@@ -231,6 +231,9 @@ class WorkerSide:
             {"load": self._load, "save": self._save},
             self._ended,
             grace_s=_GRACE_S,
+            # Only a destination that takes direct reads can be written after its load
+            # was given up (blocks.py: RequestPages reads through slots today).
+            hold_running_loads=bool(getattr(RequestPages, "direct_reads", False)),
             name=f"bsr-r{rank}",
         )
 
