@@ -169,6 +169,10 @@ class Slot:
         """Copy the valid bytes into the writable buffers `dsts` along `runs` ((buffer
         index, offset in it, slot offset, length), in slot order) and return the xxh3-64
         of all the valid bytes, in one pass (GIL released)."""
+    def gather(self, srcs: Sequence[Any], runs: Sequence[tuple[int, int, int, int]]) -> None:
+        """Copy `runs` ((buffer index, offset in it, slot offset, length), in slot order)
+        of the buffers `srcs` into the valid bytes and zero the bytes no run covers, in
+        one call (GIL released)."""
 
 @final
 class Pending:

@@ -100,6 +100,28 @@ def test_install_xxh3_refuses_bad_runs_and_aliasing():
         del s
 
 
+def test_gather_copies_runs_into_the_slot_and_zeroes_the_gaps():
+    """A save's cut of scattered pages (vLLM's blocks) into one record, in one call."""
+    rng = np.random.default_rng(4)
+    a, b = (rng.integers(1, 256, n, dtype=np.uint8) for n in (200_000, 150_000))
+    with Engine(1, 1 << 20) as eng:
+        s = _slot(eng, np.full(300_000, 0xAB, np.uint8))  # stale bytes of an earlier use
+        runs = [(1, 10, 0, 100_000), (0, 0, 100_000, 70_000), (0, 80_000, 200_000, 90_000)]
+        s.gather([a, b], runs)
+        got = np.frombuffer(memoryview(s), np.uint8)
+        assert (got[:100_000] == b[10:100_010]).all()
+        assert (got[100_000:170_000] == a[:70_000]).all()
+        assert (got[200_000:290_000] == a[80_000:170_000]).all()
+        assert not got[170_000:200_000].any() and not got[290_000:].any()  # no stale byte
+        del got
+        for bad in ([(0, 0, 299_990, 20)], [(0, 199_990, 0, 20)], [(2, 0, 0, 10)]):
+            with pytest.raises(ValueError):
+                s.gather([a, b], bad)
+        s.gather([bytes(range(10))], [(0, 0, 0, 10)])  # sources may be read-only
+        assert bytes(memoryview(s)[:10]) == bytes(range(10))
+        del s
+
+
 def _state(tmp_path, engine, *, l3: bool):
     store = open_store(
         engine, tmp_path / "l2", layout=LAYOUT, lower_dir=tmp_path / "l3" if l3 else None

@@ -58,3 +58,16 @@ def test_full_records_saved_in_the_step_free_the_blocks_at_finish(tmp_path, in_s
         assert not full_chunks & cut
         assert delay
         assert {(r.group, r.chunk) for t in finish for r in t.records} == full_chunks
+
+
+def test_finished_and_preempted_requests_are_named_to_the_workers(tmp_path):
+    """The workers stop cutting from blocks vLLM freed (cuts.py): the scheduler side
+    names both kinds of release, as vLLM's scheduler output lists them."""
+    groups = group_layouts(kv_shapes.gemma3(), CHUNK)
+    cfg = ConnectorConfig(store_dir=str(tmp_path), chunk_tokens=CHUNK, save_in_steps=True)
+    side = SchedulerSide(cfg, groups, "m", 1)
+    step = prefill_step("c", 0, tuple([] for _ in groups))
+    step.finished_req_ids, step.preempted_req_ids = {"a"}, {"b"}
+    assert side.build_connector_meta(step).released == {"a", "b"}
+    step.finished_req_ids, step.preempted_req_ids = set(), None  # vLLM's default
+    assert side.build_connector_meta(step).released == set()

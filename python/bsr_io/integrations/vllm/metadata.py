@@ -50,6 +50,9 @@ class BsrMetadata(KVConnectorMetadata):
     # Worker ranks whose reports the scheduler side stopped trusting: they report their
     # whole store again under a new epoch.
     resync: set[int] = field(default_factory=set)
+    # Requests finished or preempted since the last step: vLLM may hand their blocks to
+    # others in this step, so no record of theirs is cut from them any more (cuts.py).
+    released: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -266,10 +266,18 @@ class SchedulerSide:
             touches=self._touches,
             recheck=self._recheck,
             resync=self._resync,
+            released=self._released(scheduler_output),
         )
         self._loads, self._finish, self._touches = [], [], {}
         self._recheck, self._resync = {}, set()
         return meta
+
+    @staticmethod
+    def _released(so: Any) -> set[str]:
+        """Requests whose blocks vLLM freed since the last step: finished or preempted."""
+        return set(getattr(so, "finished_req_ids", None) or ()) | set(
+            getattr(so, "preempted_req_ids", None) or ()
+        )
 
     def _scheduled(self, so: Any) -> list[tuple[str, int]]:
         """(request id, tokens computed before this step) of every scheduled request."""

@@ -21,13 +21,12 @@ Design (one path, two lanes, nothing unbounded):
   alone. A load abandoned at its deadline closes the request's `Guard` first, so no
   late install touches blocks vLLM hands to another request.
 - Saves run on the save lane with an engine of their own, so neither lane waits behind
-  the other. Window-group records are cut in `wait_for_save` of the step that
-  completed them (their blocks are freed and reused from the next step on): each is
-  extracted into a save-engine slot synchronously, waiting at most
-  `step_save_budget_s` per step for slots (past it the record is skipped: a future
-  miss, counted), then written (checksummed, crash-safe) by up to W writers.
-  Full-group records of a finished request go through the core's `save_records`;
-  vLLM keeps the blocks until the worker reports the request in `finished_sending`.
+  the other. Records completed in a step are cut (cuts.py): window-group records in
+  `wait_for_save` (their blocks are reused from the next step on), full-group ones,
+  with `save_in_steps`, by the writers while the request still holds its blocks.
+  Full-group records left for a finished request go through the core's
+  `save_records`; vLLM keeps the blocks until the worker reports the request in
+  `finished_sending`.
 - Inventory: the worker alone lists its own records (its ranks' directories on its own
   node's drive) and reports them to the scheduler side: in its handshake before
   serving, then in bounded batches with every step's worker metadata, with what its
@@ -52,20 +51,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any
 
 import torch
 
-from bsr_io._core import Engine, Slot
-from bsr_io.engine import as_tensor, give_back, lease
-from bsr_io.errors import EngineBusy, TierDown
+from bsr_io._core import Engine
+from bsr_io.errors import TierDown
 from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.cpus import connector_cpus, pinner, threads_started_on
+from bsr_io.integrations.vllm.cuts import StepCuts
 from bsr_io.integrations.vllm.inventory import StoreInventory
 from bsr_io.integrations.vllm.jobs import Details, Job, JobTable
 from bsr_io.integrations.vllm.layout import GroupLayout
@@ -76,7 +73,7 @@ from bsr_io.integrations.vllm.metadata import (
     RecordOrder,
     Transfer,
 )
-from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED, SaveMetrics
+from bsr_io.integrations.vllm.metrics import SaveMetrics
 from bsr_io.integrations.vllm.ranktier import RankTier
 from bsr_io.load.records import COMPLETE, ZERO, LoadOptions, load_records
 from bsr_io.metrics import RestoreMetrics
@@ -221,12 +218,7 @@ class WorkerSide:
                 cfg.metrics_port + rank, addr="127.0.0.1", registry=self.metrics.registry
             )
         self.pages: KVPages | None = None
-        self._lock = threading.Lock()
-        self._skipped = 0  # window records not saved (no slot in budget, or an error)
-        self._writers = ThreadPoolExecutor(
-            cfg.window, thread_name_prefix=f"bsr-w{rank}", initializer=pinner(self.cpus)
-        )
-        self._writing: dict[str, list[Future[None]]] = {}  # request -> its window writes
+        self.cuts = StepCuts(self, pinner(self.cpus))
         self.jobs = JobTable(
             {"load": self._load, "save": self._save},
             self._ended,
@@ -240,7 +232,7 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
         groups = [describe(g) | {"model": self.model} for g in self.groups.values()]
-        self._event(
+        self.event(
             None,
             {
                 "kind": "start",
@@ -257,11 +249,11 @@ class WorkerSide:
             t.key_model, self.world_size, g.key_rank(self.rank), g.fingerprint(), r.chunk_hash
         )
 
-    def _mine(self, r: RecordOrder) -> bool:
+    def mine(self, r: RecordOrder) -> bool:
         """Whether this rank writes record `r` (a replicated group: rank 0 only)."""
         return not self.groups[r.group].replicated or self.rank == 0
 
-    def _dest(self, t: Transfer, records: list[RecordOrder], guard: Guard) -> RequestPages:
+    def dest(self, t: Transfer, records: list[RecordOrder], guard: Guard) -> RequestPages:
         assert self.pages is not None, "register_kv_caches was not called"
         plans = [RecordPlan(self.groups[r.group], r.ids) for r in records]
         return RequestPages(self.pages, plans, guard)
@@ -269,6 +261,7 @@ class WorkerSide:
     # -- called by vLLM's model runner, once per step ----------------------------------
     def submit(self, meta: BsrMetadata) -> None:
         """Queue this step's loads and finished requests' saves (start_load_kv)."""
+        self.cuts.release(meta.released)  # before this step's forward may reuse them
         if self.rank in meta.resync:
             self.inventory.resync()
         for ns, hashes in meta.recheck.items():
@@ -285,68 +278,10 @@ class WorkerSide:
             self.jobs.submit("save", t, self.cfg.save_timeout_s)
 
     def save_step(self, meta: BsrMetadata) -> None:
-        """Cut this step's window-group records while their blocks still hold them
-        (wait_for_save): extracted into save slots now, written by the writers."""
-        if not meta.step_saves or self.pages is None:
-            return
-        budget_end = time.monotonic() + self.cfg.step_save_budget_s
-        for t in meta.step_saves:
-            for r in t.records:
-                if not self._mine(r):
-                    continue
-                try:
-                    self._cut(t, r, budget_end)
-                except Exception as exc:  # noqa: BLE001 - saves are best effort
-                    # A save that fails here must not fail vLLM's forward: the record
-                    # is a future miss, counted and logged.
-                    with self._lock:
-                        self._skipped += 1
-                    log.warning("bsr-io: rank %d: step save failed: %s", self.rank, exc)
-                    self._step_saved(t.request_id, FAILED, None, str(exc))
+        """Cut the records this step completed (wait_for_save): cuts.py."""
+        self.cuts.cut(meta)
 
-    def _cut(self, t: Transfer, r: RecordOrder, budget_end: float) -> None:
-        """Extract record `r` into a save slot now and hand it to a writer."""
-        g = self.groups[r.group]
-        try:
-            slot = lease(self.save_engine, budget_end)
-        except EngineBusy:
-            with self._lock:
-                self._skipped += 1
-            self._step_saved(t.request_id, SKIPPED, None, "no save slot within the step budget")
-            return
-        try:
-            dest = self._dest(t, [r], Guard())
-            view = as_tensor(slot, length=g.record_bytes)
-            dest.extract(0, view)
-            del view
-            slot.set_length(g.record_bytes)
-        except BaseException:
-            give_back(slot)
-            raise
-        fut = self._writers.submit(self._write, self.key(t, r), g, slot, t.request_id)
-        with self._lock:
-            self._writing.setdefault(t.request_id, []).append(fut)
-
-    def _write(self, key: ChunkKey, g: GroupLayout, slot: Slot, request_id: str) -> None:
-        t0 = time.monotonic()
-        try:
-            self.save_tier.write(key, slot, g.record)
-            self._note_saved(key)
-            self._step_saved(request_id, SAVED, time.monotonic() - t0, "")
-        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
-            log.warning("bsr-io: save of %s failed: %s", key.short(), exc)
-            self._step_saved(request_id, FAILED, time.monotonic() - t0, str(exc))
-        finally:
-            give_back(slot)
-
-    def _step_saved(self, request_id: str, outcome: str, seconds: float | None, why: str) -> None:
-        """A window record cut in a step: written, skipped or failed (counted, logged)."""
-        self.save_metrics.step(outcome, seconds)
-        fields: dict[str, Any] = {"kind": "step_save", "request_id": request_id}
-        fields |= {"outcome": COMPLETE if outcome == SAVED else outcome, "reason": why}
-        self._event(None, fields | ({"seconds": seconds} if seconds is not None else {}))
-
-    def _note_saved(self, key: ChunkKey) -> None:
+    def note_saved(self, key: ChunkKey) -> None:
         # Written through to a pool too: no re-listing of the drive may take it back.
         self.inventory.saved(key.namespace(), key.chunk_hash, pinned=self.pool is not None)
 
@@ -356,17 +291,15 @@ class WorkerSide:
         them (an abort) is stopped."""
         if finished:
             self.jobs.abort(finished, "load")
-        with self._lock:
-            for rid in [r for r, fs in self._writing.items() if all(f.done() for f in fs)]:
-                del self._writing[rid]  # written, and no finished-request save waits on them
+        self.cuts.reap()
         return self.jobs.poll()
 
     def _ended(self, job: Job, details: Details) -> None:
         """The table's report of a job's end: the event log line."""
         outcome = COMPLETE if job.ok else ZERO
-        self._event(job, {"outcome": outcome, "reason": job.reason, **details})
+        self.event(job, {"outcome": outcome, "reason": job.reason, **details})
         if job.kind == "save":
-            mine = int(details.get("records", sum(map(self._mine, job.transfer.records))))
+            mine = int(details.get("records", sum(map(self.mine, job.transfer.records))))
             self.save_metrics.finish(
                 mine,
                 int(details.get("written", 0)),
@@ -386,8 +319,7 @@ class WorkerSide:
             )
 
     def worker_meta(self) -> BsrWorkerMeta:
-        with self._lock:
-            skipped, self._skipped = self._skipped, 0
+        skipped = self.cuts.take_skipped()
         why = self.health()
         report = {self.rank: self.inventory.take(self.cfg.report_batch)}
         return BsrWorkerMeta(report, {self.rank: why} if why else {}, {self.rank}, skipped)
@@ -409,7 +341,7 @@ class WorkerSide:
     def _load(self, job: Job) -> tuple[bool, str, Details]:
         t = job.transfer
         records = list(t.records)
-        dest = self._dest(t, records, job.guard)
+        dest = self.dest(t, records, job.guard)
         keys = [self.key(t, r) for r in records]
         res = load_records(
             self.load_engine,
@@ -464,21 +396,20 @@ class WorkerSide:
 
     def _save(self, job: Job) -> tuple[bool, str, Details]:
         t = job.transfer
-        with self._lock:
-            writing = self._writing.pop(t.request_id, [])
+        writing = self.cuts.writes_of(t.request_id)
         # The request's window records first: once it is reported saved, all of it is.
         wait_all(writing, timeout=max(0.0, job.deadline - time.monotonic()))
-        records = [r for r in t.records if self._mine(r)]
+        records = [r for r in t.records if self.mine(r)]
         if not records:
             return True, "", {"records": 0, "written": 0}
-        dest = self._dest(t, records, job.guard)
+        dest = self.dest(t, records, job.guard)
         keys = [self.key(t, r) for r in records]
         layouts = [self.groups[r.group].record for r in records]
         failures: list[str] = []
 
         def done(i: int, error: BaseException | None) -> None:
             if error is None:
-                self._note_saved(keys[i])
+                self.note_saved(keys[i])
             else:
                 failures.append(f"{keys[i].short()}: {error}")
 
@@ -502,7 +433,7 @@ class WorkerSide:
         }
         return not failures, "; ".join(failures[:3]), extra
 
-    def _event(self, job: Job | None, fields: dict[str, Any]) -> None:
+    def event(self, job: Job | None, fields: dict[str, Any]) -> None:
         if not self.cfg.events_path:
             return
         try:
@@ -522,7 +453,7 @@ class WorkerSide:
     def close(self) -> None:
         self.jobs.close()
         self.inventory.close()
-        self._writers.shutdown(wait=True)
+        self.cuts.close()
         for tier in dict.fromkeys([*self.load_tiers, self.save_tier]):
             try:
                 tier.close()

@@ -1,0 +1,197 @@
+"""Step cuts: records copied out of vLLM's blocks in the step that completed them.
+
+Two kinds, by how long their blocks stay theirs:
+- Window-group records: vLLM frees and reuses a window's blocks from the next step on,
+  so they are cut here, on the forward thread in `wait_for_save`, waiting at most
+  `step_save_budget_s` per step for save slots (past it a record is skipped: a future
+  miss, counted).
+- Full-group records (`save_in_steps`): their blocks stay the request's until it
+  finishes or is preempted, so the forward only queues them; a writer thread cuts and
+  writes each one. The scheduler side names the requests whose blocks vLLM released
+  since the last step (`BsrMetadata.released`), and `release` runs before that step's
+  forward can reuse them: it waits, within the step budget, for the request's queued
+  cuts to copy their bytes, then closes the request's `Guard`. A cut still waiting
+  after that is skipped, never read from blocks another request now owns.
+
+A cut record goes to one of W writers, which write it crash-safe and checksummed
+through the save tier; a finished request's save waits for its cuts' writes first.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from bsr_io._core import Slot
+from bsr_io.engine import as_tensor, give_back, lease
+from bsr_io.errors import EngineBusy
+from bsr_io.integrations.vllm.blocks import Abandoned, Guard
+from bsr_io.integrations.vllm.layout import FULL
+from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
+from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED
+from bsr_io.load.records import COMPLETE
+
+if TYPE_CHECKING:
+    from bsr_io.integrations.vllm.worker import WorkerSide
+
+log = logging.getLogger("bsr_io.vllm")
+
+
+class StepCuts:
+    def __init__(self, worker: WorkerSide, initializer: Callable[[], None] | None) -> None:
+        self.w = worker
+        self.cfg = worker.cfg
+        self._lock = threading.Lock()
+        self._skipped = 0  # records not saved (no slot in budget, released first, an error)
+        self._writers = ThreadPoolExecutor(
+            self.cfg.window, thread_name_prefix=f"bsr-w{worker.rank}", initializer=initializer
+        )
+        self._writing: dict[str, list[Future[None]]] = {}  # request -> its cuts' writes
+        self._guards: dict[str, Guard] = {}  # request -> guard of its queued full cuts
+        self._copied: dict[str, list[threading.Event]] = {}  # request -> its cuts' copies
+
+    # -- on the forward thread ---------------------------------------------------------
+    def cut(self, meta: BsrMetadata) -> None:
+        """This step's records (wait_for_save): window records now, full ones queued."""
+        if not meta.step_saves or self.w.pages is None:
+            return
+        budget_end = time.monotonic() + self.cfg.step_save_budget_s
+        for t in meta.step_saves:
+            for r in t.records:
+                if not self.w.mine(r):
+                    continue
+                try:
+                    if self.w.groups[r.group].kind == FULL:
+                        self._queue(t, r)
+                    else:
+                        self._cut_now(t, r, budget_end)
+                except Exception as exc:  # noqa: BLE001 - saves are best effort
+                    # A save that fails here must not fail vLLM's forward: the record
+                    # is a future miss, counted and logged.
+                    log.warning("bsr-io: rank %d: step save failed: %s", self.w.rank, exc)
+                    self._lost(t.request_id, FAILED, str(exc))
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Before a step's forward (start_load_kv): vLLM may hand these requests' blocks
+        to others in it. No cut of theirs reads them from now on."""
+        deadline = time.monotonic() + self.cfg.step_save_budget_s
+        for rid in request_ids:
+            with self._lock:
+                guard = self._guards.pop(rid, None)
+                copied = self._copied.pop(rid, [])
+            if guard is None:
+                continue
+            for ev in copied:
+                ev.wait(max(0.0, deadline - time.monotonic()))
+            guard.close()  # waits for a copy in progress; a later one is Abandoned
+
+    def _cut_now(self, t: Transfer, r: RecordOrder, budget_end: float) -> None:
+        try:
+            slot = lease(self.w.save_engine, budget_end)
+        except EngineBusy:
+            self._lost(t.request_id, SKIPPED, "no save slot within the step budget")
+            return
+        self._extract(t, r, slot, Guard())
+        self._track(t.request_id, self._writers.submit(self._write, t, r, slot))
+
+    def _queue(self, t: Transfer, r: RecordOrder) -> None:
+        copied = threading.Event()
+        with self._lock:
+            guard = self._guards.setdefault(t.request_id, Guard())
+            self._copied.setdefault(t.request_id, []).append(copied)
+        self._track(t.request_id, self._writers.submit(self._cut_later, t, r, guard, copied))
+
+    def _track(self, request_id: str, fut: Future[None]) -> None:
+        with self._lock:
+            self._writing.setdefault(request_id, []).append(fut)
+
+    # -- on a writer thread ------------------------------------------------------------
+    def _cut_later(
+        self, t: Transfer, r: RecordOrder, guard: Guard, copied: threading.Event
+    ) -> None:
+        try:
+            try:
+                slot = lease(self.w.save_engine, time.monotonic() + self.cfg.save_timeout_s)
+            except EngineBusy:
+                self._lost(t.request_id, SKIPPED, "no save slot within save_timeout_s")
+                return
+            try:
+                self._extract(t, r, slot, guard)
+            except Abandoned:
+                self._lost(t.request_id, SKIPPED, "its blocks were released before its cut")
+                return
+            except Exception as exc:  # noqa: BLE001 - a failed cut is a future miss
+                log.warning("bsr-io: rank %d: step save failed: %s", self.w.rank, exc)
+                self._lost(t.request_id, FAILED, str(exc))
+                return
+        finally:
+            copied.set()
+        self._write(t, r, slot)
+
+    def _extract(self, t: Transfer, r: RecordOrder, slot: Slot, guard: Guard) -> None:
+        """Copy record `r` out of its blocks into `slot` (given back on failure)."""
+        g = self.w.groups[r.group]
+        try:
+            dest = self.w.dest(t, [r], guard)
+            slot.set_length(g.record_bytes)
+            if not dest.gather(0, slot):
+                view = as_tensor(slot, length=g.record_bytes)
+                dest.extract(0, view)
+                del view
+        except BaseException:
+            give_back(slot)
+            raise
+
+    def _write(self, t: Transfer, r: RecordOrder, slot: Slot) -> None:
+        key, g = self.w.key(t, r), self.w.groups[r.group]
+        t0 = time.monotonic()
+        try:
+            self.w.save_tier.write(key, slot, g.record)
+            self.w.note_saved(key)
+            self._outcome(t.request_id, SAVED, time.monotonic() - t0, "")
+        except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
+            log.warning("bsr-io: save of %s failed: %s", key.short(), exc)
+            self._outcome(t.request_id, FAILED, time.monotonic() - t0, str(exc))
+        finally:
+            give_back(slot)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _lost(self, request_id: str, outcome: str, why: str) -> None:
+        with self._lock:
+            self._skipped += 1
+        self._outcome(request_id, outcome, None, why)
+
+    def _outcome(self, request_id: str, outcome: str, seconds: float | None, why: str) -> None:
+        """A record cut in a step: written, skipped or failed (counted, logged)."""
+        self.w.save_metrics.step(outcome, seconds)
+        fields: dict[str, Any] = {"kind": "step_save", "request_id": request_id}
+        fields |= {"outcome": COMPLETE if outcome == SAVED else outcome, "reason": why}
+        self.w.event(None, fields | ({"seconds": seconds} if seconds is not None else {}))
+
+    def writes_of(self, request_id: str) -> list[Future[None]]:
+        """The request's cuts still being written (its finish save waits for them)."""
+        with self._lock:
+            return self._writing.pop(request_id, [])
+
+    def reap(self) -> None:
+        with self._lock:
+            for rid in [r for r, fs in self._writing.items() if all(f.done() for f in fs)]:
+                del self._writing[rid]  # written, and no finished-request save waits on them
+
+    def take_skipped(self) -> int:
+        with self._lock:
+            skipped, self._skipped = self._skipped, 0
+        return skipped
+
+    def close(self) -> None:
+        with self._lock:
+            guards = list(self._guards.values())
+            self._guards.clear()
+            self._copied.clear()
+        for guard in guards:
+            guard.close()  # queued cuts end Abandoned: nothing reads blocks past close
+        self._writers.shutdown(wait=True)
