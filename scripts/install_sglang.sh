@@ -9,6 +9,7 @@
 # backends and cache controller import, at sglang's pins.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib.sh
 VENV=${BSR_IO_SGLANG_VENV:-.venv-sglang}
 T0=$SECONDS
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
@@ -44,13 +45,7 @@ fi
 # (tests/integrations/sglang read from a real loopback pool below the SSD tier).
 python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "prometheus-client>=0.19" "mypy>=1.11" \
     "mooncake-transfer-engine-non-cuda==0.3.13.post1"
-# The extension lands in python/bsr_io/ (shared with ./.venv) and the cargo target dir is
-# shared with the other venvs' builds: a concurrent build can race the staging rename.
-for attempt in 1 2 3; do
-    if maturin develop --release -q; then break; fi
-    [ "$attempt" = 3 ] && exit 1
-    sleep 10
-done
+develop_bsr_io
 python -m pip install -q --no-deps -e lab
 python -c "import sglang, bsr_io._core, bsr_lab; print('sglang', sglang.__version__)"
 echo "install_sglang: $((SECONDS - T0)) s"

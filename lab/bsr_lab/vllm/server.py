@@ -325,6 +325,27 @@ class Server:
                     return
                 yield json.loads(payload)
 
+    def streamed(
+        self, prompt: list[int], max_tokens: int, abort: bool = False, **extra: Any
+    ) -> Streamed | None:
+        """A streamed completion, gathered: its tokens, their top log-probs (with
+        `logprobs=N` in `extra`) and the cached prompt tokens. `abort`: close the
+        connection after the first tokens (vLLM aborts the request; None then)."""
+        out = Streamed([], [], 0)
+        gen = self.stream(prompt, max_tokens, **extra)
+        try:
+            for ev in gen:
+                for c in ev.get("choices", []):
+                    out.tokens += c.get("token_ids") or []
+                    out.tops += top_logprobs(c)
+                details = (ev.get("usage") or {}).get("prompt_tokens_details") or {}
+                out.cached = details.get("cached_tokens", out.cached) or 0
+                if abort and out.tokens:
+                    return None
+        finally:
+            gen.close()
+        return out
+
     def reset_prefix_cache(self, timeout: float = 120.0) -> None:
         """Drop vLLM's own prefix cache (VLLM_SERVER_DEV_MODE), so a repeat can only hit
         through the connector."""
@@ -347,6 +368,20 @@ class Server:
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out
+
+
+def top_logprobs(choice: dict[str, Any]) -> list[dict[int, float]]:
+    """Per token of a completion choice: its top log-probs, token id -> log-prob (vLLM
+    names the ids "token_ID" with token ids returned)."""
+    lp = choice.get("logprobs") or {}
+    return [{int(k[1:]): v for k, v in t.items()} for t in lp.get("top_logprobs") or []]
+
+
+@dataclass
+class Streamed:
+    tokens: list[int]
+    tops: list[dict[int, float]]  # per token: its top log-probs, token id -> log-prob
+    cached: int  # prompt tokens served from a cache (vLLM's own or the connector)
 
 
 @dataclass

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from test_serve_soak import GAP, TOP, errors, gap, tops, write_word_tokenizer
+from test_serve_soak import GAP, TOP, errors, gap, write_word_tokenizer
 
 from bsr_lab.vllm.contexts import LORA_RANK, write_lora_adapter
 from bsr_lab.vllm.harness import Events, free_ports, tokens, write_tiny_llama
@@ -45,16 +45,9 @@ ADAPTERS = ("loraA", "loraB")
 def ask(srv: Server, prompt: list[int], model: str) -> tuple[list[int], Any, int]:
     """One streamed greedy completion under `model` (the base or an adapter's name):
     (tokens, their top log-probs, cached prompt tokens)."""
-    got: list[int] = []
-    top: list[dict[int, float]] = []
-    cached = 0
-    for ev in srv.stream(prompt, MAX_TOKENS, model=model, logprobs=TOP):
-        for c in ev.get("choices", []):
-            got += c.get("token_ids") or []
-            top += tops(c)
-        usage = ev.get("usage") or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) or 0
-    return got, top, cached
+    out = srv.streamed(prompt, MAX_TOKENS, model=model, logprobs=TOP)
+    assert out is not None
+    return out.tokens, out.tops, out.cached
 
 
 def wait_saves(events: Events, n: int, timeout: float = 120.0) -> None:

@@ -43,7 +43,7 @@ from bsr_lab.vllm.harness import (
     tokens,
     write_tiny_llama,
 )
-from bsr_lab.vllm.server import Server, default_args
+from bsr_lab.vllm.server import Server, default_args, top_logprobs
 
 CHUNK = 64
 DOC_CHUNKS = 8
@@ -93,27 +93,11 @@ def write_word_tokenizer(model: str) -> None:
 Output = tuple[list[int], list[dict[int, float]]]  # tokens, each one's top-5 log-probs
 
 
-def tops(choice: dict[str, Any]) -> list[dict[int, float]]:
-    lp = choice.get("logprobs") or {}
-    return [{int(k[1:]): v for k, v in t.items()} for t in lp.get("top_logprobs") or []]
-
-
 def stream(srv: Server, prompt: list[int], abort: bool) -> Output | None:
     """A streamed greedy completion with log-probs; `abort`: close the connection after
     the first tokens (None then)."""
-    got: list[int] = []
-    top: list[dict[int, float]] = []
-    gen = srv.stream(prompt, MAX_TOKENS, logprobs=TOP)
-    try:
-        for ev in gen:
-            for c in ev.get("choices", []):
-                got += c.get("token_ids") or []
-                top += tops(c)
-            if abort and got:
-                return None
-    finally:
-        gen.close()
-    return got, top
+    out = srv.streamed(prompt, MAX_TOKENS, abort, logprobs=TOP)
+    return None if out is None else (out.tokens, out.tops)
 
 
 def gap(out: Output, ref: list[int]) -> float:
@@ -278,7 +262,7 @@ def test_soak(vllm_root: Path) -> None:
         planted = srv.post("/v1/completions", srv.body(P["d0q0"], MAX_TOKENS, logprobs=TOP))
         choice = planted["choices"][0]
         assert planted["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, planted
-        report["control_gap"] = gap((choice["token_ids"], tops(choice)), ref["d0q0"])
+        report["control_gap"] = gap((choice["token_ids"], top_logprobs(choice)), ref["d0q0"])
         assert report["control_gap"] > GAP, report
         report["near_ties"] = ties
         # A corrupt record: the load fails, the worker says which rank and why, vLLM
