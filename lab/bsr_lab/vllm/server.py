@@ -40,7 +40,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -303,7 +303,7 @@ class Server:
 
     def stream(
         self, prompt: list[int], max_tokens: int = 8, timeout: float = 600.0, **extra: Any
-    ) -> Iterator[Any]:
+    ) -> Generator[Any, None, None]:
         """A streamed greedy completion: yields each server-sent event's JSON. Closing the
         generator early, or `timeout` s without data (TimeoutError), closes the connection
         (vLLM aborts the request)."""
