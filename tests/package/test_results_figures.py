@@ -614,23 +614,48 @@ MOONCAKE_FIGURES: list[Fig] = [
 # docs/vllm.md: the CPU engine runs, the hybrid model and scheduler-side discovery.
 VLLM_FIGURES: list[Fig] = [
     # bench serve (serve.json; the --pin-front run: serve-pinned.json; save_in_steps:
-    # serve-in-steps.json).
+    # serve-in-steps.json, an earlier run of it: serve-in-steps-repeat.json, its cuts on
+    # the forward thread: serve-in-steps-forward.json).
     Fig(
-        "saturation TTFT p50 is {}x and",
+        "At saturation TTFT p50 is {}x and throughput",
         "serve-in-steps.json",
         "miss_penalty.saturated.ttft_p50_ratio",
         fmt="{:.3f}",
     ),
     Fig(
-        "x and throughput {}x; at the",
+        "x and throughput {}x; at the fixed rate",
         "serve-in-steps.json",
         "miss_penalty.saturated.throughput_ratio",
         fmt="{:.3f}",
     ),
     Fig(
-        "fixed rate TTFT p50 is {}x. Hence",
+        "the fixed rate TTFT p50 is {}x and throughput",
         "serve-in-steps.json",
         "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x and throughput {}x. TTFT is within",
+        "serve-in-steps.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 {}x at saturation and",
+        "serve-in-steps-forward.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x at saturation and {}x at the fixed rate",
+        "serve-in-steps-forward.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "docs and tests only) gave {}x.",
+        "serve-in-steps-repeat.json",
+        "miss_penalty.saturated.throughput_ratio",
         fmt="{:.3f}",
     ),
     Fig("more at {} requests/s", "serve.json", "paced_rate_req_s", fmt="{:.2f}"),
@@ -980,6 +1005,18 @@ HEADLINE_FIGURES: list[Fig] = [
     Fig(
         "x, throughput {}x: the goal",
         "serve.json",
+        "miss_penalty.saturated.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "on | TTFT p50 {}x, within the goal",
+        "serve-in-steps.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "goal; throughput {}x, not yet",
+        "serve-in-steps.json",
         "miss_penalty.saturated.throughput_ratio",
         fmt="{:.3f}",
     ),
