@@ -4,6 +4,7 @@ released), then check the record header's hash; a mismatch is a chunk failure.""
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.model.layout import preset
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.restore import Restorer
+from bsr_io.save.records import save_records
 from bsr_io.store import open_store
 
 LAYOUT = preset("tiny")
@@ -148,6 +150,28 @@ def test_fused_and_two_pass_install_the_same_bytes(tmp_path):
     assert res2.complete
     assert all(fused.chunk_bytes(i) == plain.chunk_bytes(i) for i in range(CHUNKS))
     assert _bytes_ok(fused, CHUNKS)
+    assert engine.live_bytes() == 0
+
+
+def test_gathered_and_extracted_saves_store_the_same_records(tmp_path):
+    """`save_records` gathers a host destination's records in one call each
+    (`host_runs`); the same records extracted run by run store the same bytes."""
+    engine = Engine(4, LAYOUT.chunk_bytes)
+    store, tokens, keys = _state(tmp_path, engine, l3=False)
+    r = Restorer(store, LAYOUT, window=4, engine=engine, model="m")
+    src = _Spy.allocate(LAYOUT, CHUNKS * 16)
+    assert r.restore(r.probe(tokens), src).complete
+    payloads = {}
+    for name, dest in (("gathered", src), ("extracted", _TwoPass(src))):
+        out = open_store(engine, tmp_path / name, layout=LAYOUT)
+        calls = src.fused_calls
+        n = save_records(
+            engine, out.tier("L2"), keys, [LAYOUT] * CHUNKS, dest, deadline=time.monotonic() + 30
+        )
+        assert n == CHUNKS
+        assert (src.fused_calls - calls == CHUNKS) == (name == "gathered")  # the path taken
+        payloads[name] = [out.tier("L2").path_of(k).read_bytes() for k in keys]
+    assert payloads["gathered"] == payloads["extracted"]
     assert engine.live_bytes() == 0
 
 

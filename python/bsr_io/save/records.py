@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from bsr_io._core import Engine, Slot
 from bsr_io.engine import as_tensor, give_back, lease
+from bsr_io.load.install import fused_runs, install_scope
 from bsr_io.load.kvcache import Destination
 from bsr_io.model.layout import KVLayout
 
@@ -23,10 +24,20 @@ if TYPE_CHECKING:
     from bsr_io.tiers.base import Tier
 
 
-def _extract(dest: Destination, index: int, slot: Slot, nbytes: int) -> None:
-    """`dest.extract` into `slot`. If it raises, its frames (which hold a view of the
-    slot) are dropped from the traceback, their text kept as a note: a caller keeping
-    the exception must not keep the view, or the slot could not be released."""
+def extract_record(dest: Destination, index: int, slot: Slot, nbytes: int) -> None:
+    """Record `index` of `dest` into `slot`'s first `nbytes` bytes (its valid length
+    then). A destination in plain host memory (`host_runs`, as for the fused install)
+    is gathered in one call that releases the GIL once, inside its install scope; any
+    other through `dest.extract`, one copy per run. If that raises, its frames (which
+    hold a view of the slot) are dropped from the traceback, their text kept as a
+    note: a caller keeping the exception must not keep the view, or the slot could not
+    be released."""
+    slot.set_length(nbytes)
+    where = fused_runs(dest, index)
+    if where is not None:
+        with install_scope(dest):
+            slot.gather(*where)
+        return
     try:
         dest.extract(index, as_tensor(slot, length=nbytes))
     except BaseException as exc:
@@ -66,8 +77,7 @@ def save_records(
         nbytes = layouts[i].chunk_bytes
         slot = lease(engine, deadline)
         try:
-            _extract(dest, i, slot, nbytes)
-            slot.set_length(nbytes)
+            extract_record(dest, i, slot, nbytes)
             tier.write(keys[i], slot, layouts[i])
         finally:
             # A put abandoned at its timeout (a pool tier) may still read the slot: it

@@ -238,16 +238,6 @@ class RequestPages:
                 np.copyto(self.pages.bufs[b][dst : dst + n], src_np[src : src + n])
         return None
 
-    def gather(self, i: int, slot: Any) -> bool:
-        """Record i into `slot`'s valid bytes in one call (GIL released once) where the
-        cache is host memory; False where it is not (`extract` then)."""
-        if self.pages.bufs is None:
-            return False
-        runs = self.runs(i)
-        with self.guard:
-            slot.gather(self.pages.bufs, runs)
-        return True
-
     def extract(self, i: int, out: torch.Tensor) -> None:
         r = self.records[i]
         with self.guard:

@@ -27,13 +27,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from bsr_io._core import Slot
-from bsr_io.engine import as_tensor, give_back, lease
+from bsr_io.engine import give_back, lease
 from bsr_io.errors import EngineBusy
 from bsr_io.integrations.vllm.blocks import Abandoned, Guard
 from bsr_io.integrations.vllm.layout import FULL
 from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
 from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED
 from bsr_io.load.records import COMPLETE
+from bsr_io.save.records import extract_record
 
 if TYPE_CHECKING:
     from bsr_io.integrations.vllm.worker import WorkerSide
@@ -134,14 +135,8 @@ class StepCuts:
 
     def _extract(self, t: Transfer, r: RecordOrder, slot: Slot, guard: Guard) -> None:
         """Copy record `r` out of its blocks into `slot` (given back on failure)."""
-        g = self.w.groups[r.group]
         try:
-            dest = self.w.dest(t, [r], guard)
-            slot.set_length(g.record_bytes)
-            if not dest.gather(0, slot):
-                view = as_tensor(slot, length=g.record_bytes)
-                dest.extract(0, view)
-                del view
+            extract_record(self.w.dest(t, [r], guard), 0, slot, self.w.groups[r.group].record_bytes)
         except BaseException:
             give_back(slot)
             raise
