@@ -14,7 +14,7 @@ import math
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,6 +110,8 @@ class KVLayout:
     name: str
     groups: tuple[AllocatorGroup, ...]
     chunk_tokens: int = 256
+    # Computed once: every record's save and read asks for it.
+    _fingerprint: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -132,6 +134,7 @@ class KVLayout:
                     f"group {g.name}: block_tokens {g.block_tokens} does not divide "
                     f"chunk_tokens {self.chunk_tokens}"
                 )
+        object.__setattr__(self, "_fingerprint", self._digest())
         _remember(self)
 
     @property
@@ -169,6 +172,9 @@ class KVLayout:
 
     def fingerprint(self) -> str:
         """32 hex chars over everything that decides the bytes of a chunk."""
+        return self._fingerprint
+
+    def _digest(self) -> str:
         doc = {
             "name": self.name,
             "chunk_tokens": self.chunk_tokens,

@@ -10,23 +10,100 @@ the caller's descriptor, closed when it returns, so the caller closing its own (
 process reusing the number for another file) never redirects a late write; and `stop`,
 set at the deadline, tells the work not to start its next syscall (it may otherwise read
 a payload buffer its caller has reused, and write it into the doomed temp file).
+
+The threads are kept (`Runners`): a record's save makes three such calls, and starting a
+Python thread for each cost more of the GIL than the calls themselves, taken from the
+thread that runs the model's forward in the same process. A call takes an idle runner
+or, none being idle, starts a new one: a call stalled in the kernel holds its runner,
+never the next call. Runners are kept per CPU set of the calling thread, so a call runs
+where its caller may (the vLLM connector pins its threads off the forward's cores).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 Work = Callable[[int, threading.Event], T]
+log = logging.getLogger("bsr_io")
+IDLE_S = 30.0  # a runner idle this long ends
+
+
+class Runners:
+    """Threads that run calls one at a time, reused while idle, one more started when
+    none is. Invariant: `idle` = runners waiting on the queue - calls put for them not
+    yet taken, never below 0; a runner ends only by taking one from `idle`."""
+
+    def __init__(self, name: str = "bsr-file-io") -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self.started = 0  # runner threads started so far (a test reads it)
+
+    def run(self, call: Callable[[], None]) -> None:
+        with self._lock:
+            reuse = self._idle > 0
+            if reuse:
+                self._idle -= 1
+            else:
+                self.started += 1
+        if reuse:
+            self._calls.put(call)
+        else:
+            threading.Thread(target=self._serve, args=(call,), name=self.name, daemon=True).start()
+
+    def _serve(self, call: Callable[[], None]) -> None:
+        while True:
+            call()  # never raises: run_within's body keeps what it raised
+            del call
+            with self._lock:
+                self._idle += 1
+            while True:
+                try:
+                    call = self._calls.get(timeout=IDLE_S)
+                    break
+                except queue.Empty:
+                    with self._lock:
+                        if self._idle > 0:  # nobody counts on this runner: it may end
+                            self._idle -= 1
+                            return
+
+
+_runners: dict[frozenset[int], Runners] = {}
+_runners_lock = threading.Lock()
+
+
+def runners() -> Runners:
+    """The runners for the calling thread's CPU set."""
+    cpus = frozenset(os.sched_getaffinity(0))
+    with _runners_lock:
+        got = _runners.get(cpus)
+        if got is None:
+            got = _runners[cpus] = Runners()
+        return got
+
+
+def _forget_runners() -> None:
+    # A forked child has none of its parent's threads: the counts would hand calls to
+    # runners that do not exist there.
+    global _runners_lock
+    _runners.clear()
+    _runners_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_runners)
 
 
 def run_within(timeout: float, work: Callable[[], T], late: Callable[[T], None] | None = None) -> T:
-    """`work()` on a thread of its own: its result or its exception, or TimeoutError when
-    it has not returned within `timeout` seconds (it goes on alone; a result it gives
-    after that goes to `late`, e.g. to close a file nobody will use)."""
+    """`work()` on a runner thread: its result or its exception, or TimeoutError when it
+    has not returned within `timeout` seconds (it goes on alone; a result it gives after
+    that goes to `late`, e.g. to close a file nobody will use)."""
     lock = threading.Lock()
     done = threading.Event()
     out: list[T] = []
@@ -44,11 +121,14 @@ def run_within(timeout: float, work: Callable[[], T], late: Callable[[T], None] 
                 if not orphan:
                     out.append(got)
             if orphan and late is not None:
-                late(got)
+                try:
+                    late(got)
+                except Exception:  # noqa: BLE001 - nobody waits on it: logged
+                    log.warning("bsr-io: cleanup after a late file call failed", exc_info=True)
         finally:
             done.set()
 
-    threading.Thread(target=body, name="bsr-file-io", daemon=True).start()
+    runners().run(body)
     if not done.wait(max(0.0, timeout)):
         with lock:
             if not out and not err:
