@@ -9,11 +9,14 @@ from typing import Any
 
 import pytest
 
-from bsr_lab.bench.serve import CACHED, equality, penalty, restores
+from bsr_lab.bench.serve import CACHED, equality, penalty, restores, steady_rate
 
 
-def req(kind: str, ttft: float, prompt: str, tokens=(1, 2), restored: int = 0) -> dict[str, Any]:
+def req(
+    kind: str, ttft: float, prompt: str, tokens=(1, 2), restored: int = 0, end: float = 1.0
+) -> dict[str, Any]:
     return {
+        "end_s": end,
         "kind": kind,
         "ttft_s": ttft,
         "total_s": ttft + 0.1,
@@ -37,10 +40,34 @@ def test_penalty_pairs_misses_on_both_servers_only():
     # The third request hit vLLM's own cache on the reference: not a miss pair, however
     # slow it was with bsr-io.
     bsr = [rnd([req("miss", 1.1, "a"), req("miss", 1.1, "b"), req("miss", 9.0, "c")], [], 2.5)]
-    p = penalty(base, bsr, "saturated")
+    p = penalty(base, bsr, "saturated", 1)
     assert p["requests"] == 2
     assert p["ttft_p50_ratio"] == pytest.approx(1.1)
     assert p["throughput_ratio"] == pytest.approx(2.0 / 2.5)
+
+
+def sat(ends: list[float]) -> dict[str, Any]:
+    return rnd([req("miss", 0.1, f"p{i}", end=e) for i, e in enumerate(ends)], [], max(ends))
+
+
+def test_steady_throughput_leaves_out_the_ramp():
+    # The same steady state (a request ends every second once four have) after two
+    # ramps: the four first together at 1 s, or one by one from 0.3 s.
+    together = sat([1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 4.0])
+    staggered = sat([0.3, 0.6, 1.2, 1.5, 2.5, 3.5, 4.5])
+    assert steady_rate([together["saturated"]], 4) == pytest.approx(
+        2.0
+    )  # 3 requests x 2 tokens / 3 s
+    assert steady_rate([staggered["saturated"]], 4) == pytest.approx(2.0)
+    p = penalty([together], [staggered], "saturated", 4)
+    assert p["steady_throughput_ratio"] == pytest.approx(1.0)
+    assert p["throughput_ratio"] == pytest.approx(4.0 / 4.5)  # the whole phase: the ramp too
+    # A slower steady state is seen: a request every 1.25 s after the same ramp.
+    slower = sat([1.0, 1.0, 1.0, 1.0, 2.25, 3.5, 4.75])
+    assert penalty([together], [slower], "saturated", 4)["steady_throughput_ratio"] == (
+        pytest.approx(0.8)
+    )
+    assert steady_rate([sat([1.0, 2.0])["saturated"]], 4) is None  # nothing after the ramp
 
 
 def test_equality_counts_equal_prompts_only():

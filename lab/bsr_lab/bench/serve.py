@@ -10,9 +10,9 @@ warm-up round on each, `--rounds` rounds alternate which server goes first (ABBA
 drift of the machine's speed falls on both. Each round has new prompts, the same for
 both servers, in three phases:
 
-- `saturated`: `--misses` prompts nobody sent before, `--concurrency` at a time: TTFT
+- `saturated`: `--saturated` prompts nobody sent before, `--concurrency` at a time: TTFT
   and output tokens/s of requests that miss, at saturation;
-- `paced`: as many new prompts at a fixed `--rate` (default: half the reference's
+- `paced`: `--misses` new prompts at a fixed `--rate` (default: half the reference's
   saturated request rate in its warm-up): TTFT of misses below saturation;
 - `turns`: `--users` conversations over documents of 1 to `--doc-chunks` chunks, turn by
   turn (every user's turn t, `--concurrency` at a time, then every user's turn t + 1).
@@ -26,7 +26,12 @@ of each request bsr-io restored, the reference for a hit's TTFT and for its outp
 (bf16 KV computed in another batch may move a near tie, whoever serves it).
 
 The miss penalty compares the same missing requests on both servers: TTFT p50 and
-output throughput with bsr-io against without (goal: at most +5% and -3%). The restore
+output throughput with bsr-io against without (goal: at most +5% and -3%). Saturated
+throughput is the steady state's: output tokens of the requests that end after the first
+`--concurrency` have ended, over the time from that end to the last. The ramp before it
+depends on whether the first request's prefill starts before the others arrive (a first
+TTFT of 0.3 s or 1.2 s, at random), which moved a 12-request phase's wall time by up to
+20% either way; the whole phase's ratio is kept beside it. The restore
 figures pair each request bsr-io restored with the same request on the reference. Also:
 TTFT p50/p90/p99 per kind of request (restored, vLLM's own hit, miss), save latency
 percentiles and restore bandwidth from the connector's events, the store's growth, the
@@ -44,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -65,7 +71,8 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
         "serve", help="vllm serve with and without bsr-io, interleaved rounds (vLLM's venv)"
     )
     p.add_argument("--rounds", type=int, default=6, help="measured rounds per server")
-    p.add_argument("--misses", type=int, default=12, help="new prompts per miss phase")
+    p.add_argument("--saturated", type=int, default=32, help="new prompts, saturated phase")
+    p.add_argument("--misses", type=int, default=12, help="new prompts, paced phase")
     p.add_argument("--miss-chunks", type=int, default=6, help="miss prompt length in chunks")
     p.add_argument("--users", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
@@ -122,12 +129,12 @@ def round_prompts(args: argparse.Namespace, r: int) -> dict[str, Any]:
     rng = np.random.default_rng([args.seed, 0x5E7, r + 1])
     miss = args.miss_chunks * args.chunk
 
-    def fresh() -> list[list[int]]:
-        return [tokens(rng, miss + int(rng.integers(8, 24))) for _ in range(args.misses)]
+    def fresh(n: int) -> list[list[int]]:
+        return [tokens(rng, miss + int(rng.integers(8, 24))) for _ in range(n)]
 
     return {
-        "saturated": fresh(),
-        "paced": fresh(),
+        "saturated": fresh(args.saturated),
+        "paced": fresh(args.misses),
         "docs": [tokens(rng, (1 + u % args.doc_chunks) * args.chunk) for u in range(args.users)],
         "questions": [
             [tokens(rng, int(rng.integers(12, 40))) for _ in range(args.turns)]
@@ -137,7 +144,8 @@ def round_prompts(args: argparse.Namespace, r: int) -> dict[str, Any]:
 
 
 def one_request(srv: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """A streamed greedy request: TTFT (first streamed token), total time, output."""
+    """A streamed greedy request: TTFT (first streamed token), total time, output, and
+    when it started (`t0`, perf_counter; `timed` makes it relative to its phase)."""
     t0 = time.perf_counter()
     ttft = None
     out: list[int] = []
@@ -162,7 +170,16 @@ def one_request(srv: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
         # whose earlier answer differed asks with another history.
         "prompt_hash": hashlib.blake2b(np.asarray(prompt).tobytes(), digest_size=8).hexdigest(),
         "id": rid,
+        "t0": t0,
     }
+
+
+def timed(got: list[dict[str, Any]], t0: float) -> list[dict[str, Any]]:
+    """Each request's start and end (`start_s`, `end_s`) in seconds from its phase's start."""
+    for r in got:
+        r["start_s"] = r.pop("t0") - t0
+        r["end_s"] = r["start_s"] + r["total_s"]
+    return got
 
 
 def in_pool(n: int, work: Sequence[Callable[[], dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -185,7 +202,7 @@ def run_round(
 
     t0 = time.perf_counter()
     got = in_pool(args.concurrency, [ask(p) for p in prompts["saturated"]])
-    out["saturated"] = {"requests": got, "wall_s": time.perf_counter() - t0}
+    out["saturated"] = {"requests": timed(got, t0), "wall_s": time.perf_counter() - t0}
 
     t0 = time.perf_counter()
 
@@ -197,7 +214,8 @@ def run_round(
         return go
 
     work = [paced(i, p) for i, p in enumerate(prompts["paced"])]
-    out["paced"] = {"requests": in_pool(len(work), work), "wall_s": time.perf_counter() - t0}
+    got = in_pool(len(work), work)
+    out["paced"] = {"requests": timed(got, t0), "wall_s": time.perf_counter() - t0}
 
     out["turns"] = conversations(srv, args, prompts)
     return out
@@ -216,7 +234,7 @@ def conversations(srv: Any, args: argparse.Namespace, prompts: dict[str, Any]) -
             r |= {"user": u, "turn": t}
             history[u] = asked[u] + r["tokens"]
         turns += got
-    return {"requests": turns, "wall_s": time.perf_counter() - t0}
+    return {"requests": timed(turns, t0), "wall_s": time.perf_counter() - t0}
 
 
 # -- figures ----------------------------------------------------------------------------
@@ -253,10 +271,29 @@ def out_rate(phases: list[dict[str, Any]]) -> float | None:
     return float(toks / wall) if wall else None
 
 
-def penalty(base: list[dict[str, Any]], bsr: list[dict[str, Any]], phase: str) -> dict[str, Any]:
+def steady_rate(phases: list[dict[str, Any]], ramp: int) -> float | None:
+    """Output tokens per second once a phase's first `ramp` requests have ended: tokens
+    of the requests ending after that, over the time from then to its last end, pooled
+    over the phases (None: no phase has more than `ramp` requests)."""
+    toks = 0
+    span = 0.0
+    for ph in phases:
+        ends = sorted(r["end_s"] for r in ph["requests"])
+        if len(ends) <= ramp:
+            continue
+        cut = ends[ramp - 1]
+        toks += sum(len(r["tokens"]) for r in ph["requests"] if r["end_s"] > cut)
+        span += ends[-1] - cut
+    return toks / span if span > 0 else None
+
+
+def penalty(
+    base: list[dict[str, Any]], bsr: list[dict[str, Any]], phase: str, ramp: int
+) -> dict[str, Any]:
     """`phase`'s misses, the same requests on both servers, pooled over the rounds:
     TTFT p50 and output throughput with bsr-io against without, and the per-round
-    ratios' range (how much of a ratio is the machine's drift)."""
+    ratios' range (how much of a ratio is the machine's drift). Throughput: over the
+    whole phase, and in the steady state after the first `ramp` requests ended."""
     pairs = [
         (b, w)
         for rb, rw in zip(base, bsr, strict=True)
@@ -281,7 +318,22 @@ def penalty(base: list[dict[str, Any]], bsr: list[dict[str, Any]], phase: str) -
         "throughput_ratio": ratio(
             out_rate([r[phase] for r in bsr]), out_rate([r[phase] for r in base])
         ),
+        "steady_throughput_ratio": ratio(
+            steady_rate([r[phase] for r in bsr], ramp),
+            steady_rate([r[phase] for r in base], ramp),
+        ),
+        "steady_throughput_ratio_per_round": spread(
+            [
+                ratio(steady_rate([rw[phase]], ramp), steady_rate([rb[phase]], ramp))
+                for rb, rw in zip(base, bsr, strict=True)
+            ]
+        ),
     }
+
+
+def spread(xs: list[float | None]) -> list[float] | None:
+    got = [x for x in xs if x is not None]
+    return [min(got), max(got)] if got else None
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -436,8 +488,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.rounds < 1 or args.misses < 1 or args.users < 1 or args.concurrency < 1:
+    if min(args.rounds, args.misses, args.users, args.concurrency) < 1:
         print("--rounds, --misses, --users and --concurrency must be >= 1", file=sys.stderr)
+        return 2
+    if args.saturated <= args.concurrency:
+        print(
+            "--saturated must exceed --concurrency (a steady state after the ramp)", file=sys.stderr
+        )
         return 2
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="bsr-bench-serve-"))
@@ -566,7 +623,9 @@ def summarize(
         "paced_rate_req_s": rate,
         "warmup_saturated_req_s": sat,
         "loadavg": load,
-        "miss_penalty": {ph: penalty(base, bsr, ph) for ph in ("saturated", "paced")},
+        "miss_penalty": {
+            ph: penalty(base, bsr, ph, args.concurrency) for ph in ("saturated", "paced")
+        },
         "restore_vs_recompute": restores(rounds, args.chunk),
         "outputs_equal": equality(rounds),
         "baseline": side_summary(base) | {"rss_mib": rss["baseline"]},
@@ -574,6 +633,15 @@ def summarize(
         | {
             "rss_mib": rss["bsr_io"],
             "save_seconds": pct([e["seconds"] for e in saves]),
+            # Saves by kind and outcome: a step cut skipped (no slot in its budget, or its
+            # request's blocks released first) is a future miss.
+            "save_outcomes": dict(
+                Counter(
+                    f"{e['kind']}:{e.get('outcome')}"
+                    for e in events
+                    if e.get("kind") in ("save", "step_save")
+                )
+            ),
             "loads": len(loads),
             "restore_bytes_per_s": sum(sum(e["bytes_read"].values()) for e in loads) / read_s
             if read_s
