@@ -615,7 +615,8 @@ MOONCAKE_FIGURES: list[Fig] = [
 VLLM_FIGURES: list[Fig] = [
     # bench serve (serve.json; the --pin-front run: serve-pinned.json; save_in_steps:
     # serve-in-steps.json, an earlier run of it: serve-in-steps-repeat.json, its cuts on
-    # the forward thread: serve-in-steps-forward.json).
+    # the forward thread: serve-in-steps-forward.json; 32 saturated requests, steady
+    # state: serve-in-steps-steady.json).
     Fig(
         "At saturation TTFT p50 is {}x and throughput",
         "serve-in-steps.json",
@@ -650,6 +651,48 @@ VLLM_FIGURES: list[Fig] = [
         "x at saturation and {}x at the fixed rate",
         "serve-in-steps-forward.json",
         "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the steady throughput is {}x (per round",
+        "serve-in-steps-steady.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(per round {}x to 0.959x",
+        "serve-in-steps-steady.json",
+        "miss_penalty.saturated.steady_throughput_ratio_per_round.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.916x to {}x; the whole",
+        "serve-in-steps-steady.json",
+        "miss_penalty.saturated.steady_throughput_ratio_per_round.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the whole\n    phase {}x) and",
+        "serve-in-steps-steady.json",
+        "miss_penalty.saturated.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x) and TTFT p50 {}x. At the",
+        "serve-in-steps-steady.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "At the fixed rate TTFT p50 is {}x and\n    throughput",
+        "serve-in-steps-steady.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "throughput {}x. Every round's",
+        "serve-in-steps-steady.json",
+        "miss_penalty.paced.throughput_ratio",
         fmt="{:.3f}",
     ),
     Fig(
@@ -1009,15 +1052,15 @@ HEADLINE_FIGURES: list[Fig] = [
         fmt="{:.3f}",
     ),
     Fig(
-        "on | TTFT p50 {}x, within the goal",
-        "serve-in-steps.json",
+        "state) | TTFT p50 {}x, steady",
+        "serve-in-steps-steady.json",
         "miss_penalty.saturated.ttft_p50_ratio",
         fmt="{:.3f}",
     ),
     Fig(
-        "goal; throughput {}x, not yet",
-        "serve-in-steps.json",
-        "miss_penalty.saturated.throughput_ratio",
+        "steady throughput {}x: the goal is still",
+        "serve-in-steps-steady.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
         fmt="{:.3f}",
     ),
     Fig(
