@@ -73,6 +73,26 @@ def test_a_call_runs_on_its_callers_cpus() -> None:
     assert seen == {cpu: {cpu} for cpu in cpus}
 
 
+def test_a_call_runs_with_its_callers_policy_and_nice() -> None:
+    seen: dict[str, tuple[int, int]] = {}
+
+    def placement() -> tuple[int, int]:
+        return os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
+
+    def caller(name: str, lower: bool) -> None:
+        if lower:  # as a pool's data threads may run
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, 0, 19)
+        seen[name] = run_within(2.0, placement)
+
+    for name, lower in (("idle", True), ("normal", False)):  # the second finds an idle runner
+        t = threading.Thread(target=caller, args=(name, lower))
+        t.start()
+        t.join()
+    assert seen["idle"] == (os.SCHED_IDLE, 19)
+    assert seen["normal"] == placement()  # not served by the idle caller's runner
+
+
 def test_calls_work_in_a_forked_child() -> None:
     run_within(1.0, lambda: None)  # the parent has an idle runner; the child has none
     pid = os.fork()

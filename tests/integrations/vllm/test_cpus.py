@@ -26,13 +26,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def connector_threads() -> dict[str, set[int]]:
-    """Affinity of the threads bsr-io started, by name (Python's and the Rust engine's)."""
+def tids() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")}
+
+
+def connector_threads(before: set[int]) -> dict[str, set[int]]:
+    """Affinity of the threads bsr-io started, by name (Python's and the Rust engine's),
+    but those that ran before (`before`: thread ids): kept file-call runners of an
+    earlier test run where that test's callers did."""
     out: dict[str, set[int]] = {}
     for t in threading.enumerate():
-        if t.name.startswith(("bsr-", "bsr_")) and t.native_id is not None:
+        if t.name.startswith(("bsr-", "bsr_")) and t.native_id not in (None, *before):
             out[t.name] = set(os.sched_getaffinity(t.native_id))
-    for tid in os.listdir("/proc/self/task"):
+    for tid in tids() - before:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 name = f.read().strip()
@@ -53,6 +59,7 @@ def build_on_cpu0(tmp_path, io_cpus: str) -> tuple[dict[str, set[int]], set[int]
 
     def vllm_main_thread() -> None:
         os.sched_setaffinity(0, {0})
+        before = tids()
         worker = WorkerSide(cfg, groups, 24, rank=0, world_size=1, model="tiny")
         try:
             worker.register(kv_shapes.allocate(kv_shapes.gemma3()))
@@ -62,7 +69,7 @@ def build_on_cpu0(tmp_path, io_cpus: str) -> tuple[dict[str, set[int]], set[int]
             while not any(t.name.startswith("bsr-w0") for t in threading.enumerate()):
                 assert time.monotonic() < deadline, "no writer thread started"
                 time.sleep(0.01)
-            got["threads"] = connector_threads()
+            got["threads"] = connector_threads(before)
             got["self"] = set(os.sched_getaffinity(0))
         finally:
             worker.close()

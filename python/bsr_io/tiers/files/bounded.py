@@ -15,8 +15,10 @@ The threads are kept (`Runners`): a record's save makes three such calls, and st
 Python thread for each cost more of the GIL than the calls themselves, taken from the
 thread that runs the model's forward in the same process. A call takes an idle runner
 or, none being idle, starts a new one: a call stalled in the kernel holds its runner,
-never the next call. Runners are kept per CPU set of the calling thread, so a call runs
-where its caller may (the vLLM connector pins its threads off the forward's cores).
+never the next call. Runners are kept per CPU set, scheduling policy and nice value of
+the calling thread, as a thread of its own would have inherited them: a call runs where
+and as its caller would (the vLLM connector pins its threads off the forward's cores; a
+pool's data threads may run SCHED_IDLE, and a runner they started must not serve others).
 """
 
 from __future__ import annotations
@@ -75,17 +77,23 @@ class Runners:
                             return
 
 
-_runners: dict[frozenset[int], Runners] = {}
+Placement = tuple[frozenset[int], int, int]  # CPUs, scheduling policy, nice
+_runners: dict[Placement, Runners] = {}
 _runners_lock = threading.Lock()
 
 
 def runners() -> Runners:
-    """The runners for the calling thread's CPU set."""
-    cpus = frozenset(os.sched_getaffinity(0))
+    """The runners for the calling thread's placement (what a new thread inherits)."""
+    # On Linux these calls read the calling thread's own settings (0 = this thread).
+    key = (
+        frozenset(os.sched_getaffinity(0)),
+        os.sched_getscheduler(0),
+        os.getpriority(os.PRIO_PROCESS, 0),
+    )
     with _runners_lock:
-        got = _runners.get(cpus)
+        got = _runners.get(key)
         if got is None:
-            got = _runners[cpus] = Runners()
+            got = _runners[key] = Runners()
         return got
 
 
