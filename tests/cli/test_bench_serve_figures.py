@@ -9,7 +9,16 @@ from typing import Any
 
 import pytest
 
-from bsr_lab.bench.serve import CACHED, equality, penalty, restores, steady_rate
+from bsr_lab.bench.serve import (
+    CACHED,
+    CONTROL,
+    SIDES,
+    equality,
+    penalty,
+    restores,
+    round_order,
+    steady_rate,
+)
 
 
 def req(
@@ -100,3 +109,21 @@ def test_restores_pair_the_same_request_recomputed():
     assert r["requests"] == 1  # the second was vLLM's own hit on the reference
     assert r["speedup_p50"] == pytest.approx(5.0)
     assert list(r["by_restored_chunks"]) == [2]
+
+
+def test_the_control_is_named_and_takes_every_place_in_the_order():
+    base = [rnd([req("miss", 1.0, "a"), req("miss", 1.0, "b")], [], 2.0)]
+    ctl = [rnd([req("miss", 1.2, "a"), req("miss", 1.2, "b")], [], 2.0)]
+    p = penalty(base, ctl, "saturated", 1, CONTROL)
+    assert "ttft_control_s" in p and "ttft_bsr_io_s" not in p
+    assert p["ttft_p50_ratio"] == pytest.approx(1.2)
+    servers = dict.fromkeys((*SIDES, CONTROL, CACHED))
+    orders = [round_order(r, servers) for r in range(12)]
+    assert all(sorted(o) == sorted(servers) for o in orders)
+    # Over the rounds the control runs before, between and after the compared pair, and
+    # each of the pair goes first as often as the other.
+    pair = [[s for s in o if s in SIDES] for o in orders]
+    assert sum(p[0] == "baseline" for p in pair) == 6
+    places = {tuple(s for s in o if s != CACHED).index(CONTROL) for o in orders}
+    assert places == {0, 1, 2}
+    assert round_order(0, dict.fromkeys(SIDES)) == list(SIDES)  # --no-control

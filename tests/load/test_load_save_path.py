@@ -4,6 +4,7 @@ failed load withdrawn, and asynchronous installs waited for before a slot is reu
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -214,3 +215,43 @@ def test_staged_records_are_written_and_every_slot_returns(tmp_path):
     assert not tier.contains(keys[1])
     tier.close()
     engine.close()
+
+
+def test_a_paced_save_copies_a_record_only_once_its_pace_returns(tmp_path):
+    """`pace` holds each record back until it returns (vLLM's CPU worker: until a
+    forward runs); the control is the same save with nothing to wait for."""
+    engine = Engine(4, BIG.chunk_bytes)
+    tier = SSDTier(tmp_path / "l2", None, engine)
+    keys, layouts, data = _records(6)
+    go = threading.Event()
+    paced = []
+
+    def pace():
+        paced.append(time.monotonic())
+        go.wait(30)
+
+    try:
+        save = threading.Thread(
+            target=save_records,
+            args=(engine, tier, keys, layouts, HostBuffers(data)),
+            kwargs={"deadline": time.monotonic() + 30, "width": 2, "pace": pace},
+        )
+        save.start()
+        time.sleep(0.3)
+        assert tier.probe(keys) == 0 and len(paced) == 2  # both writers wait; none wrote
+        go.set()
+        save.join(30)
+        assert len(paced) == 6 and tier.probe(keys) == 6
+        out = _empty(layouts)
+        res = load_records(
+            engine,
+            [tier],
+            keys,
+            HostBuffers(out),
+            LoadOptions(deadline=time.monotonic() + 30, sizes=[x.chunk_bytes for x in layouts]),
+        )
+        assert res.complete, res.reason
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+    finally:
+        tier.close()
+        engine.close()

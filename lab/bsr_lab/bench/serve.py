@@ -20,6 +20,10 @@ both servers, in three phases:
   user's next turn vLLM has evicted its last one: the reference recomputes it, bsr-io
   restores it.
 
+A second server without the connector (`--control`, on by default) runs the
+saturated and paced phases as the reference does: its ratios against the reference (A/A)
+are the run's noise floor, which a miss penalty must stand out of to mean anything.
+
 A third server, without the connector and with a KV cache that holds every
 conversation (`--cached-kv-blocks`), runs the conversations only: vLLM's own prefix hit
 of each request bsr-io restored, the reference for a hit's TTFT and for its output
@@ -64,6 +68,8 @@ KINDS = ("restored", "local", "miss")
 PHASES = ("saturated", "paced", "turns")
 SIDES = ("baseline", "bsr_io")
 CACHED = "vllm_cache"  # the reference for hits: vLLM's own prefix cache, large enough
+CONTROL = "control"  # a second reference (A/A): the noise floor
+MISS_PHASES = ("saturated", "paced")
 
 
 def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -88,6 +94,13 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
         default=1024,
         help="KV cache blocks of the third server (no connector), whose own prefix cache "
         "holds every conversation: the reference for hits (0: no third server)",
+    )
+    p.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a second server without the connector, on the miss phases: the reference "
+        "against itself (A/A), the noise floor of the miss penalty",
     )
     p.add_argument("--hidden", type=int, default=768, help="model width (head_dim 64)")
     p.add_argument("--layers", type=int, default=8)
@@ -188,13 +201,18 @@ def in_pool(n: int, work: Sequence[Callable[[], dict[str, Any]]]) -> list[dict[s
 
 
 def run_round(
-    srv: Any, args: argparse.Namespace, prompts: dict[str, Any], rate: float, turns_only: bool
+    srv: Any,
+    args: argparse.Namespace,
+    prompts: dict[str, Any],
+    rate: float,
+    phases: Sequence[str] = PHASES,
 ) -> dict[str, Any]:
-    """One round's phases on one server (`turns_only`: the conversations alone): per
-    phase its requests and wall time."""
+    """One round's `phases` on one server: per phase its requests and wall time (a phase
+    not run: none)."""
     out: dict[str, Any] = {ph: {"requests": [], "wall_s": 0.0} for ph in PHASES}
-    if turns_only:
-        out["turns"] = conversations(srv, args, prompts)
+    if "saturated" not in phases:
+        if "turns" in phases:
+            out["turns"] = conversations(srv, args, prompts)
         return out
 
     def ask(p: list[int]) -> Callable[[], dict[str, Any]]:
@@ -217,7 +235,8 @@ def run_round(
     got = in_pool(len(work), work)
     out["paced"] = {"requests": timed(got, t0), "wall_s": time.perf_counter() - t0}
 
-    out["turns"] = conversations(srv, args, prompts)
+    if "turns" in phases:
+        out["turns"] = conversations(srv, args, prompts)
     return out
 
 
@@ -288,12 +307,17 @@ def steady_rate(phases: list[dict[str, Any]], ramp: int) -> float | None:
 
 
 def penalty(
-    base: list[dict[str, Any]], bsr: list[dict[str, Any]], phase: str, ramp: int
+    base: list[dict[str, Any]],
+    bsr: list[dict[str, Any]],
+    phase: str,
+    ramp: int,
+    name: str = "bsr_io",
 ) -> dict[str, Any]:
     """`phase`'s misses, the same requests on both servers, pooled over the rounds:
-    TTFT p50 and output throughput with bsr-io against without, and the per-round
-    ratios' range (how much of a ratio is the machine's drift). Throughput: over the
-    whole phase, and in the steady state after the first `ramp` requests ended."""
+    TTFT p50 and output throughput with bsr-io (or the control: `name`) against the
+    reference, and the per-round ratios' range (how much of a ratio is the machine's
+    drift). Throughput: over the whole phase, and in the steady state after the first
+    `ramp` requests ended."""
     pairs = [
         (b, w)
         for rb, rw in zip(base, bsr, strict=True)
@@ -312,7 +336,7 @@ def penalty(
     return {
         "requests": len(pairs),
         "ttft_baseline_s": pct(bt),
-        "ttft_bsr_io_s": pct(wt),
+        f"ttft_{name}_s": pct(wt),
         "ttft_p50_ratio": float(np.median(wt) / np.median(bt)) if pairs else None,
         "ttft_p50_ratio_per_round": [min(per_round), max(per_round)],
         "throughput_ratio": ratio(
@@ -459,6 +483,20 @@ def pin_front(srv: Any, threads_bind: str) -> None:
             continue
 
 
+ROUND_PHASES = {"baseline": PHASES, "bsr_io": PHASES, CONTROL: MISS_PHASES, CACHED: ("turns",)}
+
+
+def round_order(r: int, servers: dict[str, Any]) -> list[str]:
+    """Round r's order: ABBA between the two compared servers, the control before,
+    between or after them in turn, the hit reference first or last."""
+    order = list(SIDES if r % 4 in (0, 3) else SIDES[::-1])
+    if CONTROL in servers:
+        order.insert(r % 3, CONTROL)
+    if CACHED in servers:
+        order.insert(0 if r % 2 else len(order), CACHED)
+    return order
+
+
 def max_len(args: argparse.Namespace) -> int:
     """vLLM's max_model_len: what the KV cache holds (vLLM keeps a block back), at most
     8192."""
@@ -518,7 +556,11 @@ def run(args: argparse.Namespace) -> int:
         "events_path": str(events_path),
         "save_in_steps": args.save_in_steps,
     }
-    sides = (*SIDES, CACHED) if args.cached_kv_blocks else SIDES
+    sides = (
+        *SIDES,
+        *((CONTROL,) if args.control else ()),
+        *((CACHED,) if args.cached_kv_blocks else ()),
+    )
     servers = {
         side: Server(
             model,
@@ -554,25 +596,25 @@ def run(args: argparse.Namespace) -> int:
         sampler.start()
         warm = round_prompts(args, -1)
         t0 = time.perf_counter()
-        warm_base = run_round(servers["baseline"], args, warm, 1e9, False)
+        warm_base = run_round(servers["baseline"], args, warm, 1e9)
         sat = len(warm["saturated"]) / warm_base["saturated"]["wall_s"]
         rate = args.rate or sat / 2
         print(f"warm-up: reference saturated at {sat:.2f} req/s; paced at {rate:.2f} req/s")
         t1 = time.perf_counter()
-        run_round(servers["bsr_io"], args, warm, rate, False)
+        run_round(servers["bsr_io"], args, warm, rate)
         active_s = time.perf_counter() - t1  # bsr-io's server busy: warm-up and rounds
-        if CACHED in servers:
-            run_round(servers[CACHED], args, warm, rate, True)
+        for side in (CONTROL, CACHED):
+            if side in servers:
+                run_round(servers[side], args, warm, rate, ROUND_PHASES[side])
         print(f"warm-up took {time.perf_counter() - t0:.0f} s", flush=True)
         for r in range(args.rounds):
             prompts = round_prompts(args, r)
-            # ABBA between the two compared servers; the hit reference first or last.
-            order = list(SIDES if r % 4 in (0, 3) else SIDES[::-1])
-            if CACHED in servers:
-                order.insert(0 if r % 2 else 2, CACHED)
+            order = round_order(r, servers)
             for side in order:
                 t0 = time.perf_counter()
-                rounds[side].append(run_round(servers[side], args, prompts, rate, side == CACHED))
+                rounds[side].append(
+                    run_round(servers[side], args, prompts, rate, ROUND_PHASES[side])
+                )
                 if side == "bsr_io":
                     active_s += time.perf_counter() - t0
                 print(f"round {r} {side}: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -593,7 +635,8 @@ def run(args: argparse.Namespace) -> int:
     grown = store_bytes(store)
     doc["bsr_io"]["store_bytes"] = grown
     doc["bsr_io"]["save_bytes_per_s"] = grown / active_s  # over its server's busy time
-    print(json.dumps({k: doc[k] for k in ("miss_penalty", "restore_vs_recompute")}, indent=1))
+    shown = ("miss_penalty", "noise_floor", "restore_vs_recompute")
+    print(json.dumps({k: doc[k] for k in shown if k in doc}, indent=1))
     print("outputs equal:", doc["outputs_equal"])
     shutil.rmtree(store, ignore_errors=True)  # GiB of records: measured, not kept
     write_json(args.json, doc)
@@ -612,7 +655,7 @@ def summarize(
     rss: dict[str, list[tuple[float, float]]],
 ) -> dict[str, Any]:
     base, bsr = rounds["baseline"], rounds["bsr_io"]
-    cached = rounds.get(CACHED)
+    cached, control = rounds.get(CACHED), rounds.get(CONTROL)
     saves = [e for e in events if e.get("kind") in ("save", "step_save") and "seconds" in e]
     loads = [e for e in events if e.get("kind") == "load" and e.get("outcome") == "complete"]
     read_s = sum(e.get("seconds", 0.0) for e in loads)
@@ -623,9 +666,17 @@ def summarize(
         "paced_rate_req_s": rate,
         "warmup_saturated_req_s": sat,
         "loadavg": load,
-        "miss_penalty": {
-            ph: penalty(base, bsr, ph, args.concurrency) for ph in ("saturated", "paced")
-        },
+        "miss_penalty": {ph: penalty(base, bsr, ph, args.concurrency) for ph in MISS_PHASES},
+        # The reference against itself: how far a ratio above moves with no connector.
+        **(
+            {
+                "noise_floor": {
+                    ph: penalty(base, control, ph, args.concurrency, CONTROL) for ph in MISS_PHASES
+                }
+            }
+            if control
+            else {}
+        ),
         "restore_vs_recompute": restores(rounds, args.chunk),
         "outputs_equal": equality(rounds),
         "baseline": side_summary(base) | {"rss_mib": rss["baseline"]},
@@ -647,6 +698,7 @@ def summarize(
             if read_s
             else None,
         },
+        **({CONTROL: side_summary(control) | {"rss_mib": rss[CONTROL]}} if control else {}),
         **({CACHED: side_summary(cached) | {"rss_mib": rss[CACHED]}} if cached else {}),
         "rounds": {s: [strip(rd) for rd in rds] for s, rds in rounds.items()},
     }
@@ -697,7 +749,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax1.set_xlabel("prefix restored (chunks)")
     ax1.set_ylabel("TTFT p50 (ms)")
     ax1.legend()
-    for side in (*SIDES, CACHED):
+    for side in (*SIDES, CONTROL, CACHED):
         pts = doc.get(side, {}).get("rss_mib")
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], label=side)

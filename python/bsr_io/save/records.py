@@ -57,12 +57,17 @@ def save_records(
     width: int | None = None,
     progress: Callable[[int], object] | None = None,
     on_done: Callable[[int, BaseException | None], object] | None = None,
+    pace: Callable[[], object] | None = None,
 ) -> int:
     """Store record i of `dest` (`dest.extract(i, ...)`, `layouts[i].chunk_bytes` bytes)
     as `keys[i]` in `tier`; returns records written. `width` writers each lease one slot,
     gather a record into it and write it (checksummed, crash-safe), so at most `width`
     records are staged and in flight at once; a slot returns to the ring as soon as its
     write is done, failed or not. Slot waits end at `deadline` with EngineBusy.
+
+    `pace()`: called by a writer before each record's copy, and it waits as long as
+    `pace` does: a host keeps the work off its own critical moments with it (vLLM's
+    CPU worker: while a forward runs).
 
     `on_done(i, error)`: called once per record (error None when it is stored or was
     already held); with it, one record's failure is reported there and the others go
@@ -75,6 +80,8 @@ def save_records(
         if skip_existing and tier.probe([keys[i]]) == 1:
             return 0
         nbytes = layouts[i].chunk_bytes
+        if pace is not None:
+            pace()
         slot = lease(engine, deadline)
         try:
             extract_record(dest, i, slot, nbytes)

@@ -63,6 +63,7 @@ KEYS = Table(
         Key("save", "bool", True, "true or false"),
         Key("step_save_budget_s", "float", 0.05, _POSITIVE, positive),
         Key("save_in_steps", "bool", False, "true or false"),
+        Key("save_gate_s", "float", 0.05, "a number >= 0", at_least(0)),
         Key("rescan_s", "float", 5.0, _POSITIVE, positive),
         Key("report_batch", "int", 4096, _INT.format(1), at_least(1)),
         Key("handshake_batch", "int", 131072, _INT.format(0), at_least(0)),
@@ -104,6 +105,9 @@ class ConnectorConfig:
     # Full-attention records cut in the step that completes them (as window records
     # always are), not read at the request's finish while vLLM holds its blocks.
     save_in_steps: bool = _D("save_in_steps")
+    # On a CPU worker, how long a save's copy and its write wait for a forward to run
+    # (gate.py); 0: they never wait.
+    save_gate_s: float = _D("save_gate_s")
     # Each worker re-lists its own records this often and reports what changed (records
     # evicted, quarantined, deleted by hand, written by another process).
     rescan_s: float = _D("rescan_s")

@@ -14,7 +14,8 @@ Two kinds, by how long their blocks stay theirs:
   after that is skipped, never read from blocks another request now owns.
 
 A cut record goes to one of W writers, which write it crash-safe and checksummed
-through the save tier; a finished request's save waits for its cuts' writes first.
+through the save tier; a finished request's save waits for its cuts' writes first. On a
+CPU worker the writers copy and write while a forward runs (gate.py).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class StepCuts:
         self, t: Transfer, r: RecordOrder, guard: Guard, copied: threading.Event
     ) -> None:
         try:
+            self.w.gate.wait()  # the copy, while a forward runs (gate.py)
             try:
                 slot = lease(self.w.save_engine, time.monotonic() + self.cfg.save_timeout_s)
             except EngineBusy:
@@ -143,6 +145,7 @@ class StepCuts:
 
     def _write(self, t: Transfer, r: RecordOrder, slot: Slot) -> None:
         key, g = self.w.key(t, r), self.w.groups[r.group]
+        self.w.gate.wait()  # the write too
         t0 = time.monotonic()
         try:
             self.w.save_tier.write(key, slot, g.record)

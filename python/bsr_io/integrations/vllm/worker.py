@@ -26,7 +26,8 @@ Design (one path, two lanes, nothing unbounded):
   with `save_in_steps`, by the writers while the request still holds its blocks.
   Full-group records left for a finished request go through the core's
   `save_records`; vLLM keeps the blocks until the worker reports the request in
-  `finished_sending`.
+  `finished_sending`. On a CPU worker a save's copies and writes run while a forward
+  does (gate.py).
 - Inventory: the worker alone lists its own records (its ranks' directories on its own
   node's drive) and reports them to the scheduler side: in its handshake before
   serving, then in bounded batches with every step's worker metadata, with what its
@@ -63,6 +64,7 @@ from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestP
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.cpus import connector_cpus, pinner, threads_started_on
 from bsr_io.integrations.vllm.cuts import StepCuts
+from bsr_io.integrations.vllm.gate import ForwardGate
 from bsr_io.integrations.vllm.inventory import StoreInventory
 from bsr_io.integrations.vllm.jobs import Details, Job, JobTable
 from bsr_io.integrations.vllm.layout import GroupLayout
@@ -218,6 +220,7 @@ class WorkerSide:
                 cfg.metrics_port + rank, addr="127.0.0.1", registry=self.metrics.registry
             )
         self.pages: KVPages | None = None
+        self.gate = ForwardGate()  # set up in register, where the KV caches' device shows
         self.cuts = StepCuts(self, pinner(self.cpus))
         self.jobs = JobTable(
             {"load": self._load, "save": self._save},
@@ -231,6 +234,8 @@ class WorkerSide:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
+        if all(t.device.type == "cpu" for t in kv_caches.values()):
+            self.gate.wait_s = self.cfg.save_gate_s  # a CPU worker (gate.py)
         groups = [describe(g) | {"model": self.model} for g in self.groups.values()]
         self.event(
             None,
@@ -261,6 +266,7 @@ class WorkerSide:
     # -- called by vLLM's model runner, once per step ----------------------------------
     def submit(self, meta: BsrMetadata) -> None:
         """Queue this step's loads and finished requests' saves (start_load_kv)."""
+        self.gate.opened()
         self.cuts.release(meta.released)  # before this step's forward may reuse them
         if self.rank in meta.resync:
             self.inventory.resync()
@@ -279,6 +285,7 @@ class WorkerSide:
 
     def save_step(self, meta: BsrMetadata) -> None:
         """Cut the records this step completed (wait_for_save): cuts.py."""
+        self.gate.closed()  # first: the writers it wakes wait for the next forward
         self.cuts.cut(meta)
 
     def note_saved(self, key: ChunkKey) -> None:
@@ -424,6 +431,7 @@ class WorkerSide:
             skip_existing=True,
             width=max(1, self.cfg.window // 2),
             on_done=done,
+            pace=self.gate.wait,
         )
         extra = {
             "records": len(records),
