@@ -74,8 +74,13 @@ def test_a_step_cut_waits_for_the_next_forward(make, tmp_path, gate_s):
 
 def test_an_idle_server_saves_once_the_gate_wait_runs_out(make, tmp_path):
     worker, cuts = make(0.4)
-    worker.save_step(BsrMetadata(step_saves=cuts))
+    worker.submit(BsrMetadata())
+    worker.save_step(BsrMetadata(step_saves=cuts))  # the last forward ends
     time.sleep(0.2)
     assert saved(worker) == 0
-    wait_for(worker, "saved", 2)  # no forward ever comes
+    wait_for(worker, "saved", 2)  # no forward comes: they go on
     assert len(stored(tmp_path / "store")) == 2
+    # Past that, a record (a long finish save's next) waits no more for a forward.
+    t0 = time.monotonic()
+    assert worker.gate.wait() is False
+    assert time.monotonic() - t0 < 0.1
