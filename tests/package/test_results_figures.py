@@ -616,7 +616,8 @@ VLLM_FIGURES: list[Fig] = [
     # bench serve (serve.json; the --pin-front run: serve-pinned.json; save_in_steps:
     # serve-in-steps.json, an earlier run of it: serve-in-steps-repeat.json, its cuts on
     # the forward thread: serve-in-steps-forward.json; 32 saturated requests, steady
-    # state: serve-in-steps-steady.json).
+    # state: serve-in-steps-steady.json; with the forward gate and the A/A control:
+    # serve-gate.json, and its repeat: serve-gate-repeat.json).
     Fig(
         "At saturation TTFT p50 is {}x and throughput",
         "serve-in-steps.json",
@@ -694,6 +695,136 @@ VLLM_FIGURES: list[Fig] = [
         "serve-in-steps-steady.json",
         "miss_penalty.paced.throughput_ratio",
         fmt="{:.3f}",
+    ),
+    Fig(
+        "With the gate, at saturation TTFT p50 is {}x",
+        "serve-gate.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x and the steady throughput {}x (per round",
+        "serve-gate.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x (per round {}x to 1.062x",
+        "serve-gate.json",
+        "miss_penalty.saturated.steady_throughput_ratio_per_round.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.937x to {}x; the whole",
+        "serve-gate.json",
+        "miss_penalty.saturated.steady_throughput_ratio_per_round.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x; the whole phase {}x), against",
+        "serve-gate.json",
+        "miss_penalty.saturated.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "against {}x and 1.012x for the control",
+        "serve-gate.json",
+        "noise_floor.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.982x and {}x for the control",
+        "serve-gate.json",
+        "noise_floor.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "At the fixed rate TTFT p50 is {}x and throughput 0.999x. All",
+        "serve-gate.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x and throughput {}x. All",
+        "serve-gate.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "All {} step saves completed",
+        "serve-gate.json",
+        "bsr_io.save_outcomes.step_save:complete",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "Restores were {}x faster than recompute at p50",
+        "serve-gate.json",
+        "restore_vs_recompute.speedup_p50",
+        fmt="{:.2f}",
+    ),
+    Fig(
+        "later): at saturation TTFT p50 {}x and steady",
+        "serve-gate-repeat.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "and steady throughput {}x (per round 0.959x",
+        "serve-gate-repeat.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(per round {}x\n    to 1.017x)",
+        "serve-gate-repeat.json",
+        "miss_penalty.saturated.steady_throughput_ratio_per_round.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "to {}x), at the fixed rate",
+        "serve-gate-repeat.json",
+        "miss_penalty.saturated.steady_throughput_ratio_per_round.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "at the fixed rate {}x and 0.999x; all",
+        "serve-gate-repeat.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x and {}x; all 2,592",
+        "serve-gate-repeat.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "all {} step saves completed. But",
+        "serve-gate-repeat.json",
+        "bsr_io.save_outcomes.step_save:complete",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "ran at {}x its steady",
+        "serve-gate-repeat.json",
+        "noise_floor.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "throughput and {}x its TTFT p50",
+        "serve-gate-repeat.json",
+        "noise_floor.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "saturated throughput is {}x, and the bench",
+        "serve-gate-repeat.json",
+        "steady throughput: bsr-io's ratio over the control's",
+        fmt="{:.3f}",
+        derive=lambda d: (
+            d["serve-gate-repeat.json"]["miss_penalty"]["saturated"]["steady_throughput_ratio"]
+            / d["serve-gate-repeat.json"]["noise_floor"]["saturated"]["steady_throughput_ratio"]
+        ),
     ),
     Fig(
         "docs and tests only) gave {}x.",
@@ -1052,15 +1183,39 @@ HEADLINE_FIGURES: list[Fig] = [
         fmt="{:.3f}",
     ),
     Fig(
-        "state) | TTFT p50 {}x, steady",
-        "serve-in-steps-steady.json",
+        "forward) | with bsr-io against without: TTFT p50 {}x, steady",
+        "serve-gate.json",
         "miss_penalty.saturated.ttft_p50_ratio",
         fmt="{:.3f}",
     ),
     Fig(
-        "steady throughput {}x: the goal is still",
-        "serve-in-steps-steady.json",
+        "steady throughput {}x, within the goal",
+        "serve-gate.json",
         "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "against the first: {}x and",
+        "serve-gate.json",
+        "noise_floor.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x and {}x (the run's noise;",
+        "serve-gate.json",
+        "noise_floor.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "`save_in_steps` on | TTFT p50 {}x, throughput",
+        "serve-gate.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "x, throughput {}x | [serve-gate.json]",
+        "serve-gate.json",
+        "miss_penalty.paced.throughput_ratio",
         fmt="{:.3f}",
     ),
     Fig(
