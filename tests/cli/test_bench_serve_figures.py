@@ -12,6 +12,7 @@ import pytest
 from bsr_lab.bench.serve import (
     CACHED,
     CONTROL,
+    ROUND_PHASES,
     SIDES,
     equality,
     penalty,
@@ -127,3 +128,4 @@ def test_the_control_is_named_and_takes_every_place_in_the_order():
     places = {tuple(s for s in o if s != CACHED).index(CONTROL) for o in orders}
     assert places == {0, 1, 2}
     assert round_order(0, dict.fromkeys(SIDES)) == list(SIDES)  # --no-control
+    assert ROUND_PHASES[CONTROL] == ROUND_PHASES["baseline"]  # run as the reference is
