@@ -51,16 +51,17 @@ def _empty(layouts):
     return [np.zeros(lay.chunk_bytes, np.uint8) for lay in layouts]
 
 
+def _load_all(engine, tier, keys, layouts):
+    """Every record loaded into new host buffers: (the result, the buffers)."""
+    out = _empty(layouts)
+    sizes = [lay.chunk_bytes for lay in layouts]
+    opts = LoadOptions(deadline=time.monotonic() + 30, sizes=sizes)
+    return load_records(engine, [tier], keys, HostBuffers(out), opts), out
+
+
 def test_records_of_two_sizes_load_in_one_window(stored):
     engine, tier, keys, layouts, data = stored
-    out = _empty(layouts)
-    res = load_records(
-        engine,
-        [tier],
-        keys,
-        HostBuffers(out),
-        LoadOptions(deadline=time.monotonic() + 30, sizes=[lay.chunk_bytes for lay in layouts]),
-    )
+    res, out = _load_all(engine, tier, keys, layouts)
     assert res.complete, res.reason
     for got, want in zip(out, data, strict=True):
         assert np.array_equal(got, want)
@@ -242,14 +243,7 @@ def test_a_paced_save_copies_a_record_only_once_its_pace_returns(tmp_path):
         go.set()
         save.join(30)
         assert len(paced) == 6 and tier.probe(keys) == 6
-        out = _empty(layouts)
-        res = load_records(
-            engine,
-            [tier],
-            keys,
-            HostBuffers(out),
-            LoadOptions(deadline=time.monotonic() + 30, sizes=[x.chunk_bytes for x in layouts]),
-        )
+        res, out = _load_all(engine, tier, keys, layouts)
         assert res.complete, res.reason
         assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
     finally:
