@@ -5,6 +5,8 @@ and a restored request is compared with the same request recomputed."""
 
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +20,8 @@ from bsr_lab.bench.serve import (
     penalty,
     restores,
     round_order,
+    round_prompts,
+    run_round,
     steady_rate,
 )
 
@@ -129,3 +133,32 @@ def test_the_control_is_named_and_takes_every_place_in_the_order():
     assert places == {0, 1, 2}
     assert round_order(0, dict.fromkeys(SIDES)) == list(SIDES)  # --no-control
     assert ROUND_PHASES[CONTROL] == ROUND_PHASES["baseline"]  # run as the reference is
+
+
+class Echo:
+    """A stand-in for `vllm serve`'s streaming API (the bench's own phase logic is under
+    test here, not a server): every request answers its last two prompt tokens."""
+
+    def __init__(self) -> None:
+        self.prompts: list[int] = []
+        self._lock = threading.Lock()
+
+    def stream(self, prompt, max_tokens, ignore_eos):
+        with self._lock:
+            self.prompts.append(len(prompt))
+        yield {"id": "cmpl-x", "choices": [{"token_ids": prompt[-2:]}]}
+
+
+def test_a_round_runs_the_phases_it_is_given_and_only_those():
+    args = SimpleNamespace(
+        seed=0, chunk=4, miss_chunks=2, saturated=5, misses=3, users=2, turns=2,
+        doc_chunks=2, max_tokens=2, concurrency=2,
+    )  # fmt: skip
+    prompts = round_prompts(args, 0)
+    everything = run_round(Echo(), args, prompts, 100.0)
+    assert [len(everything[ph]["requests"]) for ph in ("saturated", "paced", "turns")] == [5, 3, 4]
+    srv = Echo()
+    turns = run_round(srv, args, prompts, 100.0, ("turns",))
+    assert [len(turns[ph]["requests"]) for ph in ("saturated", "paced")] == [0, 0]
+    assert len(turns["turns"]["requests"]) == len(srv.prompts) == 4
+    assert turns["saturated"]["wall_s"] == turns["paced"]["wall_s"] == 0.0

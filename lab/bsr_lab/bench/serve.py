@@ -210,37 +210,42 @@ def run_round(
     rate: float,
     phases: Sequence[str] = PHASES,
 ) -> dict[str, Any]:
-    """One round's `phases` on one server: per phase its requests and wall time (a phase
-    not run: none)."""
+    """One round's `phases` on one server, in order: per phase its requests and wall time
+    (a phase not run: none)."""
     out: dict[str, Any] = {ph: {"requests": [], "wall_s": 0.0} for ph in PHASES}
-    if "saturated" not in phases:
-        if "turns" in phases:
-            out["turns"] = conversations(srv, args, prompts)
-        return out
+    if "saturated" in phases:
+        out["saturated"] = saturated(srv, args, prompts)
+    if "paced" in phases:
+        out["paced"] = paced(srv, args, prompts, rate)
+    if "turns" in phases:
+        out["turns"] = conversations(srv, args, prompts)
+    return out
 
-    def ask(p: list[int]) -> Callable[[], dict[str, Any]]:
-        return lambda: one_request(srv, p, args.max_tokens)
 
+def saturated(srv: Any, args: argparse.Namespace, prompts: dict[str, Any]) -> dict[str, Any]:
+    """New prompts, `--concurrency` in flight."""
     t0 = time.perf_counter()
-    got = in_pool(args.concurrency, [ask(p) for p in prompts["saturated"]])
-    out["saturated"] = {"requests": timed(got, t0), "wall_s": time.perf_counter() - t0}
+    work = [partial(one_request, srv, p, args.max_tokens) for p in prompts["saturated"]]
+    got = in_pool(args.concurrency, work)
+    return {"requests": timed(got, t0), "wall_s": time.perf_counter() - t0}
 
+
+def paced(
+    srv: Any, args: argparse.Namespace, prompts: dict[str, Any], rate: float
+) -> dict[str, Any]:
+    """New prompts at a fixed rate, open loop: request i goes at its slot in the schedule."""
     t0 = time.perf_counter()
 
-    def paced(i: int, p: list[int]) -> Callable[[], dict[str, Any]]:
-        def go() -> dict[str, Any]:  # open loop: request i's slot in a fixed-rate schedule
+    def at_slot(i: int, p: list[int]) -> Callable[[], dict[str, Any]]:
+        def go() -> dict[str, Any]:
             time.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
             return one_request(srv, p, args.max_tokens)
 
         return go
 
-    work = [paced(i, p) for i, p in enumerate(prompts["paced"])]
+    work = [at_slot(i, p) for i, p in enumerate(prompts["paced"])]
     got = in_pool(len(work), work)
-    out["paced"] = {"requests": timed(got, t0), "wall_s": time.perf_counter() - t0}
-
-    if "turns" in phases:
-        out["turns"] = conversations(srv, args, prompts)
-    return out
+    return {"requests": timed(got, t0), "wall_s": time.perf_counter() - t0}
 
 
 def conversations(srv: Any, args: argparse.Namespace, prompts: dict[str, Any]) -> dict[str, Any]:

@@ -8,9 +8,10 @@ step's input, so the next forward starts late. During a forward the engine core 
 polls, and yields to whatever else is runnable. So the writers copy a record out of
 its blocks, and write it, while a forward runs (`start_load_kv` to `wait_for_save`);
 between two forwards they wait, at most `save_gate_s` after the last one ended: an
-engine idle longer has no turn to keep, and nothing waits for it. Measured on 2 cores
-(perf, saturated): without the gate the connector's threads took 3% of the engine
-core's CPU and the forward's core idled 1.5% more; docs/vllm.md has the throughput.
+engine idle longer has no turn to keep, and nothing waits for it. Sampled with perf
+on 2 cores at saturation, without the gate: the connector's threads took about 3% of
+the engine core's CPU, and the forward's core sat idle twice as often; docs/vllm.md has
+the throughput with and without it.
 
 On a GPU worker those two hooks bracket the forward's launch, not its compute, and the
 engine core has CPUs of its own: there is no gate.
