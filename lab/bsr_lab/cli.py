@@ -11,6 +11,8 @@ BENCHES = (
     "bsr_lab.bench.lmcache",
     "bsr_lab.bench.model",
     "bsr_lab.bench.serve",
+    "bsr_lab.bench.serve_pool",
+    "bsr_lab.bench.soak",
     "bsr_lab.bench.sglang",
     "bsr_lab.bench.vllm",
 )

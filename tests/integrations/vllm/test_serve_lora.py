@@ -31,11 +31,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from test_serve_soak import GAP, TOP, errors, gap, write_word_tokenizer
-
 from bsr_lab.vllm.contexts import LORA_RANK, write_lora_adapter
 from bsr_lab.vllm.harness import Events, free_ports, tokens, write_tiny_llama
 from bsr_lab.vllm.server import Server, default_args
+from bsr_lab.vllm.soak import GAP, TOP, errors, gap, write_word_tokenizer
 
 CHUNK = 64
 MAX_TOKENS = 16

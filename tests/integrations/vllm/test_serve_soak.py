@@ -1,5 +1,5 @@
 """A bounded soak of `vllm serve` with bsr-io's connector (issue 31, item 2): minutes, not
-an hour.
+an hour (`bsr-lab bench soak` runs the same server and clients for as long as asked).
 
 One server (tiny Llama, TP=1) with a KV cache of 35 blocks (preemption: 8 concurrent
 requests growing to 18 blocks each cannot all be held), chunked prefill with a 128-token step,
@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,140 +32,40 @@ from typing import Any
 
 import pytest
 
-from bsr_lab.vllm.harness import (
-    VOCAB,
-    Events,
-    corrupt_record,
-    free_ports,
-    plant_foreign_kv,
-    scrape,
-    tokens,
-    write_tiny_llama,
+from bsr_lab.vllm.harness import Events, corrupt_record, free_ports, plant_foreign_kv, scrape
+from bsr_lab.vllm.server import top_logprobs
+from bsr_lab.vllm.soak import (
+    CHUNK,
+    GAP,
+    MAX_TOKENS,
+    TOP,
+    Sampler,
+    diverged,
+    drive,
+    errors,
+    gap,
+    metric,
+    prompts,
+    soak_model,
+    soak_server,
 )
-from bsr_lab.vllm.server import Server, default_args, top_logprobs
 
-CHUNK = 64
-DOC_CHUNKS = 8
-MAX_TOKENS = 40  # decode crosses block boundaries: running requests need blocks
-CLIENTS = 8
-# A near tie, in nats: the tiny model's bf16 logits (magnitude 8-16) come in steps of
-# 1/16, and two candidates one or two steps apart swap under batching (seen: 0.0625).
-GAP = 0.13
-TOP = 5
 # The first read of chunk 7 after the restart stalls 4 s (TEST DOUBLE, bsr_io.faults).
 STALL = [{"kind": "slow", "tier": "L2", "chunks": [7], "times": 1, "delay_s": 4.0}]
-
-
-def prompts(first: int, docs: int, questions: int) -> dict[str, list[int]]:
-    out = {}
-    for d in range(first, first + docs):
-        doc = tokens(500 + d, DOC_CHUNKS * CHUNK)
-        for q in range(questions):
-            out[f"d{d}q{q}"] = doc + tokens(900 + 10 * d + q, 20)
-    return out
-
-
-def errors(log: str) -> list[str]:
-    """Error lines and tracebacks, but for vLLM's warning that it cannot warm up a chat
-    template without a tokenizer (a WARNING with its traceback)."""
-    return [
-        line
-        for line in log.splitlines()
-        if (" ERROR " in line or "Traceback" in line or "CRITICAL" in line)
-        and " WARNING " not in line
-    ]
-
-
-def write_word_tokenizer(model: str) -> None:
-    """A word-level tokenizer ("t<id>" for every id) beside the tiny model, so the server
-    can return log-probs (it refuses them without a tokenizer)."""
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0")
-    fast.save_pretrained(model)
-
-
-Output = tuple[list[int], list[dict[int, float]]]  # tokens, each one's top-5 log-probs
-
-
-def stream(srv: Server, prompt: list[int], abort: bool) -> Output | None:
-    """A streamed greedy completion with log-probs; `abort`: close the connection after
-    the first tokens (None then)."""
-    out = srv.streamed(prompt, MAX_TOKENS, abort, logprobs=TOP)
-    return None if out is None else (out.tokens, out.tops)
-
-
-def gap(out: Output, ref: list[int]) -> float:
-    """0 when `out` equals the reference; else at the first difference, how much more
-    log-probability `out` gave its own token than the reference's (inf: not in its top)."""
-    toks, top = out
-    for i, (a, b) in enumerate(zip(toks, ref, strict=False)):
-        if a != b:
-            return top[i][a] - top[i][b] if b in top[i] else float("inf")
-    return 0.0 if len(toks) == len(ref) else float("inf")
-
-
-def diverged(got: list[Any], ref: dict[str, list[int]]) -> tuple[list[Any], list[float]]:
-    """(outputs beyond GAP, the gaps of near-tied ones) of the non-aborted results."""
-    bad, ties = [], []
-    for name, aborted, out in got:
-        if aborted:
-            continue
-        g = gap(out, ref[name])
-        if g > GAP:
-            bad.append((name, g, out[0], ref[name]))  # gap, output, reference
-        elif g > 0:
-            ties.append(g)
-    return bad, ties
-
-
-def drive(srv: Server, jobs: list[tuple[str, bool]], P: dict[str, list[int]]) -> list[Any]:
-    """Run (prompt, abort) jobs on CLIENTS concurrent streaming clients."""
-    with ThreadPoolExecutor(CLIENTS) as pool:
-        futs = [pool.submit(stream, srv, P[name], abort) for name, abort in jobs]
-        return [(name, abort, f.result()) for (name, abort), f in zip(jobs, futs, strict=True)]
-
-
-def metric(srv: Server, name: str) -> float:
-    return sum(v for k, v in srv.metrics().items() if k.split("{")[0] == name)
-
-
-class Sampler:
-    """The server tree's fds, threads and RSS every `every` s, on a thread of its own."""
-
-    def __init__(self, srv: Server, every: float = 1.0) -> None:
-        self.samples: list[dict[str, float]] = []
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, args=(srv, every), daemon=True)
-        self._t.start()
-
-    def _run(self, srv: Server, every: float) -> None:
-        while not self._stop.wait(every):
-            self.samples.append(srv.usage())
-
-    def stop(self) -> list[dict[str, float]]:
-        self._stop.set()
-        self._t.join()
-        return self.samples
 
 
 def test_soak(vllm_root: Path) -> None:
     work = vllm_root / "soak"
     work.mkdir()
-    model = write_tiny_llama(work / "model")
-    write_word_tokenizer(model)
+    model = soak_model(work)
     store = work / "store"
     events = Events(str(work / "events.jsonl"))
     P = prompts(0, 6, 2)
     burst = prompts(10, 4, 1)
     port = free_ports(1)
-    srv = Server(
+    srv = soak_server(
         model,
-        connector={
+        {
             "store_dir": str(store),
             "window": 4,
             "chunk_tokens": CHUNK,
@@ -175,20 +74,7 @@ def test_soak(vllm_root: Path) -> None:
             "events_path": events.path,
             "metrics_port": port,
         },
-        log=work / "serve-1.log",
-        max_model_len=1024,
-        base_args=False,
-        args=[
-            *[a for a in default_args(1024) if a != "--skip-tokenizer-init"],
-            "--num-gpu-blocks-override",
-            "35",  # 1,120 tokens: two requests of 17 blocks, then each needs an 18th
-            "--max-num-batched-tokens",
-            "128",  # chunked prefill, a small step
-            "--max-num-seqs",
-            str(CLIENTS),
-        ],  # fmt: skip
-        threads_bind="0-1",
-        env={"BSR_IO_FAULTS": "[]"},
+        work / "serve-1.log",
     )
     report: dict[str, Any] = {}
     try:
@@ -202,7 +88,7 @@ def test_soak(vllm_root: Path) -> None:
         ties: list[float] = []
         # Load: 8 streaming clients, 3 rounds over the prompts, every 4th stream aborted.
         order = [n for _ in range(3) for n in P]
-        jobs = [(n, i % 4 == 3) for i, n in enumerate(order)]
+        jobs = [(n, "first" if i % 4 == 3 else "full") for i, n in enumerate(order)]
         got = drive(srv, jobs, P)
         assert srv.alive(), srv.log_tail()
         bad, near = diverged(got, ref)
@@ -241,7 +127,7 @@ def test_soak(vllm_root: Path) -> None:
         for r in range(2):
             srv.reset_prefix_cache()
             sampler = Sampler(srv)
-            jobs = [(n, i % 4 == 3) for i, n in enumerate(list(P) * 2)]
+            jobs = [(n, "first" if i % 4 == 3 else "full") for i, n in enumerate(list(P) * 2)]
             got = drive(srv, jobs, P)
             rounds.append(sampler.stop() + [srv.usage()])
             bad, near = diverged(got, ref)

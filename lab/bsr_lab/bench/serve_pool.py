@@ -1,0 +1,133 @@
+"""`bsr-lab bench serve-pool`: the miss penalty of several `bench serve` runs pooled, with
+a bootstrap confidence interval, so that a difference of a few percent can be told from
+the bench's noise.
+
+One run has 8 rounds, and its per-round ratios spread over +-5% (two servers without
+the connector differ by as much), so one run cannot settle a -3% goal. Pooled runs of
+the same configuration can: each round is a unit (the same prompts on every server of
+that round, in an order that rotates), resampled with replacement 10,000 times; each
+resample's figure is computed as a run's is (output tokens/s in the saturated phase's
+steady state, pooled over the resampled rounds; TTFT p50 of the resampled misses), and
+the interval is the middle 95% of the resamples. The same is done for the control (a
+second server without the connector, A/A) and for bsr-io against the control. Every
+request streams exactly `max_tokens` tokens (`ignore_eos`), which the committed JSONs
+record instead of the tokens themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bsr_io.cli.report import write_json
+
+RESAMPLES = 10_000
+# Who is compared with whom. The two references (baseline, control) are the same server
+# started twice, yet pooled over 24 rounds one ran 2.8% faster than the other (95%
+# interval 1.5-4.2%): a server's own speed differs by as much as the goal. So bsr-io is
+# also compared with both together (their mean rate, their misses' TTFTs together).
+PAIRS = {
+    "bsr_io_vs_baseline": (("bsr_io",), ("baseline",)),
+    "control_vs_baseline": (("control",), ("baseline",)),
+    "bsr_io_vs_control": (("bsr_io",), ("control",)),
+    "bsr_io_vs_references": (("bsr_io",), ("baseline", "control")),
+}
+
+
+def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = bench_subparsers.add_parser(
+        "serve-pool", help="pool `bench serve` runs: miss penalty with a 95%% interval"
+    )
+    p.add_argument("runs", nargs="+", help="JSONs written by `bsr-lab bench serve --json`")
+    p.add_argument("--phase", default="saturated", choices=("saturated", "paced"))
+    p.add_argument("--seed", type=int, default=0, help="the resampling's seed")
+    p.add_argument("--json", default=None, help="write the result here")
+    p.set_defaults(func=run)
+
+
+def round_figures(rd: dict[str, Any], phase: str, ramp: int, max_tokens: int) -> dict[str, Any]:
+    """One round's phase on one server: steady-state tokens and span (as `bench serve`'s
+    `steady_rate`), and its misses' TTFTs."""
+    reqs = rd[phase]["requests"]
+    ends = sorted(r["end_s"] for r in reqs)
+    cut = ends[ramp - 1]
+    return {
+        "tokens": max_tokens * sum(r["end_s"] > cut for r in reqs),
+        "span": ends[-1] - cut,
+        "ttft": [r["ttft_s"] for r in reqs if r["kind"] == "miss"],
+    }
+
+
+def figures(servers: list[list[dict[str, Any]]], pick: np.ndarray) -> tuple[float, float]:
+    """(steady tokens/s, TTFT p50) over the rounds `pick` names; of several servers (the
+    two references), the mean of their rates and the median of their TTFTs together."""
+    rates = [
+        sum(rounds[i]["tokens"] for i in pick) / sum(rounds[i]["span"] for i in pick)
+        for rounds in servers
+    ]
+    ttfts = [rounds[i]["ttft"] for rounds in servers for i in pick]
+    return float(np.mean(rates)), float(np.median(np.concatenate(ttfts)))
+
+
+def compare(
+    a: list[list[dict[str, Any]]], b: list[list[dict[str, Any]]], rng: np.random.Generator
+) -> dict[str, Any]:
+    """Servers a against servers b over the same rounds: the pooled ratios and their
+    bootstrap 95% intervals (rounds resampled, the same picks for all)."""
+    n = len(a[0])
+    every = np.arange(n)
+    (ra, ta), (rb, tb) = figures(a, every), figures(b, every)
+    thr, ttft = [], []
+    for _ in range(RESAMPLES):
+        pick = rng.integers(0, n, size=n)
+        (xa, ya), (xb, yb) = figures(a, pick), figures(b, pick)
+        thr.append(xa / xb)
+        ttft.append(ya / yb)
+    return {
+        "rounds": n,
+        "steady_throughput_ratio": ra / rb,
+        "steady_throughput_ratio_95": [float(x) for x in np.percentile(thr, [2.5, 97.5])],
+        "ttft_p50_ratio": ta / tb,
+        "ttft_p50_ratio_95": [float(x) for x in np.percentile(ttft, [2.5, 97.5])],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    docs = [json.loads(Path(p).read_text()) for p in args.runs]
+    keep = ("saturated", "misses", "concurrency", "max_tokens", "save_in_steps", "hidden")
+    shapes = {json.dumps({k: d["args"][k] for k in keep}) for d in docs}
+    if len(shapes) != 1:
+        print(f"the runs differ in their configuration: {sorted(shapes)}", file=sys.stderr)
+        return 2
+    if any("control" not in d["rounds"] for d in docs):
+        print("every run needs its control's rounds (`bench serve --control`)", file=sys.stderr)
+        return 2
+    ramp, max_tokens = docs[0]["args"]["concurrency"], docs[0]["args"]["max_tokens"]
+    sides = {
+        s: [round_figures(rd, args.phase, ramp, max_tokens) for d in docs for rd in d["rounds"][s]]
+        for s in ("baseline", "bsr_io", "control")
+    }
+    rng = np.random.default_rng(args.seed)
+    doc = {
+        "bench": "serve-pool",
+        "device": docs[0]["device"],
+        "phase": args.phase,
+        "resamples": RESAMPLES,
+        "runs": [
+            {"file": Path(p).name, "commit": d["commit"]}
+            for p, d in zip(args.runs, docs, strict=True)
+        ],
+        "config": json.loads(shapes.pop()),
+        **{
+            name: compare([sides[s] for s in a], [sides[s] for s in b], rng)
+            for name, (a, b) in PAIRS.items()
+        },
+    }
+    print(json.dumps({k: v for k, v in doc.items() if "_vs_" in k}, indent=1))
+    write_json(args.json, doc)
+    return 0
