@@ -46,6 +46,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
     p.add_argument("runs", nargs="+", help="JSONs written by `bsr-lab bench serve --json`")
     p.add_argument("--phase", default="saturated", choices=("saturated", "paced"))
     p.add_argument("--seed", type=int, default=0, help="the resampling's seed")
+    p.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples")
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(func=run)
 
@@ -75,7 +76,10 @@ def figures(servers: list[list[dict[str, Any]]], pick: np.ndarray) -> tuple[floa
 
 
 def compare(
-    a: list[list[dict[str, Any]]], b: list[list[dict[str, Any]]], rng: np.random.Generator
+    a: list[list[dict[str, Any]]],
+    b: list[list[dict[str, Any]]],
+    rng: np.random.Generator,
+    resamples: int = RESAMPLES,
 ) -> dict[str, Any]:
     """Servers a against servers b over the same rounds: the pooled ratios and their
     bootstrap 95% intervals (rounds resampled, the same picks for all)."""
@@ -83,7 +87,7 @@ def compare(
     every = np.arange(n)
     (ra, ta), (rb, tb) = figures(a, every), figures(b, every)
     thr, ttft = [], []
-    for _ in range(RESAMPLES):
+    for _ in range(resamples):
         pick = rng.integers(0, n, size=n)
         (xa, ya), (xb, yb) = figures(a, pick), figures(b, pick)
         thr.append(xa / xb)
@@ -117,14 +121,14 @@ def run(args: argparse.Namespace) -> int:
         "bench": "serve-pool",
         "device": docs[0]["device"],
         "phase": args.phase,
-        "resamples": RESAMPLES,
+        "resamples": args.resamples,
         "runs": [
             {"file": Path(p).name, "commit": d["commit"]}
             for p, d in zip(args.runs, docs, strict=True)
         ],
         "config": json.loads(shapes.pop()),
         **{
-            name: compare([sides[s] for s in a], [sides[s] for s in b], rng)
+            name: compare([sides[s] for s in a], [sides[s] for s in b], rng, args.resamples)
             for name, (a, b) in PAIRS.items()
         },
     }
