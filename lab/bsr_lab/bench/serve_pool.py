@@ -101,6 +101,29 @@ def compare(
     }
 
 
+def intervals(
+    rounds: dict[str, list[dict[str, Any]]],
+    phase: str,
+    ramp: int,
+    max_tokens: int,
+    seed: int = 0,
+    resamples: int = RESAMPLES,
+) -> dict[str, Any]:
+    """Every pair of `PAIRS` over these rounds (those of one run, or of several pooled):
+    the pooled ratios with their bootstrap 95% intervals."""
+    sides = {
+        s: [round_figures(rd, phase, ramp, max_tokens) for rd in rds]
+        for s, rds in rounds.items()
+        if s in ("baseline", "bsr_io", "control")
+    }
+    rng = np.random.default_rng(seed)
+    return {
+        name: compare([sides[s] for s in a], [sides[s] for s in b], rng, resamples)
+        for name, (a, b) in PAIRS.items()
+        if all(s in sides for s in (*a, *b))
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     docs = [json.loads(Path(p).read_text()) for p in args.runs]
     keep = ("saturated", "misses", "concurrency", "max_tokens", "save_in_steps", "hidden")
@@ -112,11 +135,9 @@ def run(args: argparse.Namespace) -> int:
         print("every run needs its control's rounds (`bench serve --control`)", file=sys.stderr)
         return 2
     ramp, max_tokens = docs[0]["args"]["concurrency"], docs[0]["args"]["max_tokens"]
-    sides = {
-        s: [round_figures(rd, args.phase, ramp, max_tokens) for d in docs for rd in d["rounds"][s]]
-        for s in ("baseline", "bsr_io", "control")
+    pooled = {
+        s: [rd for d in docs for rd in d["rounds"][s]] for s in ("baseline", "bsr_io", "control")
     }
-    rng = np.random.default_rng(args.seed)
     doc = {
         "bench": "serve-pool",
         "device": docs[0]["device"],
@@ -127,10 +148,7 @@ def run(args: argparse.Namespace) -> int:
             for p, d in zip(args.runs, docs, strict=True)
         ],
         "config": json.loads(shapes.pop()),
-        **{
-            name: compare([sides[s] for s in a], [sides[s] for s in b], rng, args.resamples)
-            for name, (a, b) in PAIRS.items()
-        },
+        **intervals(pooled, args.phase, ramp, max_tokens, args.seed, args.resamples),
     }
     print(json.dumps({k: v for k, v in doc.items() if "_vs_" in k}, indent=1))
     write_json(args.json, doc)
