@@ -81,7 +81,8 @@ def stability(samples: list[dict[str, Any]], warm: dict[int, float]) -> dict[str
     # Within each segment: the peak of its last tenth against its first tenth's.
     def drift(seg: list[dict[str, Any]]) -> float:
         tenth = max(1, len(seg) // 10)
-        return max(s["rss_mib"] for s in seg[-tenth:]) / max(s["rss_mib"] for s in seg[:tenth])
+        last = max(float(s["rss_mib"]) for s in seg[-tenth:])
+        return last / max(float(s["rss_mib"]) for s in seg[:tenth])
 
     worst = max(by.values(), key=drift)
     out = {
