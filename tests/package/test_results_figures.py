@@ -613,6 +613,97 @@ MOONCAKE_FIGURES: list[Fig] = [
 
 # docs/vllm.md: the CPU engine runs, the hybrid model and scheduler-side discovery.
 VLLM_FIGURES: list[Fig] = [
+    # The three gate runs pooled (serve-gate-pooled.json, bsr-lab bench serve-pool).
+    Fig(
+        "the control ran {}x",
+        "serve-gate-pooled.json",
+        "control_vs_baseline.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval {}x to 1.042x)",
+        "serve-gate-pooled.json",
+        "control_vs_baseline.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "1.015x to {}x), with the same",
+        "serve-gate-pooled.json",
+        "control_vs_baseline.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "steady throughput is {}x the reference's (",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_baseline.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the reference's ({}x to 0.999x)",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_baseline.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(0.967x to {}x), 0.956x",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_baseline.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.999x), {}x the control's",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_control.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the control's ({}x to 0.972x)",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_control.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(0.940x to {}x), and",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_control.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "and {}x both together",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "mean rate ({}x to 0.984x)",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(0.954x to {}x). Its TTFT",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "against both is {}x (",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_references.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "is 1.030x ({}x to 1.047x)",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_references.ttft_p50_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(1.014x to {}x).",
+        "serve-gate-pooled.json",
+        "bsr_io_vs_references.ttft_p50_ratio_95.1",
+        fmt="{:.3f}",
+    ),
     # bench serve (serve.json; the --pin-front run: serve-pinned.json; save_in_steps:
     # serve-in-steps.json, an earlier run of it: serve-in-steps-repeat.json, its cuts on
     # the forward thread: serve-in-steps-forward.json; 32 saturated requests, steady

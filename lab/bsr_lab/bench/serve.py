@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from bsr_io.cli.report import write_json
+from bsr_lab.bench.serve_pool import intervals
 
 KINDS = ("restored", "local", "miss")
 PHASES = ("saturated", "paced", "turns")
@@ -643,7 +644,7 @@ def run(args: argparse.Namespace) -> int:
     grown = store_bytes(store)
     doc["bsr_io"]["store_bytes"] = grown
     doc["bsr_io"]["save_bytes_per_s"] = grown / active_s  # over its server's busy time
-    shown = ("miss_penalty", "noise_floor", "restore_vs_recompute")
+    shown = ("miss_penalty", "noise_floor", "saturated_95", "restore_vs_recompute")
     print(json.dumps({k: doc[k] for k in shown if k in doc}, indent=1))
     print("outputs equal:", doc["outputs_equal"])
     shutil.rmtree(store, ignore_errors=True)  # GiB of records: measured, not kept
@@ -681,6 +682,20 @@ def summarize(
                 "noise_floor": {
                     ph: penalty(base, control, ph, args.concurrency, CONTROL) for ph in MISS_PHASES
                 }
+            }
+            if control
+            else {}
+        ),
+        # The saturated phase's figures with bootstrap 95% intervals over the rounds,
+        # bsr-io also against both references together (serve_pool.py says why).
+        **(
+            {
+                "saturated_95": intervals(
+                    {s: rounds[s] for s in (*SIDES, CONTROL)},
+                    "saturated",
+                    args.concurrency,
+                    args.max_tokens,
+                )
             }
             if control
             else {}

@@ -46,6 +46,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
     p.add_argument("runs", nargs="+", help="JSONs written by `bsr-lab bench serve --json`")
     p.add_argument("--phase", default="saturated", choices=("saturated", "paced"))
     p.add_argument("--seed", type=int, default=0, help="the resampling's seed")
+    p.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples")
     p.add_argument("--json", default=None, help="write the result here")
     p.set_defaults(func=run)
 
@@ -75,7 +76,10 @@ def figures(servers: list[list[dict[str, Any]]], pick: np.ndarray) -> tuple[floa
 
 
 def compare(
-    a: list[list[dict[str, Any]]], b: list[list[dict[str, Any]]], rng: np.random.Generator
+    a: list[list[dict[str, Any]]],
+    b: list[list[dict[str, Any]]],
+    rng: np.random.Generator,
+    resamples: int = RESAMPLES,
 ) -> dict[str, Any]:
     """Servers a against servers b over the same rounds: the pooled ratios and their
     bootstrap 95% intervals (rounds resampled, the same picks for all)."""
@@ -83,7 +87,7 @@ def compare(
     every = np.arange(n)
     (ra, ta), (rb, tb) = figures(a, every), figures(b, every)
     thr, ttft = [], []
-    for _ in range(RESAMPLES):
+    for _ in range(resamples):
         pick = rng.integers(0, n, size=n)
         (xa, ya), (xb, yb) = figures(a, pick), figures(b, pick)
         thr.append(xa / xb)
@@ -94,6 +98,29 @@ def compare(
         "steady_throughput_ratio_95": [float(x) for x in np.percentile(thr, [2.5, 97.5])],
         "ttft_p50_ratio": ta / tb,
         "ttft_p50_ratio_95": [float(x) for x in np.percentile(ttft, [2.5, 97.5])],
+    }
+
+
+def intervals(
+    rounds: dict[str, list[dict[str, Any]]],
+    phase: str,
+    ramp: int,
+    max_tokens: int,
+    seed: int = 0,
+    resamples: int = RESAMPLES,
+) -> dict[str, Any]:
+    """Every pair of `PAIRS` over these rounds (those of one run, or of several pooled):
+    the pooled ratios with their bootstrap 95% intervals."""
+    sides = {
+        s: [round_figures(rd, phase, ramp, max_tokens) for rd in rds]
+        for s, rds in rounds.items()
+        if s in ("baseline", "bsr_io", "control")
+    }
+    rng = np.random.default_rng(seed)
+    return {
+        name: compare([sides[s] for s in a], [sides[s] for s in b], rng, resamples)
+        for name, (a, b) in PAIRS.items()
+        if all(s in sides for s in (*a, *b))
     }
 
 
@@ -108,25 +135,20 @@ def run(args: argparse.Namespace) -> int:
         print("every run needs its control's rounds (`bench serve --control`)", file=sys.stderr)
         return 2
     ramp, max_tokens = docs[0]["args"]["concurrency"], docs[0]["args"]["max_tokens"]
-    sides = {
-        s: [round_figures(rd, args.phase, ramp, max_tokens) for d in docs for rd in d["rounds"][s]]
-        for s in ("baseline", "bsr_io", "control")
+    pooled = {
+        s: [rd for d in docs for rd in d["rounds"][s]] for s in ("baseline", "bsr_io", "control")
     }
-    rng = np.random.default_rng(args.seed)
     doc = {
         "bench": "serve-pool",
         "device": docs[0]["device"],
         "phase": args.phase,
-        "resamples": RESAMPLES,
+        "resamples": args.resamples,
         "runs": [
             {"file": Path(p).name, "commit": d["commit"]}
             for p, d in zip(args.runs, docs, strict=True)
         ],
         "config": json.loads(shapes.pop()),
-        **{
-            name: compare([sides[s] for s in a], [sides[s] for s in b], rng)
-            for name, (a, b) in PAIRS.items()
-        },
+        **intervals(pooled, args.phase, ramp, max_tokens, args.seed, args.resamples),
     }
     print(json.dumps({k: v for k, v in doc.items() if "_vs_" in k}, indent=1))
     write_json(args.json, doc)

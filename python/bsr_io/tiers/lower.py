@@ -61,8 +61,16 @@ class LowerTier(FileTier):
         return payload_view(payload, layout)
 
     def _write_record(
-        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any, deadline: float
+        self,
+        fd: int,
+        tmp: Path,
+        key: ChunkKey,
+        layout: KVLayout,
+        staged: Any,
+        deadline: float,
+        header: RecordHeader | None,
     ) -> RecordHeader:
+        # The header's checksum is taken here, on the write's thread: none comes made.
         view: memoryview = staged
         header = make_header(key, layout, xxh3_64(view))
 

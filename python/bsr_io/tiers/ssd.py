@@ -34,7 +34,7 @@ from bsr_io.tiers.base import (
     read_deadline,
 )
 from bsr_io.tiers.files import FileTier, RecordId
-from bsr_io.tiers.files.bounded import call_within, pwrite_all, run_within
+from bsr_io.tiers.files.bounded import run_within
 
 _local = threading.local()
 
@@ -96,33 +96,34 @@ class SSDTier(FileTier):
         slot.set_length(n)
         return slot
 
-    def _write_record(
-        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any, deadline: float
-    ) -> RecordHeader:
+    def _header(self, key: ChunkKey, layout: KVLayout, staged: Any) -> RecordHeader:
         slot: Slot = staged
-        n = layout.chunk_bytes
+        return make_header(key, layout, slot.checksum(0, layout.chunk_bytes))
+
+    def _write_record(
+        self,
+        fd: int,
+        tmp: Path,
+        key: ChunkKey,
+        layout: KVLayout,
+        staged: Any,
+        deadline: float,
+        header: RecordHeader | None,
+    ) -> RecordHeader:
+        # The header came with the temp file's creation (`_header`): the payload goes
+        # through the engine, straight from the slot, then the fdatasync.
+        assert header is not None
+        slot: Slot = staged
         f = self.engine.open(tmp, write=True, root=self.root)
         try:
-            pending = self.engine.submit_write(slot, f, HEADER_BYTES, n)
+            pending = self.engine.submit_write(slot, f, HEADER_BYTES, layout.chunk_bytes)
             try:
-                # Checksum while the payload is on its way: both only read the slot.
-                header = make_header(key, layout, slot.checksum(0, n))
-                raw = memoryview(header.encode())
-                self._by(
-                    deadline,
-                    key,
-                    tmp,
-                    "header write",
-                    lambda t: call_within(t, fd, lambda d, stop: pwrite_all(d, raw, 0, stop)),
-                )
+                # Past the deadline the write goes on without us; its op keeps the slot
+                # out of the ring until it ends, and the temp file is removed.
+                self._by(deadline, key, tmp, "write", pending.wait)
             finally:
-                try:
-                    # Past the deadline the write goes on without us; its op keeps the
-                    # slot out of the ring until it ends, and the temp file is removed.
-                    self._by(deadline, key, tmp, "write", pending.wait)
-                finally:
-                    del pending  # a kept traceback must not keep the file and slot busy
-            # fdatasync: header (written through fd) and payload share the inode.
+                del pending  # a kept traceback must not keep the file and slot busy
+            # fdatasync: the header (written at creation) and payload share the inode.
             self._by(deadline, key, tmp, "fdatasync", lambda t: self.engine.sync(f, t))
         finally:
             f.close()

@@ -8,25 +8,34 @@ All of it has the record's deadline (the tier's `write_timeout_s`, from the star
 directory calls (creating the temp file, the rename, the directory's fsync, removing the
 temp file) block in the kernel as long as a stalled drive likes, so they run on a thread
 of their own (bounded.py) and the save fails (ChunkWriteError) at the deadline, the
-caller touching the directory no more. A rename given up on may still complete on its
-thread: it then publishes the temp file, which was written whole and fdatasynced before
-the rename began (a record like one another process wrote: found by the next scan or
-read, its header checked and its payload verified on every read); one that fails there
-removes the temp file. A temp file created after its caller gave up is removed.
+caller touching the directory no more. Two such calls per record, not one per syscall:
+each hand-off to a thread costs about as much CPU as the syscalls it carries (GIL
+hand-overs, wake-ups), so the temp file's creation takes the record's header with it
+when the caller has it (`head`), and the rename takes the directory's fsync. That fsync
+is a group commit (`DirSyncs`): records renamed in one directory while its fsync runs
+share the next one, as a journal commits many transactions at once.
+
+A rename given up on may still complete on its thread: it then publishes the temp file,
+which was written whole and fdatasynced before the rename began (a record like one
+another process wrote: found by the next scan or read, its header checked and its
+payload verified on every read); one that fails there removes the temp file. A temp
+file created after its caller gave up is removed.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bsr_io.errors import ChunkError, ChunkWriteError
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.record import RecordHeader
-from bsr_io.tiers.files.bounded import run_within
+from bsr_io.tiers.files.bounded import pwrite_all, run_within
 from bsr_io.tiers.files.records import fsync_dir, mkdir_private, tmp_path
 
 # Writes the whole record into the new temp file (fd, its path) durably, by the deadline
@@ -37,19 +46,76 @@ WriteRecord = Callable[[int, Path, float], RecordHeader]
 CLEANUP_S = 0.5
 
 
+@dataclass(slots=True)
+class _DirState:
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    renamed: int = 0  # renames done in the directory, counted before its fsync is asked
+    synced: int = 0  # renames an fsync that began after them has made durable
+    running: bool = False
+
+
+class DirSyncs:
+    """Group commit of directory fsyncs. `sync(dir)` returns once an fsync of `dir` that
+    began after the caller's rename has succeeded: the caller's own, or one another
+    caller started meanwhile and that covers it. While one runs, the renames that come in
+    wait, and the first of them runs the next fsync for all. A failed fsync covers
+    nobody: each caller it would have covered raises it or runs one of its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dirs: dict[Path, _DirState] = {}
+
+    def sync(self, path: Path) -> None:
+        with self._lock:
+            st = self._dirs.setdefault(path, _DirState())
+        with st.cond:
+            st.renamed += 1
+            ticket = st.renamed
+            while st.running:
+                st.cond.wait()
+            if st.synced >= ticket:
+                return
+            st.running = True
+            covers = st.renamed  # every rename counted so far precedes this fsync
+        done = False
+        try:
+            fsync_dir(path)
+            done = True
+        finally:
+            with st.cond:
+                st.running = False
+                if done:
+                    st.synced = max(st.synced, covers)
+                st.cond.notify_all()
+
+
+_dir_syncs = DirSyncs()
+
+
 def publish(
-    tier: str, key: ChunkKey, final: Path, write: WriteRecord, timeout: float
+    tier: str,
+    key: ChunkKey,
+    final: Path,
+    write: WriteRecord,
+    timeout: float,
+    head: bytes | None = None,
 ) -> tuple[RecordHeader, os.stat_result]:
     """Publish the record `write` produces at `final` within `timeout` seconds; (header,
-    stat of the new file). ChunkWriteError past it, nothing published by this call."""
+    stat of the new file). ChunkWriteError past it, nothing published by this call.
+    `head`: bytes written at offset 0 of the temp file on its creation (the header)."""
     deadline = time.monotonic() + timeout
     tmp = tmp_path(final)
     try:
         fd = run_within(
-            deadline - time.monotonic(), lambda: _create(final, tmp), late=lambda fd: _drop(fd, tmp)
+            deadline - time.monotonic(),
+            lambda: _create(final, tmp, head),
+            late=lambda fd: _drop(fd, tmp),
         )
     except TimeoutError:
-        raise _late(tier, key, final, "temp file's creation", timeout) from None
+        # Created and stalled in its header's write, it is removed now by its name.
+        _remove(tmp, CLEANUP_S)
+        what = "temp file's creation" + (" and header write" if head else "")
+        raise _late(tier, key, final, what, timeout) from None
     except OSError as exc:
         raise write_error(tier, key, final, exc) from exc
     try:
@@ -70,9 +136,16 @@ def publish(
     return header, st
 
 
-def _create(final: Path, tmp: Path) -> int:
+def _create(final: Path, tmp: Path, head: bytes | None) -> int:
     mkdir_private(final.parent)
-    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    if head:
+        try:
+            pwrite_all(fd, memoryview(head), 0)
+        except BaseException:
+            _drop(fd, tmp)
+            raise
+    return fd
 
 
 def _drop(fd: int, tmp: Path) -> None:
@@ -87,7 +160,7 @@ def _rename(tmp: Path, final: Path) -> None:
     except OSError:
         _unlink_quietly(tmp)
         raise
-    fsync_dir(final.parent)
+    _dir_syncs.sync(final.parent)
 
 
 def _remove(tmp: Path, timeout: float) -> None:

@@ -1,0 +1,134 @@
+"""The figures of `bsr-lab bench serve-pool` and the checks of `bsr-lab bench soak`, on
+rounds and samples written here (the servers themselves run in the benches).
+
+serve-pool: its pooled ratio is the one `bench serve` computes for one run, and its
+interval holds a real difference out and takes noise in. soak: the stability check
+flags a leak of fds, threads or memory, against a server that holds steady.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from bsr_lab.bench.serve import steady_rate
+from bsr_lab.bench.serve_pool import compare, round_figures
+from bsr_lab.bench.serve_pool import run as pool_run
+from bsr_lab.bench.soak import cycle_jobs, stability
+
+MAX_TOKENS = 16
+
+
+def phase(rate: float, n: int = 12, jitter: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """A saturated phase whose requests end one every MAX_TOKENS / rate seconds."""
+    rng = np.random.default_rng(seed)
+    step = MAX_TOKENS / rate
+    ends = [step * (i + 1) * (1 + jitter * rng.standard_normal()) for i in range(n)]
+    return {
+        "wall_s": max(ends),
+        "requests": [
+            {"end_s": e, "ttft_s": 0.5 * step, "kind": "miss", "tokens": [0] * MAX_TOKENS}
+            for e in ends
+        ],
+    }
+
+
+def rounds(rate: float, n: int, jitter: float, seed: int) -> list[dict[str, Any]]:
+    return [{"saturated": phase(rate, jitter=jitter, seed=seed + r)} for r in range(n)]
+
+
+def test_the_pooled_rate_is_bench_serves_steady_rate():
+    rds = rounds(40.0, 6, 0.05, 1)
+    figs = [round_figures(rd, "saturated", 4, MAX_TOKENS) for rd in rds]
+    pooled = sum(f["tokens"] for f in figs) / sum(f["span"] for f in figs)
+    assert pooled == steady_rate([rd["saturated"] for rd in rds], 4)
+
+
+def test_the_interval_holds_a_real_difference_out_and_noise_in():
+    rng = np.random.default_rng(0)
+    base = [round_figures(rd, "saturated", 4, MAX_TOKENS) for rd in rounds(40.0, 24, 0.03, 10)]
+    slow = [round_figures(rd, "saturated", 4, MAX_TOKENS) for rd in rounds(36.0, 24, 0.03, 50)]
+    same = [round_figures(rd, "saturated", 4, MAX_TOKENS) for rd in rounds(40.0, 24, 0.03, 90)]
+    worse = compare([slow], [base], rng, 1000)
+    lo, hi = worse["steady_throughput_ratio_95"]
+    assert hi < 1.0 and lo < 0.9 < hi  # 10% slower: the interval says so, around 0.9
+    aa = compare([same], [base], rng, 1000)
+    lo, hi = aa["steady_throughput_ratio_95"]
+    assert lo < 1.0 < hi  # the same server: the interval takes 1 in
+    # Against both references, the mean of their rates.
+    both = compare([slow], [base, same], rng, 1000)
+    assert both["steady_throughput_ratio"] < worse["steady_throughput_ratio"] + 0.05
+
+
+def test_serve_pool_refuses_runs_of_other_configurations(tmp_path, capsys):
+    doc = {
+        "args": {
+            "saturated": 12,
+            "misses": 4,
+            "concurrency": 4,
+            "max_tokens": MAX_TOKENS,
+            "save_in_steps": True,
+            "hidden": 768,
+        },
+        "rounds": {s: rounds(40.0, 2, 0.0, 0) for s in ("baseline", "bsr_io", "control")},
+        "device": "cpu",
+        "commit": "x",
+    }
+    for rd in doc["rounds"].values():
+        for r in rd:
+            for q in r["saturated"]["requests"]:
+                del q["tokens"]  # as committed: `strip` drops them
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(doc))
+    doc["args"]["save_in_steps"] = False
+    b.write_text(json.dumps(doc))
+    args = SimpleNamespace(
+        runs=[str(a), str(b)], phase="saturated", seed=0, resamples=100, json=None
+    )
+    assert pool_run(args) == 2
+    assert "differ in their configuration" in capsys.readouterr().err
+    args.runs = [str(a), str(a)]
+    assert pool_run(args) == 0  # control: the same configuration twice pools
+
+
+def samples(segment: int, t0: float, n: int, fds: float, grow: float = 0.0) -> list[dict]:
+    return [
+        {
+            "segment": segment,
+            "t_s": t0 + i,
+            "procs": 4,
+            "fds": fds + grow * i,
+            "threads": 80 + grow * i,
+            "rss_mib": 3000 + 10 * grow * i,
+        }
+        for i in range(n)
+    ]
+
+
+def test_stability_flags_a_leak_against_a_steady_server():
+    warm = {0: 0.0, 1: 100.0}
+    steady = samples(0, 0, 60, 180) + samples(1, 100, 60, 181)
+    ok = stability(steady, warm)
+    assert ok["fds_ok"] and ok["threads_ok"] and ok["rss_ok"] and ok["rss_drift_ok"]
+    leaking = samples(0, 0, 60, 180) + samples(1, 100, 60, 180, grow=1.0)
+    bad = stability(leaking, warm)
+    assert not bad["fds_ok"] and not bad["threads_ok"]
+    assert not bad["rss_drift_ok"]  # within the segment: RSS rose through it
+
+
+def test_samples_of_a_starting_server_are_not_counted():
+    """A server starting (before its first cycle) grows from nothing: not a leak."""
+    starting = samples(1, 100, 20, 0, grow=9.0)  # 0 to 171 fds while it starts
+    warm = {0: 0.0, 1: 120.0}
+    st = stability(samples(0, 0, 60, 180) + starting + samples(1, 120, 60, 180), warm)
+    assert st["fds_ok"] and st["rss_drift_ok"]
+
+
+def test_a_cycle_sends_every_prompt_twice_some_closed_early():
+    jobs = cycle_jobs(["a", "b", "c", "d"])
+    assert sorted(n for n, _ in jobs) == sorted(["a", "b", "c", "d"] * 2)
+    ends = [e for _, e in jobs]
+    assert ends.count("first") == 2 and ends.count("early") == 1
