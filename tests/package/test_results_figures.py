@@ -613,6 +613,47 @@ MOONCAKE_FIGURES: list[Fig] = [
 
 # docs/vllm.md: the CPU engine runs, the hybrid model and scheduler-side discovery.
 VLLM_FIGURES: list[Fig] = [
+    # An hour of serving (soak-hour.json, bsr-lab bench soak --minutes 60).
+    Fig("{} streams answered in full", "soak-hour.json", "requests.full", fmt="{:,.0f}"),
+    Fig("in full and {} closed early", "soak-hour.json", "requests.aborted", fmt="{:,.0f}"),
+    Fig("over {} cycles", "soak-hour.json", "requests.cycles", fmt="{:,.0f}"),
+    Fig(
+        "each of the {} outputs that has a reference",
+        "soak-hour.json",
+        "full streams but the new prompts' (one per cycle)",
+        fmt="{:,.0f}",
+        derive=lambda d: (
+            d["soak-hour.json"]["requests"]["full"] - d["soak-hour.json"]["requests"]["cycles"]
+        ),
+    ),
+    Fig(
+        "{} preemptions",
+        "soak-hour.json",
+        "counters.vllm:num_preemptions_total",
+        fmt="{:,.0f}",
+        derive=lambda d: d["soak-hour.json"]["counters"]["vllm:num_preemptions_total"],
+    ),
+    Fig(
+        "at their peak {} in the first",
+        "soak-hour.json",
+        "stability.first_segment_peaks.fds",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "quarter-hour and {} in the last",
+        "soak-hour.json",
+        "stability.last_segment_peaks.fds",
+        fmt="{:.0f}",
+    ),
+    Fig("RSS {} MiB and", "soak-hour.json", "stability.first_segment_peaks.rss_mib", fmt="{:,.0f}"),
+    Fig("MiB and {} MiB;", "soak-hour.json", "stability.last_segment_peaks.rss_mib", fmt="{:,.0f}"),
+    Fig(
+        "read back {} records, 0 corrupt",
+        "soak-hour.json",
+        "store_verify.0 (its count)",
+        fmt="{:,.0f}",
+        derive=lambda d: int(d["soak-hour.json"]["store_verify"][0].split()[0]),
+    ),
     # The three gate runs pooled (serve-gate-pooled.json, bsr-lab bench serve-pool).
     Fig(
         "the control ran {}x",
@@ -1321,6 +1362,8 @@ VLLM_FIGURES: list[Fig] = [
 
 # The README's headline table: one row per claim, each linking its JSON.
 HEADLINE_FIGURES: list[Fig] = [
+    Fig("| {} streams answered and", "soak-hour.json", "requests.full", fmt="{:,.0f}"),
+    Fig("answered and {} closed early;", "soak-hour.json", "requests.aborted", fmt="{:,.0f}"),
     Fig(
         "TTFT p50 {}x, output throughput",
         "serve.json",
