@@ -111,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from bsr_lab.vllm.harness import Events, free_ports, scrape
     from bsr_lab.vllm.soak import (
-        CHUNK,
         MAX_TOKENS,
         Sampler,
         diverged,
@@ -131,15 +130,9 @@ def run(args: argparse.Namespace) -> int:
     port = free_ports(1)
     srv = soak_server(
         model,
-        {
-            "store_dir": str(store),
-            "window": 4,
-            "chunk_tokens": CHUNK,
-            "load_timeout_s": 30,
-            "save_timeout_s": 120,
-            "events_path": events.path,
-            "metrics_port": port,
-        },
+        store,
+        events.path,
+        port,
         work / "serve-0.log",
     )
     P = prompts(0, 6, 2)

@@ -82,9 +82,19 @@ def soak_model(work: Path) -> str:
     return model
 
 
-def soak_server(model: str, connector: dict[str, Any], log: Path) -> Server:
-    """One TP=1 server with bsr-io's connector: a KV cache small enough to preempt,
-    chunked prefill with a small step, CLIENTS sequences at most."""
+def soak_server(model: str, store: Path, events_path: str, port: int, log: Path) -> Server:
+    """One TP=1 server with bsr-io's connector (records in `store`, events to
+    `events_path`, metrics on `port`): a KV cache small enough to preempt, chunked
+    prefill with a small step, CLIENTS sequences at most."""
+    connector = {
+        "store_dir": str(store),
+        "window": 4,
+        "chunk_tokens": CHUNK,
+        "load_timeout_s": 30,
+        "save_timeout_s": 120,
+        "events_path": events_path,
+        "metrics_port": port,
+    }
     return Server(
         model,
         connector=connector,

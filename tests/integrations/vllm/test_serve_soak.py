@@ -65,15 +65,9 @@ def test_soak(vllm_root: Path) -> None:
     port = free_ports(1)
     srv = soak_server(
         model,
-        {
-            "store_dir": str(store),
-            "window": 4,
-            "chunk_tokens": CHUNK,
-            "load_timeout_s": 30,
-            "save_timeout_s": 120,
-            "events_path": events.path,
-            "metrics_port": port,
-        },
+        store,
+        events.path,
+        port,
         work / "serve-1.log",
     )
     report: dict[str, Any] = {}
