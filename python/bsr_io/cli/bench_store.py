@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import resource
 import statistics
 import time
 from collections import deque
@@ -22,6 +21,7 @@ from typing import Any
 from bsr_io._core import Engine
 from bsr_io.cli.bench_ssd import engine_read
 from bsr_io.cli.fio import drop_caches, fio_available, fio_read
+from bsr_io.cli.host import process_cpu_s, process_switches
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import scratch_dir
 from bsr_io.cli.synthetic import fill_random, synthetic_tokens
@@ -69,16 +69,13 @@ class Cost:
     (voluntary and not) between `start()` and `stop()`."""
 
     def start(self) -> None:
-        self._t0 = time.perf_counter()
-        self._r0 = resource.getrusage(resource.RUSAGE_SELF)
+        self._t0, self._cpu0, self._sw0 = time.perf_counter(), process_cpu_s(), process_switches()
 
     def stop(self) -> dict[str, float]:
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        r0 = self._r0
         return {
             "wall_s": time.perf_counter() - self._t0,
-            "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime),
-            "switches": (r1.ru_nvcsw - r0.ru_nvcsw) + (r1.ru_nivcsw - r0.ru_nivcsw),
+            "cpu_s": process_cpu_s() - self._cpu0,
+            "switches": process_switches() - self._sw0,
         }
 
 

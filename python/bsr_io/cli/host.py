@@ -53,3 +53,9 @@ def process_cpu_s() -> float:
     """This process's user + system CPU seconds so far (every thread, the engine's too)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
+
+
+def process_switches() -> int:
+    """This process's context switches so far, voluntary and not (every thread)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_nvcsw + ru.ru_nivcsw
