@@ -162,9 +162,11 @@ def dsv4_store(tmp_path_factory):
     return root / "l2", tokens
 
 
-def _restore_in_place(l2_dir, tokens, *faults):
+def _restore_in_place(l2_dir, tokens, *faults, timeout_s=60.0):
     """(result, faults injected) of a restore of the whole prefix into a host cache,
-    with `faults` on L2 and a lower copy (L3) to fall back to."""
+    with `faults` on L2, within `timeout_s` (long but for the faults that are about
+    the deadline: a short one, reached on a loaded machine before the faulty chunk is
+    even asked for, would end the restore zero with nothing injected)."""
     from bsr_io import PagedKVCache, Restorer
     from bsr_io.model.keys import chunk_keys
 
@@ -174,7 +176,7 @@ def _restore_in_place(l2_dir, tokens, *faults):
         fill_state(tier, DSV4, len(tokens), seed=3, model="m")
         keys = chunk_keys(tokens, DSV4, "m")
         faulty = FaultPlan(list(faults)).wrap(tier, keys=keys) if faults else tier
-        r = Restorer(Store([faulty]), DSV4, engine=engine, model="m", timeout_s=3)
+        r = Restorer(Store([faulty]), DSV4, engine=engine, model="m", timeout_s=timeout_s)
         plan = r.probe(tokens)
         assert plan.hit_chunks == IN_PLACE_CHUNKS
         dest = PagedKVCache.allocate(DSV4, plan.hit_tokens)
@@ -210,6 +212,8 @@ def test_each_fault_fires_on_reads_into_the_cache(dsv4_store, fault):
     """Each kind fires where a host restore reads straight into the cache's blocks (the
     double wraps `submit_read_into` too): the restore that is complete without it ends
     zero, and the double counts what it injected."""
-    res, injected, _ = _restore_in_place(*dsv4_store, fault)
+    # "slow" (5 s) and "hang" (6 s) end the restore by its deadline (3 s).
+    timeout_s = 3.0 if fault.kind in ("slow", "hang") else 60.0
+    res, injected, _ = _restore_in_place(*dsv4_store, fault, timeout_s=timeout_s)
     assert injected >= 1, res
     assert res.outcome == "zero", res
