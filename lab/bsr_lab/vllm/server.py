@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bsr_lab.vllm.harness import BLOCK_SIZE, free_ports
+from bsr_lab.vllm.harness import BLOCK_SIZE, eager, free_ports
 
 
 def kv_transfer_config(connector: dict[str, Any], policy: str = "recompute") -> str:
@@ -73,6 +73,7 @@ def default_args(max_model_len: int = 8192, block_size: int = BLOCK_SIZE) -> lis
         "--dtype", "bfloat16",
         "--seed", "0",
         "--gpu-memory-utilization", "0.08",
+        *(["--enforce-eager"] if eager() else []),
     ]  # fmt: skip
 
 

@@ -19,6 +19,22 @@ import pytest
 import vllm  # noqa: F401  - a missing vLLM must fail loudly, never skip
 from engines import run_harness
 
+from bsr_lab.vllm.harness import EAGER_ENV
+
+
+@pytest.fixture(scope="session", autouse=True)
+def eager_engines():
+    """Every engine these tests start (in any subprocess) runs eager: torch.compile
+    adds about 50 s to each start here and changes nothing the connector sees (its
+    hooks run the same around the attention op). The benches run compiled."""
+    before = os.environ.get(EAGER_ENV)
+    os.environ[EAGER_ENV] = "1"
+    yield
+    if before is None:
+        os.environ.pop(EAGER_ENV, None)
+    else:
+        os.environ[EAGER_ENV] = before
+
 
 @pytest.fixture(scope="session", autouse=True)
 def vllm_ipc_dir():
