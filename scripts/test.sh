@@ -2,7 +2,8 @@
 # Install (scripts/install.sh), then run every check: Rust (fmt, clippy, tests), Python
 # (ruff, mypy, stubtest, pytest), and the vLLM and SGLang integrations in their own
 # virtualenvs.
-# Each stage prints its wall time; the total is printed at the end.
+# Each stage prints its wall time, the slowest tests their own; the total is printed at
+# the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$SECONDS
@@ -42,7 +43,7 @@ stage ruff-format ruff format --check python tests benches lab
 # venv that has vLLM), and the engine stub against the built module.
 stage mypy mypy
 stage stubtest python -m mypy.stubtest bsr_io._core --allowlist scripts/stubtest-allowlist.txt
-stage pytest python -m pytest -q "$@"
+stage pytest python -m pytest -q --durations=15 "$@"
 # The store and restore layers again on the pread fallback (the engine tests already
 # run every backend through their fixture).
 stage pytest-pread env BSR_IO_BACKEND=pread python -m pytest -q tests/store/test_tiers.py \
@@ -64,7 +65,7 @@ echo "== install-vllm: done (total $((SECONDS - START)) s)"
 # them out of the plain `mypy` run above; the cache sits in .venv-vllm, apart from it.
 stage mypy-vllm .venv-vllm/bin/python -m mypy --strict --cache-dir .venv-vllm/mypy-cache \
     $(find python/bsr_io/integrations/vllm lab/bsr_lab/vllm -name '*.py')
-stage pytest-vllm .venv-vllm/bin/python -m pytest -q tests/integrations/vllm
+stage pytest-vllm .venv-vllm/bin/python -m pytest -q --durations=20 tests/integrations/vllm
 # vLLM 0.33.0: the connector's contract, vLLM's planner and the layout and discovery
 # checks (no engine: its wheel is a CUDA build).
 stage pytest-vllm033 .venv-vllm033/bin/python -m pytest -q tests/integrations/vllm/test_vllm_contract.py \
