@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 
 CHUNK_TOKENS = 64
 BLOCK_SIZE = 32
-# Set to "1" by the test suite: engines run eager (no torch.compile), which takes about
-# 50 s off each engine start on a 2-core CPU. Benches leave it unset: they measure the
-# engine users run, compiled.
+# Set to "1" by the test suite: engines run eager (no torch.compile), which takes tens
+# of seconds off each engine start on a 2-core CPU. Benches leave it unset: they measure
+# the engine users run, compiled.
 EAGER_ENV = "BSR_LAB_EAGER"
 WINDOW = 4
 VOCAB = 512
