@@ -88,12 +88,17 @@ def _record_of(exc: BaseException) -> object | None:
 class ReadTimedOut(Exception):
     """A read was still in flight at the run's deadline (a hung device, a stalled mount).
 
-    Not a chunk failure: the record may be fine, so nothing is invalidated."""
+    Not a chunk failure: the record may be fine, so nothing is invalidated. `where` is
+    what the wait said of the read (the engine's: in the kernel since when, or still
+    queued in the engine), so that a stalled device and a held queue read differently."""
 
-    def __init__(self, index: int, key: ChunkKey) -> None:
+    def __init__(self, index: int, key: ChunkKey, where: str = "") -> None:
         self.index = index
         self.key = key
-        super().__init__(f"read of chunk {index} ({key.short()}) still in flight at the deadline")
+        said = f" ({where})" if where else ""
+        super().__init__(
+            f"read of chunk {index} ({key.short()}) still in flight at the deadline{said}"
+        )
 
 
 class ChunkUnavailable(Exception):
@@ -188,8 +193,8 @@ class _SlotRead(_Read):
         """The read's slot, or ReadTimedOut at the deadline (the read stays in flight)."""
         try:
             return self.handle.wait(timeout)
-        except TimeoutError:
-            raise ReadTimedOut(self.index, self.key) from None
+        except TimeoutError as exc:
+            raise ReadTimedOut(self.index, self.key, str(exc)) from None
 
     def land(self, window: Window, trail: _Trail) -> _Landed | None:
         return window._attempt(
@@ -215,10 +220,10 @@ class _DirectRead(_Read):
         never started). DestinationUnusable when its tier gave it up the same way."""
         try:
             self.handle.wait(timeout)
-        except TimeoutError:
+        except TimeoutError as exc:
             if not self.handle.done() and not self.handle.abandon():
                 window._unusable(self.index, self.handle)
-            raise ReadTimedOut(self.index, self.key) from None
+            raise ReadTimedOut(self.index, self.key, str(exc)) from None
         except DestinationUnusable:
             window._unusable(self.index, self.handle)
             raise

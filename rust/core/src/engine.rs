@@ -401,7 +401,7 @@ impl Engine {
     /// request. Where the backend cannot (the pread pool, a kernel without sparse buffer
     /// tables) the registration holds nothing and reads work as before.
     ///
-    /// The I/O thread registers between requests: `timeout` bounds the wait for it
+    /// The I/O thread registers between its waits: `timeout` bounds the wait for it
     /// (`Error::Timeout` past it, with nothing registered, then or later: a hung
     /// request must not hang the caller, nor pin memory the caller has since freed).
     ///
@@ -1029,6 +1029,106 @@ mod tests {
         seen
     }
 
+    /// A uring engine and a FIFO nobody writes yet (a hung device), opened in it, with
+    /// the writer that releases it. None where the kernel refuses io_uring.
+    fn hung_source(dir: &std::path::Path) -> Option<(Engine, Arc<EngineFile>, std::fs::File)> {
+        let e = Engine::new(EngineConfig {
+            backend: BackendChoice::Uring,
+            ..EngineConfig::new(4, 4096)
+        })
+        .ok()?;
+        let fifo = dir.join("stall");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a NUL-terminated path we own.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let special = OpenOptions {
+            special: true,
+            ..Default::default()
+        };
+        let src = e.open(fifo.to_str().unwrap(), special).unwrap();
+        let writer = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&fifo)
+            .unwrap();
+        Some((e, src, writer))
+    }
+
+    #[test]
+    fn a_read_behind_a_hung_read_is_not_held_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, pattern(8192)).unwrap();
+        // Control first: an I/O thread deaf to wakes holds the second read until the
+        // hung one ends (what every engine did before wakes).
+        for deaf in [true, false] {
+            let sub = dir.path().join(format!("deaf-{deaf}"));
+            std::fs::create_dir(&sub).unwrap();
+            let Some((e, src, writer)) = hung_source(&sub) else {
+                return; // the kernel refuses io_uring
+            };
+            if deaf {
+                e.inject(crate::backend::uring::Fault::Deaf);
+            }
+            let stuck = e.submit_read(&src, 0, 4096).unwrap();
+            std::thread::sleep(Duration::from_millis(100));
+            let f = e
+                .open(path.to_str().unwrap(), OpenOptions::default())
+                .unwrap();
+            let t0 = std::time::Instant::now();
+            let quick = e.submit_read(&f, 0, 4096).unwrap();
+            let got = quick.wait(Some(Duration::from_secs(if deaf { 1 } else { 10 })));
+            // Where each op is, as a timed-out wait reports it.
+            let hung = stuck.whereabouts();
+            assert!(hung.contains("in the kernel for"), "{hung}");
+            if deaf {
+                assert!(matches!(got, Err(Error::Timeout)), "deaf: {got:?}");
+                let held = quick.whereabouts();
+                assert!(held.contains("not yet handed to the kernel"), "{held}");
+            } else {
+                assert_eq!(got, Ok(4096), "{:?}", t0.elapsed());
+                assert!(!stuck.is_done(), "the hung read ended on its own");
+            }
+            std::io::Write::write_all(&mut &writer, &[0u8; 8192]).unwrap();
+            assert_eq!(stuck.wait(Some(Duration::from_secs(10))), Ok(4096));
+            assert_eq!(quick.wait(Some(Duration::from_secs(10))), Ok(4096));
+            let lease = quick.take_lease().unwrap();
+            // SAFETY: the read completed; nothing else writes this slot.
+            assert_eq!(
+                unsafe { lease.bytes(0, 4096) }.unwrap(),
+                &pattern(8192)[..4096]
+            );
+            drop(stuck.take_lease());
+        }
+    }
+
+    #[test]
+    fn a_registration_behind_a_hung_request_is_taken_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let Some((e, src, writer)) = hung_source(dir.path()) else {
+            return;
+        };
+        if !matches!(e.driver().as_ref(), Some(Driver::Uring(d)) if d.info.memory_entries > 0) {
+            return; // no room for caller memory here: nothing is registered
+        }
+        let stuck = e.submit_read(&src, 0, 4096).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let kept = AlignedBlock::new(64 << 10).unwrap();
+        // SAFETY: `kept` stays mapped until after `reg` is dropped.
+        let reg = unsafe {
+            e.register_memory(
+                &[(kept.ptr as usize, 64 << 10)],
+                Some(Duration::from_secs(10)),
+            )
+        }
+        .unwrap();
+        assert_eq!(reg.entries(), 1);
+        assert!(!stuck.is_done(), "the hung read ended on its own");
+        std::io::Write::write_all(&mut &writer, &[0u8; 8192]).unwrap();
+        assert_eq!(stuck.wait(Some(Duration::from_secs(10))), Ok(4096));
+        drop(reg);
+    }
+
     #[test]
     fn a_registration_behind_a_hung_request_times_out_and_never_happens() {
         let dir = tempfile::tempdir().unwrap();
@@ -1041,7 +1141,9 @@ mod tests {
         if !matches!(e.driver().as_ref(), Some(Driver::Uring(d)) if d.info.memory_entries > 0) {
             return; // no io_uring, or no room for caller memory here: nothing to wait for
         }
-        // The I/O thread held by a read of a FIFO nobody writes (a hung device).
+        // The I/O thread deaf to wakes (no eventfd) and held by a read of a FIFO nobody
+        // writes (a hung device): it takes commands only between completions.
+        e.inject(crate::backend::uring::Fault::Deaf);
         let fifo = dir.path().join("stall");
         let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
         // SAFETY: a NUL-terminated path we own.

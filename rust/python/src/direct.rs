@@ -11,7 +11,7 @@ use pyo3::types::PyTuple;
 use bsr_io_core::install::{self, Run};
 use bsr_io_core::{Error, MemoryRegistration, Pending};
 
-use crate::errors::Raise;
+use crate::errors::{raise_wait, Raise};
 use crate::pending::timeout_arg;
 use crate::slot::{export_spans, to_runs, Exported};
 use bsr_io_core::claims::Claim;
@@ -139,7 +139,7 @@ impl PyDirectRead {
             Err(Error::KernelOwned { .. }) => self.keep_for_good(),
             _ => drop(self.held().take()), // the kernel gave the memory back
         }
-        res.raise()
+        raise_wait(res, op)
     }
 
     #[getter]

@@ -12,7 +12,7 @@ use pyo3::types::{PyDict, PyTuple};
 use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
 
 use crate::direct::{payload_runs, Held, PyDirectRead, PyMemoryRegistration};
-use crate::errors::Raise;
+use crate::errors::{raise_wait, Raise};
 use crate::file::PyFile;
 use crate::pending::{timeout_arg, Handoff, PyPending};
 use crate::slot::{Exported, PySlot};
@@ -324,9 +324,8 @@ impl PyEngine {
         let timeout = timeout_arg(timeout)?;
         let f = file.get()?;
         let engine = &self.inner;
-        py.detach(|| engine.submit_sync(&f)?.wait(timeout))
-            .raise()
-            .map(drop)
+        let op = py.detach(|| engine.submit_sync(&f)).raise()?;
+        raise_wait(py.detach(|| op.wait(timeout)), &op).map(drop)
     }
 
     fn free_slots(&self) -> usize {

@@ -187,6 +187,22 @@ pub(crate) fn py_err(e: Error) -> PyErr {
     Python::attach(|py| to_pyerr(py, e))
 }
 
+/// `result.raise()?` for a wait on `op`: a timeout says where the op is (in the kernel,
+/// or queued in the engine), which a plain timeout cannot tell apart.
+pub(crate) fn raise_wait<T>(res: bsr_io_core::Result<T>, op: &bsr_io_core::Pending) -> PyResult<T> {
+    match res {
+        Err(Error::Timeout) => Python::attach(|py| {
+            let msg = format!("{}: {}", Error::Timeout, op.whereabouts());
+            let args = (libc::ETIMEDOUT, msg, None::<String>);
+            match exc_type(py, Exc::WaitTimeout) {
+                Ok(t) => Err(PyErr::from_type(t, args)),
+                Err(err) => Err(err),
+            }
+        }),
+        other => other.raise(),
+    }
+}
+
 /// `result.raise()?`: a core result as a Python one.
 pub(crate) trait Raise<T> {
     fn raise(self) -> PyResult<T>;

@@ -10,7 +10,7 @@ use pyo3::types::PyWeakrefReference;
 use bsr_io_core::backend::OpKind;
 use bsr_io_core::Pending;
 
-use crate::errors::Raise;
+use crate::errors::raise_wait;
 use crate::slot::PySlot;
 
 /// Who gets the slot when the operation is waited on.
@@ -53,7 +53,7 @@ impl PyPending {
     pub(crate) fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PySlot>> {
         let timeout = timeout_arg(timeout)?;
         let op = &self.op;
-        py.detach(|| op.wait(timeout)).raise()?;
+        raise_wait(py.detach(|| op.wait(timeout)), op)?;
         let state = std::mem::replace(&mut *self.lock(), Handoff::Busy);
         let slot = match state {
             Handoff::Read => {

@@ -8,6 +8,7 @@ pub mod memory;
 pub mod pread;
 pub mod trace;
 pub mod uring;
+pub mod wake;
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -67,6 +68,10 @@ pub struct OpState {
     lease: Mutex<Option<Arc<SlotLease>>>,
     progress: Mutex<Progress>,
     done: Condvar,
+    /// When it was submitted, and when its first request reached the kernel: what a
+    /// wait that ran past its deadline reports (`Pending::whereabouts`).
+    sent: Instant,
+    pushed: OnceLock<Instant>,
 }
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -97,6 +102,8 @@ impl OpState {
             lease: Mutex::new(Some(lease)),
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
+            sent: Instant::now(),
+            pushed: OnceLock::new(),
         })
     }
 
@@ -116,6 +123,8 @@ impl OpState {
             lease: Mutex::new(None),
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
+            sent: Instant::now(),
+            pushed: OnceLock::new(),
         })
     }
 
@@ -136,6 +145,8 @@ impl OpState {
             lease: Mutex::new(None),
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
+            sent: Instant::now(),
+            pushed: OnceLock::new(),
         })
     }
 
@@ -171,6 +182,13 @@ impl OpState {
             .collect();
         locked(&self.progress).outstanding = reqs.len();
         reqs
+    }
+
+    /// One of its requests was handed to the kernel (io_uring) or a pread worker.
+    pub fn mark_pushed(&self) {
+        if self.pushed.get().is_none() {
+            let _ = self.pushed.set(Instant::now());
+        }
     }
 
     /// Fail before any request was issued (closed file, engine shutting down).
@@ -296,6 +314,25 @@ impl OpState {
                 }
             };
         }
+    }
+
+    /// Where the op is, for a wait that ran past its deadline: a request the kernel
+    /// holds (a stalled device) or one still queued in the engine behind others.
+    pub fn whereabouts(&self) -> String {
+        let what = match self.kind {
+            OpKind::Read => "read",
+            OpKind::Write => "write",
+            OpKind::Sync => "fdatasync",
+        };
+        let age = self.sent.elapsed().as_secs_f64();
+        let at = if self.is_done() {
+            "ended".to_owned()
+        } else if let Some(p) = self.pushed.get() {
+            format!("in the kernel for {:.3} s", p.elapsed().as_secs_f64())
+        } else {
+            "not yet handed to the kernel".to_owned()
+        };
+        format!("{what} of {} sent {age:.3} s ago, {at}", self.file.path())
     }
 
     /// Hand the filled slot of a successful read to the caller (once).

@@ -161,6 +161,7 @@ fn transfer(req: &Request) -> std::result::Result<u64, i32> {
     let fd = req.op.file.fd();
     let len = req.remaining() as usize;
     let off = req.file_offset() as libc::off_t;
+    req.op.mark_pushed();
     let rc = if req.is_sync() {
         // SAFETY: fdatasync on the op's open descriptor; no memory is passed.
         unsafe { libc::fdatasync(fd) as libc::ssize_t }

@@ -1,8 +1,10 @@
 //! io_uring backend. One dedicated thread owns the ring: it takes operations from a
 //! channel, splits them into requests, keeps at most `queue_depth` in flight, reaps
-//! completions and resubmits short transfers. Setup degrades step by step: fixed buffers
-//! (the slots, with room for caller memory: memory.rs) and registered files, then plain
-//! reads and writes on raw descriptors.
+//! completions and resubmits short transfers. A command sent while it waits for a
+//! completion wakes it (wake.rs): an operation waits for room in the queue, never for
+//! an unrelated completion. Setup degrades step by step: fixed buffers (the slots, with
+//! room for caller memory: memory.rs) and registered files, then plain reads and writes
+//! on raw descriptors.
 //!
 //! An error the thread cannot retry (io_uring_enter failing with anything but
 //! EINTR/EAGAIN/EBUSY, a completion no request owns) or a panic breaks the engine: every
@@ -25,6 +27,7 @@ use io_uring::{opcode, squeue, types, IoUring};
 
 use super::memory::{MemoryTable, MEMORY_ENTRIES};
 use super::trace::{Trace, TraceEvent};
+use super::wake::{Waker, WAKE};
 use super::{panic_message, Health, Request};
 use crate::arena::{Arena, SlotLease};
 use crate::error::{describe_errno, Error, Result};
@@ -42,6 +45,8 @@ const CLAIM_TAKEN: u8 = 1;
 const CLAIM_GIVEN_UP: u8 = 2;
 /// How long a broken ring's thread keeps reaping what the kernel still holds.
 const ORPHAN_GRACE: Duration = Duration::from_millis(100);
+/// The wake poll's place in `unsubmitted` (no slab index is this large).
+const WAKE_ID: usize = usize::MAX;
 
 #[derive(Debug, Clone)]
 pub struct UringConfig {
@@ -93,10 +98,14 @@ pub(crate) enum Fault {
     UnknownUserData,
     /// The thread panics at its next submit.
     Panic,
+    /// The thread stops listening for wakes, as where no eventfd could be made.
+    Deaf,
 }
 
 pub struct UringDriver {
     tx: Sender<Command>,
+    /// Ends the thread's wait for completions when a command arrives (wake.rs).
+    waker: Option<Arc<Waker>>,
     thread: Option<JoinHandle<()>>,
     health: Arc<Health>,
     request_bytes: u64,
@@ -114,6 +123,8 @@ impl UringDriver {
     ) -> std::result::Result<Self, SetupError> {
         let (tx, rx) = mpsc::channel();
         let (setup_tx, setup_rx) = mpsc::sync_channel(1);
+        let waker = Waker::new().ok().map(Arc::new);
+        let thread_waker = waker.clone();
         let unregister_tx = tx.clone();
         let request_bytes = cfg.request_bytes;
         let thread_health = Arc::clone(&health);
@@ -121,7 +132,7 @@ impl UringDriver {
             .name("bsr-io-uring".into())
             .spawn(move || {
                 // The ring is created on the thread that will be its only submitter.
-                match RingLoop::setup(&cfg, arena, unregister_tx) {
+                match RingLoop::setup(&cfg, arena, unregister_tx, thread_waker) {
                     Ok((mut ring_loop, info)) => {
                         let _ = setup_tx.send(Ok(info));
                         let err = match catch_unwind(AssertUnwindSafe(|| ring_loop.run(&rx))) {
@@ -151,6 +162,7 @@ impl UringDriver {
         match setup_rx.recv() {
             Ok(Ok(info)) => Ok(UringDriver {
                 tx,
+                waker,
                 thread: Some(thread),
                 health,
                 request_bytes,
@@ -184,7 +196,15 @@ impl UringDriver {
                     reqs.into_iter().for_each(|r| r.abandon(err.clone()));
                 }
                 err
-            })
+            })?;
+        self.wake();
+        Ok(())
+    }
+
+    fn wake(&self) {
+        if let Some(w) = &self.waker {
+            w.wake();
+        }
     }
 
     pub fn request_bytes(&self) -> u64 {
@@ -192,9 +212,10 @@ impl UringDriver {
     }
 
     /// Register caller memory with the ring (memory.rs): the entries it took.
-    /// `timeout` bounds the wait for the I/O thread to take the command (it takes
-    /// commands between completions, so a request the kernel holds forever holds the
-    /// command too): past it `Error::Timeout`, and the thread will never register it.
+    /// `timeout` bounds the wait for the I/O thread to take the command (a waiting
+    /// thread is woken for it, wake.rs, but one held in a system call, or without an
+    /// eventfd, takes it only when that ends): past it `Error::Timeout`, and the thread
+    /// will never register it.
     pub fn register_memory(
         &self,
         regions: Vec<(usize, usize)>,
@@ -248,7 +269,9 @@ impl UringDriver {
     }
 
     fn send(&self, cmd: Command) -> Result<()> {
-        self.tx.send(cmd).map_err(|_| self.gone())
+        self.tx.send(cmd).map_err(|_| self.gone())?;
+        self.wake();
+        Ok(())
     }
 
     fn gone(&self) -> Error {
@@ -259,6 +282,7 @@ impl UringDriver {
     #[cfg(test)]
     pub(crate) fn inject(&self, fault: Fault) {
         let _ = self.tx.send(Command::Inject(fault));
+        self.wake();
     }
 
     /// Finish every queued and in-flight operation, then stop the thread.
@@ -291,13 +315,17 @@ enum InFlight {
 /// pins on the arena) is dropped before the slots it may still use and the arena.
 struct RingLoop {
     ring: IoUring,
+    /// Its poll is in the ring while `wake_armed`; None where no eventfd could be made
+    /// (commands then wait for the next completion).
+    waker: Option<Arc<Waker>>,
+    wake_armed: bool,
     slab: Vec<InFlight>,
     free_ids: Vec<usize>,
     queue: VecDeque<Request>,
     /// In flight: pushed to the submission queue (and parked in the slab).
     in_flight: usize,
     /// Ids pushed to the submission queue that the kernel has not taken yet, oldest
-    /// first (it takes them in order).
+    /// first (it takes them in order); `WAKE_ID` stands for the wake poll.
     unsubmitted: VecDeque<usize>,
     queue_depth: usize,
     fixed_buffers: bool,
@@ -326,9 +354,11 @@ impl RingLoop {
         cfg: &UringConfig,
         arena: Arc<Arena>,
         unregister_tx: Sender<Command>,
+        waker: Option<Arc<Waker>>,
     ) -> std::result::Result<(RingLoop, UringInfo), SetupError> {
         let mut info = UringInfo::default();
-        let entries = cfg.queue_depth.next_power_of_two();
+        // Room for the wake poll beside a full queue of requests.
+        let entries = (cfg.queue_depth + 1).next_power_of_two();
         let ring = match IoUring::builder()
             .setup_single_issuer()
             .setup_coop_taskrun()
@@ -356,8 +386,17 @@ impl RingLoop {
                 )),
             }
         }
+        if waker.is_none() {
+            info.notes.push(
+                "no eventfd: an operation sent while others are in flight waits for the \
+                 next completion"
+                    .into(),
+            );
+        }
         let ring_loop = RingLoop {
             ring,
+            waker,
+            wake_armed: false,
             slab: Vec::with_capacity(cfg.queue_depth as usize),
             free_ids: Vec::new(),
             queue: VecDeque::new(),
@@ -403,7 +442,20 @@ impl RingLoop {
             }
             self.fill();
             if self.in_flight > 0 {
-                self.submit_and_reap()?;
+                // Say we are about to wait, then look once more: a command sent from here
+                // on writes the eventfd, one sent before is taken now (wake.rs).
+                if let Some(w) = &self.waker {
+                    w.park();
+                }
+                while let Ok(cmd) = rx.try_recv() {
+                    closing |= self.handle(cmd);
+                }
+                self.fill();
+                let reaped = self.submit_and_reap();
+                if let Some(w) = &self.waker {
+                    w.unpark();
+                }
+                reaped?;
             }
         }
     }
@@ -463,6 +515,8 @@ impl RingLoop {
                 self.memory.remove(&indices);
             }
             Command::Shutdown => return true,
+            #[cfg(test)]
+            Command::Inject(Fault::Deaf) => self.waker = None,
             #[cfg(test)]
             Command::Inject(fault) => self.fault = Some(fault),
         }
@@ -560,8 +614,16 @@ impl RingLoop {
         }
     }
 
-    /// Queue requests up to the queue depth.
+    /// Queue requests up to the queue depth (and the wake poll, when it is not queued).
     fn fill(&mut self) {
+        if let (Some(w), false) = (&self.waker, self.wake_armed) {
+            // SAFETY: a poll of the waker's eventfd, which the loop keeps open for as long
+            // as the ring lives (field order); it names no memory.
+            if unsafe { self.ring.submission().push(&w.poll_entry()) }.is_ok() {
+                self.wake_armed = true;
+                self.unsubmitted.push_back(WAKE_ID);
+            }
+        }
         while self.in_flight < self.queue_depth {
             let Some(mut req) = self.queue.pop_front() else {
                 break;
@@ -588,6 +650,7 @@ impl RingLoop {
                 break;
             }
             self.in_flight += 1;
+            req.op.mark_pushed();
             if self.trace.is_some() {
                 let (depth, waiting) = (self.in_flight as u32, self.queue.len() as u32);
                 req.stamps.submitted = Some((Instant::now(), depth, waiting));
@@ -694,6 +757,10 @@ impl RingLoop {
         let mut unknown = None;
         for i in 0..self.reaped.len() {
             let (user_data, res) = self.reaped[i];
+            if user_data == WAKE {
+                self.woken(res);
+                continue;
+            }
             let id = user_data as usize;
             let taken = match self.slab.get_mut(id) {
                 Some(entry) => std::mem::take(entry),
@@ -727,6 +794,17 @@ impl RingLoop {
                 errno: libc::EIO,
                 reason: format!("io_uring returned a completion for user_data {user_data}, which no request has"),
             }),
+        }
+    }
+
+    /// The wake poll ended: fired (poll it again at the next `fill`), or refused, in
+    /// which case commands wait for completions as they did without it, rather than
+    /// the loop re-arming a poll the kernel keeps refusing.
+    fn woken(&mut self, res: i32) {
+        self.wake_armed = false;
+        match &self.waker {
+            Some(w) if res >= 0 => w.drain(),
+            _ => self.waker = None,
         }
     }
 
