@@ -1094,10 +1094,8 @@ mod tests {
             assert_eq!(quick.wait(Some(Duration::from_secs(10))), Ok(4096));
             let lease = quick.take_lease().unwrap();
             // SAFETY: the read completed; nothing else writes this slot.
-            assert_eq!(
-                unsafe { lease.bytes(0, 4096) }.unwrap(),
-                &pattern(8192)[..4096]
-            );
+            let got = unsafe { lease.bytes(0, 4096) }.unwrap();
+            assert_eq!(got, &pattern(8192)[..4096]);
             drop(stuck.take_lease());
         }
     }
