@@ -182,7 +182,8 @@ class Pending:
     def wait(self, timeout: float | None = None) -> Slot:
         """Block (GIL released) until complete; returns the slot. Raises the I/O error
         if the operation failed (the slot is then returned to the ring), TimeoutError
-        when `timeout` passes first (the operation keeps its slot until it completes).
+        when `timeout` passes first (the operation keeps its slot until it completes; the
+        message says whether it is in the kernel, and since when, or still queued).
         A read's slot is handed out once; the Pending keeps only a weak reference, so
         a later wait returns the same Slot while it lives and ValueError after."""
 
@@ -195,7 +196,8 @@ class DirectRead:
     def done(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> int:
         """Block (GIL released) until the read ended; the bytes read. Raises the I/O
-        error (ShortReadError past the end of the file), TimeoutError meanwhile, and
+        error (ShortReadError past the end of the file), TimeoutError meanwhile (saying
+        where the read is, as `Pending.wait` does), and
         KernelOwnedError when the engine broke down with the read in the kernel's hands
         (the buffers then stay exported for good)."""
     @property
@@ -308,8 +310,8 @@ class Engine:
         """Register the writable buffers `bufs` (a host KV cache's tensors) with the I/O
         ring for `submit_read_into`. Costs a pass over their pages once; OSError (ENOMEM:
         RLIMIT_MEMLOCK) when the kernel will not pin them, ValueError for an empty one.
-        The I/O thread registers between requests, waited for at most `timeout` seconds:
-        WaitTimeoutError past it, and the buffers are never registered."""
+        The I/O thread registers between its waits (woken for it), waited for at most
+        `timeout` seconds: WaitTimeoutError past it, and the buffers are never registered."""
     def sync(self, file: File, timeout: float | None = None) -> None:
         """fdatasync `file` on the engine's I/O thread, waiting at most `timeout` seconds
         (GIL released): WaitTimeoutError then, while the sync goes on without a waiter."""

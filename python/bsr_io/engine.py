@@ -200,7 +200,7 @@ def _spans(bufs: Sequence[Any]) -> Spans:
 
 
 # How long a registration waits for the engine's I/O thread, outside a run's deadline:
-# the thread registers between requests, so one the kernel never completes holds it.
+# a waiting thread is woken for it, but one held in a system call takes it only after.
 REGISTER_TIMEOUT_S = 30.0
 
 

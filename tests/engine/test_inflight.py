@@ -118,3 +118,40 @@ def test_wait_releases_the_gil(uring_backend: str, fifo: Path) -> None:
     os.close(fd)
     waiter.join(timeout=10)
     assert result == [b"g" * 4096]
+
+
+def test_a_timed_out_wait_says_where_the_op_is(uring_backend: str, fifo: Path, tmp_path: Path):
+    """In the kernel (the FIFO read, since when) or queued in the engine behind the only
+    request the queue holds: a stalled device and a full queue read differently."""
+    data = tmp_path / "data"
+    data.write_bytes(b"d" * 8192)
+    eng = Engine(2, MiB, backend=uring_backend, queue_depth=1)
+    f = eng.open(fifo, write=True, special=True)
+    hung = eng.submit_read(f, 0, 4096)
+    time.sleep(0.05)
+    queued = eng.submit_read(eng.open(data), 0, 4096)
+    with pytest.raises(TimeoutError, match=r"read of .*fifo sent [0-9.]+ s ago, in the kernel for"):
+        hung.wait(timeout=0.2)
+    with pytest.raises(TimeoutError, match=r"read of .*data sent [0-9.]+ s ago, not yet handed"):
+        queued.wait(timeout=0.2)
+    fd = os.open(fifo, os.O_WRONLY)
+    os.write(fd, b"z" * 4096)
+    os.close(fd)
+    assert bytes(hung.wait(timeout=10)) == b"z" * 4096
+    assert bytes(queued.wait(timeout=10)) == b"d" * 4096
+
+
+def test_a_read_is_not_held_behind_a_hung_one(uring_backend: str, fifo: Path, tmp_path: Path):
+    """Room in the queue, a read of a file ends while a FIFO read hangs: the I/O thread,
+    waiting for a completion, is woken for it. (Before, it waited for the FIFO.)"""
+    data = tmp_path / "data"
+    data.write_bytes(b"d" * 8192)
+    eng = Engine(2, MiB, backend=uring_backend)
+    hung = eng.submit_read(eng.open(fifo, write=True, special=True), 0, 4096)
+    time.sleep(0.05)
+    assert bytes(eng.submit_read(eng.open(data), 0, 4096).wait(timeout=10)) == b"d" * 4096
+    assert not hung.done()
+    fd = os.open(fifo, os.O_WRONLY)
+    os.write(fd, b"z" * 4096)
+    os.close(fd)
+    assert bytes(hung.wait(timeout=10)) == b"z" * 4096

@@ -262,8 +262,8 @@ impl PyEngine {
     /// Register the writable buffers `bufs` with the I/O ring: direct reads into them
     /// then skip pinning their pages per request. The registration holds the buffers
     /// (they can be neither freed nor resized) until it is closed or collected. The I/O
-    /// thread registers between requests: waited for at most `timeout` seconds
-    /// (WaitTimeoutError then, and the buffers are never registered).
+    /// thread registers between its waits (it is woken for it): waited for at most
+    /// `timeout` seconds (WaitTimeoutError then, and the buffers are never registered).
     #[pyo3(signature = (bufs, timeout = None))]
     fn register_memory(
         &self,
