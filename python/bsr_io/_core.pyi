@@ -179,6 +179,10 @@ class Pending:
     """An in-flight read or write. The slot is owned by the operation until done."""
 
     def done(self) -> bool: ...
+    def withdraw(self) -> bool:
+        """Give a read up while none of it has reached the kernel (queued in the engine):
+        True then, its slot back in the ring at once (a wait raises ECANCELED); False
+        once the kernel has it, or for a write."""
     def wait(self, timeout: float | None = None) -> Slot:
         """Block (GIL released) until complete; returns the slot. Raises the I/O error
         if the operation failed (the slot is then returned to the ring), TimeoutError
@@ -194,6 +198,10 @@ class DirectRead:
     pinned for good, since the kernel may still write them."""
 
     def done(self) -> bool: ...
+    def withdraw(self) -> bool:
+        """Give the read up while none of it has reached the kernel (queued in the
+        engine): True then, and the buffers are the caller's again at once, never
+        written; False once the kernel has it (it may still write them)."""
     def wait(self, timeout: float | None = None) -> int:
         """Block (GIL released) until the read ended; the bytes read. Raises the I/O
         error (ShortReadError past the end of the file), TimeoutError meanwhile (saying

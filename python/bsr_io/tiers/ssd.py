@@ -293,6 +293,9 @@ class SSDTier(FileTier):
             direct.done,
             expected_xxh3=header.payload_xxh3,
             reject=lambda why: self._corrupt(key, path, record, why),
+            # A read still queued in the engine at the caller's deadline is withdrawn
+            # unsent: its blocks stay usable.
+            abandon=direct.withdraw,
             returned=lambda: _memory_returned(direct),
         )
 

@@ -1031,9 +1031,13 @@ mod tests {
 
     /// A uring engine and a FIFO nobody writes yet (a hung device), opened in it, with
     /// the writer that releases it. None where the kernel refuses io_uring.
-    fn hung_source(dir: &std::path::Path) -> Option<(Engine, Arc<EngineFile>, std::fs::File)> {
+    fn hung_source(
+        dir: &std::path::Path,
+        queue_depth: usize,
+    ) -> Option<(Engine, Arc<EngineFile>, std::fs::File)> {
         let e = Engine::new(EngineConfig {
             backend: BackendChoice::Uring,
+            queue_depth,
             ..EngineConfig::new(4, 4096)
         })
         .ok()?;
@@ -1064,7 +1068,7 @@ mod tests {
         for deaf in [true, false] {
             let sub = dir.path().join(format!("deaf-{deaf}"));
             std::fs::create_dir(&sub).unwrap();
-            let Some((e, src, writer)) = hung_source(&sub) else {
+            let Some((e, src, writer)) = hung_source(&sub, 32) else {
                 return; // the kernel refuses io_uring
             };
             if deaf {
@@ -1101,9 +1105,66 @@ mod tests {
     }
 
     #[test]
+    fn a_read_still_queued_is_withdrawn_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, pattern(1 << 16)).unwrap();
+        // One place in the queue, held by the hung read: what follows stays queued.
+        let Some((e, src, writer)) = hung_source(dir.path(), 1) else {
+            return;
+        };
+        let stuck = e.submit_read(&src, 0, 4096).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let f = e
+            .open(path.to_str().unwrap(), OpenOptions::default())
+            .unwrap();
+        let block = AlignedBlock::new(64 << 10).unwrap();
+        // SAFETY: `block` is ours, 64 KiB long.
+        unsafe { std::ptr::write_bytes(block.ptr, 0xAB, 64 << 10) };
+        // SAFETY: `block` stays mapped, untouched by us, until the end of the test.
+        let direct = unsafe { e.submit_read_into(&f, 0, &[(block.ptr as usize, 64 << 10)]) };
+        let direct = direct.unwrap();
+        let slotted = e.submit_read(&f, 0, 4096).unwrap();
+        let w = e.open(
+            path.to_str().unwrap(),
+            OpenOptions {
+                write: true,
+                ..Default::default()
+            },
+        );
+        let lease = e.lease().unwrap();
+        lease.copy_in(0, &pattern(4096)).unwrap();
+        let write = e.submit_write(&lease, &w.unwrap(), 0, Some(4096)).unwrap();
+        let free = e.arena().free_slots();
+        // The kernel's read, and any write, go on; the queued reads end now.
+        assert!(!stuck.withdraw() && !write.withdraw());
+        assert!(direct.withdraw() && slotted.withdraw());
+        assert_eq!(direct.wait(Some(Duration::ZERO)), Err(Error::Withdrawn));
+        assert!(direct.memory_returned());
+        assert_eq!(slotted.wait(Some(Duration::ZERO)), Err(Error::Withdrawn));
+        assert_eq!(
+            e.arena().free_slots(),
+            free + 1,
+            "the slot is back in the ring"
+        );
+        // Control: a read queued the same way and kept runs once the lane frees.
+        let kept = e.submit_read(&f, 4096, 4096).unwrap();
+        std::io::Write::write_all(&mut &writer, &[0u8; 8192]).unwrap();
+        assert_eq!(stuck.wait(Some(Duration::from_secs(10))), Ok(4096));
+        assert_eq!(write.wait(Some(Duration::from_secs(10))), Ok(4096));
+        assert_eq!(kept.wait(Some(Duration::from_secs(10))), Ok(4096));
+        assert!(!kept.withdraw(), "a read that ran cannot be withdrawn");
+        // The withdrawn direct read never ran: its memory holds what it held.
+        // SAFETY: the read was withdrawn before the kernel had it; nothing writes `block`.
+        let held = unsafe { std::slice::from_raw_parts(block.ptr, 64 << 10) };
+        assert!(held.iter().all(|&b| b == 0xAB));
+        drop((stuck.take_lease(), kept.take_lease(), lease));
+    }
+
+    #[test]
     fn a_registration_behind_a_hung_request_is_taken_at_once() {
         let dir = tempfile::tempdir().unwrap();
-        let Some((e, src, writer)) = hung_source(dir.path()) else {
+        let Some((e, src, writer)) = hung_source(dir.path(), 32) else {
             return;
         };
         if !matches!(e.driver().as_ref(), Some(Driver::Uring(d)) if d.info.memory_entries > 0) {

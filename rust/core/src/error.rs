@@ -50,6 +50,8 @@ pub enum Error {
     InvalidArgument(String),
     /// A wait ran past its timeout.
     Timeout,
+    /// Its caller withdrew the read before any of it reached the kernel.
+    Withdrawn,
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -87,6 +89,7 @@ impl Error {
             Error::NoMemory { .. } => Some(libc::ENOMEM),
             Error::InvalidArgument(_) => None,
             Error::Timeout => Some(libc::ETIMEDOUT),
+            Error::Withdrawn => Some(libc::ECANCELED),
         }
     }
 
@@ -175,6 +178,11 @@ impl fmt::Display for Error {
             }
             Error::InvalidArgument(msg) => write!(f, "{msg}"),
             Error::Timeout => write!(f, "timed out waiting for the operation"),
+            Error::Withdrawn => write!(
+                f,
+                "the read was withdrawn before it reached the kernel; its memory was never \
+                 written"
+            ),
         }
     }
 }

@@ -126,6 +126,17 @@ impl PyDirectRead {
         self.op.is_done()
     }
 
+    /// Give the read up if none of it has reached the kernel yet (queued in the engine):
+    /// True then, and the buffers are the caller's again at once, never written. False
+    /// once the kernel has it: it goes on, and may still write them.
+    fn withdraw(&self) -> bool {
+        let won = self.op.withdraw();
+        if won {
+            drop(self.held().take());
+        }
+        won
+    }
+
     /// Bytes read, once the read has ended; the buffers are then the caller's again,
     /// unless it ended with KernelOwnedError (the engine broke down while the kernel
     /// held the read): then they stay exported for good.

@@ -158,6 +158,7 @@ fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     let exc = match &e {
         Error::InvalidArgument(_) => return PyValueError::new_err(msg),
         Error::Timeout => Exc::WaitTimeout,
+        Error::Withdrawn => Exc::BsrIo,
         Error::Alignment(_) => Exc::Alignment,
         Error::ShortRead { .. } => Exc::ShortRead,
         Error::Closed(_) => Exc::EngineClosed,

@@ -49,6 +49,12 @@ impl PyPending {
         self.op.is_done()
     }
 
+    /// Give a read up if none of it has reached the kernel yet: True then, and its slot
+    /// goes back to the ring at once; False once the kernel has it (or for a write).
+    fn withdraw(&self) -> bool {
+        self.op.withdraw()
+    }
+
     #[pyo3(signature = (timeout = None))]
     pub(crate) fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PySlot>> {
         let timeout = timeout_arg(timeout)?;

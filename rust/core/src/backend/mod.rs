@@ -10,6 +10,7 @@ pub mod trace;
 pub mod uring;
 pub mod wake;
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -72,7 +73,14 @@ pub struct OpState {
     /// wait that ran past its deadline reports (`Pending::whereabouts`).
     sent: Instant,
     pushed: OnceLock<Instant>,
+    /// QUEUED until a request is handed to the kernel (LAUNCHED) or the caller withdraws
+    /// the read first (WITHDRAWN): whichever comes first decides, once.
+    launch: AtomicU8,
 }
+
+const QUEUED: u8 = 0;
+const LAUNCHED: u8 = 1;
+const WITHDRAWN: u8 = 2;
 
 fn locked<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -104,6 +112,7 @@ impl OpState {
             done: Condvar::new(),
             sent: Instant::now(),
             pushed: OnceLock::new(),
+            launch: AtomicU8::new(QUEUED),
         })
     }
 
@@ -125,6 +134,7 @@ impl OpState {
             done: Condvar::new(),
             sent: Instant::now(),
             pushed: OnceLock::new(),
+            launch: AtomicU8::new(QUEUED),
         })
     }
 
@@ -147,6 +157,7 @@ impl OpState {
             done: Condvar::new(),
             sent: Instant::now(),
             pushed: OnceLock::new(),
+            launch: AtomicU8::new(QUEUED),
         })
     }
 
@@ -184,11 +195,38 @@ impl OpState {
         reqs
     }
 
-    /// One of its requests was handed to the kernel (io_uring) or a pread worker.
-    pub fn mark_pushed(&self) {
+    /// Before a request is handed to the kernel (io_uring) or a pread worker: false when
+    /// the read was withdrawn, and the request must end unsent (`Request::withdrawn`).
+    pub fn launch(&self) -> bool {
+        let was =
+            self.launch
+                .compare_exchange(QUEUED, LAUNCHED, Ordering::AcqRel, Ordering::Acquire);
+        if matches!(was, Err(WITHDRAWN)) {
+            return false;
+        }
         if self.pushed.get().is_none() {
             let _ = self.pushed.set(Instant::now());
         }
+        true
+    }
+
+    /// Give up a read none of whose requests has reached the kernel: it ends now
+    /// (`Error::Withdrawn`), its memory untouched and the caller's again, and its
+    /// requests end unsent when the I/O thread comes to them. False once one was
+    /// handed over, or for a write or a sync (a write withdrawn halfway would leave its
+    /// file half written): the op goes on.
+    pub fn withdraw(&self) -> bool {
+        if self.kind != OpKind::Read {
+            return false;
+        }
+        let won = self
+            .launch
+            .compare_exchange(QUEUED, WITHDRAWN, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok();
+        if won {
+            self.fail_now(Error::Withdrawn);
+        }
+        won
     }
 
     /// Fail before any request was issued (closed file, engine shutting down).

@@ -116,6 +116,10 @@ fn worker(shared: &Shared) {
                 q = shared.ready.wait(q).unwrap_or_else(|p| p.into_inner());
             }
         };
+        if !req.op.launch() {
+            req.abandon(Error::Withdrawn); // its caller gave it up before it ran
+            continue;
+        }
         // The request lives outside the unwind so a panic leaves it here to fail.
         let mut current = Some(req);
         let run = catch_unwind(AssertUnwindSafe(|| {
@@ -161,7 +165,6 @@ fn transfer(req: &Request) -> std::result::Result<u64, i32> {
     let fd = req.op.file.fd();
     let len = req.remaining() as usize;
     let off = req.file_offset() as libc::off_t;
-    req.op.mark_pushed();
     let rc = if req.is_sync() {
         // SAFETY: fdatasync on the op's open descriptor; no memory is passed.
         unsafe { libc::fdatasync(fd) as libc::ssize_t }

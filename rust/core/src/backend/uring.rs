@@ -628,6 +628,10 @@ impl RingLoop {
             let Some(mut req) = self.queue.pop_front() else {
                 break;
             };
+            if !req.op.launch() {
+                req.abandon(Error::Withdrawn); // its caller gave it up before it was sent
+                continue;
+            }
             if self.slots_pending && req.op.fixed_index.is_some() {
                 self.register_slots_now();
             }
@@ -650,7 +654,6 @@ impl RingLoop {
                 break;
             }
             self.in_flight += 1;
-            req.op.mark_pushed();
             if self.trace.is_some() {
                 let (depth, waiting) = (self.in_flight as u32, self.queue.len() as u32);
                 req.stamps.submitted = Some((Instant::now(), depth, waiting));
