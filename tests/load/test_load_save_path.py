@@ -249,3 +249,37 @@ def test_a_paced_save_copies_a_record_only_once_its_pace_returns(tmp_path):
     finally:
         tier.close()
         engine.close()
+
+
+def test_a_save_says_where_its_time_went(tmp_path, monkeypatch):
+    """`phases` puts a slow step's time on that step: a host's pace, or the tier's write
+    (made slow by a test double that sleeps in it), not on the others."""
+    engine = Engine(4, BIG.chunk_bytes)
+    tier = SSDTier(tmp_path / "l2", None, engine)
+    keys, layouts, data = _records(6)
+    step_s = 0.1
+
+    def save(part: slice, pace=None) -> dict[str, float]:
+        phases: dict[str, float] = {}
+        n = save_records(
+            engine, tier, keys[part], layouts[part], HostBuffers(data[part]),
+            deadline=time.monotonic() + 30, width=2, pace=pace, phases=phases,
+        )  # fmt: skip
+        assert n == 3
+        return phases
+
+    paced = save(slice(0, 3), pace=lambda: time.sleep(step_s))
+    assert paced["pace"] >= 3 * step_s and paced["write"] < 3 * step_s, paced
+    assert set(paced) == {"pace", "slot", "copy", "write"}
+    real_write = tier.write
+
+    def slow_write(*args, **kw):  # test double: a drive that takes step_s per record
+        time.sleep(step_s)
+        return real_write(*args, **kw)
+
+    monkeypatch.setattr(tier, "write", slow_write)
+    slow = save(slice(3, 6))
+    assert slow["write"] >= 3 * step_s and "pace" not in slow, slow
+    assert slow["slot"] + slow["copy"] < 3 * step_s, slow
+    tier.close()
+    engine.close()

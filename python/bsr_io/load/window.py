@@ -26,9 +26,10 @@ run) send the rest of the run through slots. A hash that differs proves nothing 
 from the same tier, and only if that copy is bad too is it a chunk failure like any
 other (the record is withdrawn, a lower tier re-reads the chunk into the same blocks).
 A direct read has the run's deadline too: past it, it is given up (a pool call still
-queued never runs, a file read still queued in the engine is withdrawn) and, when it may still write the destination's blocks, they are
-reported unusable (`InstallReport.unusable`) and never reused: the run ends `zero` with
-no fallback into them, and no later run restores into that destination. A destination
+queued never runs, a file read still queued in the engine is withdrawn) and, when it
+may still write the destination's blocks, they are reported unusable
+(`InstallReport.unusable`) and never reused: the run ends `zero` with no fallback into
+them, and no later run restores into that destination. A destination
 that lasts across restores (`lasting`) has its host buffers registered with the engine's
 ring at its first direct read, for as long as it lives, so the kernel pins its pages once
 instead of per request.

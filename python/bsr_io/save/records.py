@@ -7,9 +7,12 @@ crash-safe); `write_staged` writes records a host already copied into slots. The
 
 from __future__ import annotations
 
+import threading
+import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from bsr_io._core import Engine, Slot
@@ -58,6 +61,7 @@ def save_records(
     progress: Callable[[int], object] | None = None,
     on_done: Callable[[int, BaseException | None], object] | None = None,
     pace: Callable[[], object] | None = None,
+    phases: dict[str, float] | None = None,
 ) -> int:
     """Store record i of `dest` (`dest.extract(i, ...)`, `layouts[i].chunk_bytes` bytes)
     as `keys[i]` in `tier`; returns records written. `width` writers each lease one slot,
@@ -71,21 +75,30 @@ def save_records(
 
     `on_done(i, error)`: called once per record (error None when it is stored or was
     already held); with it, one record's failure is reported there and the others go
-    on; without it, the first failure raises."""
+    on; without it, the first failure raises.
+
+    `phases`: where the writers' time went, added to it in seconds summed over writers
+    (`pace`; `slot`: waiting for one; `copy`: the gather; `write`: the tier's whole
+    write), so that a slow save says which step was slow."""
     if len(layouts) != len(keys):
         raise ValueError(f"{len(layouts)} layouts for {len(keys)} keys")
     width = engine.window if width is None else width
+    clock = _Clock(phases)
 
     def write(i: int) -> int:
         if skip_existing and tier.probe([keys[i]]) == 1:
             return 0
         nbytes = layouts[i].chunk_bytes
         if pace is not None:
-            pace()
-        slot = lease(engine, deadline)
+            with clock("pace"):
+                pace()
+        with clock("slot"):
+            slot = lease(engine, deadline)
         try:
-            extract_record(dest, i, slot, nbytes)
-            tier.write(keys[i], slot, layouts[i])
+            with clock("copy"):
+                extract_record(dest, i, slot, nbytes)
+            with clock("write"):
+                tier.write(keys[i], slot, layouts[i])
         finally:
             # A put abandoned at its timeout (a pool tier) may still read the slot: it
             # keeps a view, and the slot returns to the ring when that put returns.
@@ -96,6 +109,25 @@ def save_records(
     written = _each(write, len(keys), width, on_done, progress)
     dest.synchronize()
     return written
+
+
+class _Clock:
+    """Adds each `with clock(name):` block's seconds to `phases[name]`, from any writer
+    thread (nothing without a dict)."""
+
+    def __init__(self, phases: dict[str, float] | None) -> None:
+        self._phases = phases
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            if self._phases is not None:
+                with self._lock:
+                    self._phases[name] = self._phases.get(name, 0.0) + time.monotonic() - t0
 
 
 def write_staged(

@@ -117,6 +117,9 @@ def test_long_save_does_not_delay_a_load(ph_run):
     for r in range(tp):
         assert beside[r]["outcome"] == control[r]["outcome"] == "complete"
         assert saves[r]["outcome"] == "complete" and saves[r]["written"] == 30
+        # It says where its time went: every step of a record's save, summed.
+        assert set(saves[r]["phases"]) == {"cuts", "pace", "slot", "copy", "write"}, saves[r]
+        assert saves[r]["phases"]["write"] > 0, saves[r]
         # The save was still running when the load ended (the load did not queue behind it).
         assert saves[r]["time"] > beside[r]["time"], (saves[r], beside[r])
         assert beside[r]["seconds"] <= 3 * control[r]["seconds"] + 0.25, (beside, control)

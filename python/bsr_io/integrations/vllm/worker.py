@@ -405,7 +405,9 @@ class WorkerSide:
         t = job.transfer
         writing = self.cuts.writes_of(t.request_id)
         # The request's window records first: once it is reported saved, all of it is.
+        t_cuts = time.monotonic()
         wait_all(writing, timeout=max(0.0, job.deadline - time.monotonic()))
+        phases = {"cuts": time.monotonic() - t_cuts}
         records = [r for r in t.records if self.mine(r)]
         if not records:
             return True, "", {"records": 0, "written": 0}
@@ -432,12 +434,15 @@ class WorkerSide:
             width=max(1, self.cfg.window // 2),
             on_done=done,
             pace=self.gate.wait,
+            phases=phases,
         )
         extra = {
             "records": len(records),
             "written": written,
             "failed": len(failures),
             "seconds": time.monotonic() - t0,
+            # Where a slow save's time went (seconds, summed over its writers).
+            "phases": {k: round(v, 4) for k, v in phases.items()},
         }
         return not failures, "; ".join(failures[:3]), extra
 
