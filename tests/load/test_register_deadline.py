@@ -122,3 +122,24 @@ def test_a_run_behind_a_hung_request_ends_at_its_deadline(backend, tmp_path):
         report = window.run(keys, [0] * CHUNKS, dest, read_deadline=time.monotonic() + 10)
         assert report.installed == CHUNKS and report.direct == CHUNKS, report
         assert registered(engine, _bufs(dest)) is not None and _holds_state(dest)
+
+
+def test_a_slot_run_behind_a_hung_request_gives_its_slots_back(backend, tmp_path):
+    """Its reads, queued behind the hung one, are withdrawn at the deadline: every slot
+    but the hung read's is back in the ring at once (they waited for the kernel before,
+    and a next run found none free)."""
+    if backend == "pread":
+        pytest.skip("a FIFO cannot hold the pread pool")
+    with Engine(4, LAYOUT.chunk_bytes, backend=backend, queue_depth=1) as engine:
+        l2 = SSDTier(tmp_path / "l2", None, engine, layout=LAYOUT)
+        _, keys = fill_state(l2, LAYOUT, LAYOUT.chunk_tokens * CHUNKS, seed=1)
+        window = Window(engine, [l2], LAYOUT.chunk_bytes, direct=False)
+        dest = PagedKVCache.allocate(LAYOUT, LAYOUT.chunk_tokens * CHUNKS)
+        with lane_held(engine, tmp_path):
+            report = window.run(
+                keys, [0] * CHUNKS, dest, read_deadline=time.monotonic() + DEADLINE_S
+            )
+            assert report.timed_out and report.installed == 0, report
+            assert engine.free_slots() == engine.window - 1  # the hung read's alone
+        report = window.run(keys, [0] * CHUNKS, dest, read_deadline=time.monotonic() + 10)
+        assert report.installed == CHUNKS and _holds_state(dest), report

@@ -191,10 +191,12 @@ class _SlotRead(_Read):
     handle: PendingChunk
 
     def wait(self, timeout: float) -> Slot:
-        """The read's slot, or ReadTimedOut at the deadline (the read stays in flight)."""
+        """The read's slot, or ReadTimedOut at the deadline (the read stays in flight,
+        unless it was still queued in the engine: withdrawn then)."""
         try:
             return self.handle.wait(timeout)
         except TimeoutError as exc:
+            self.handle.withdraw()  # still queued in the engine: its slot back now
             raise ReadTimedOut(self.index, self.key, str(exc)) from None
 
     def land(self, window: Window, trail: _Trail) -> _Landed | None:
@@ -203,8 +205,10 @@ class _SlotRead(_Read):
         )
 
     def drain(self, window: Window, timeout: float) -> None:
-        # The engine keeps a slot the kernel may still write until its completion arrives.
-        give_back(self.handle.wait(timeout))
+        # Still queued in the engine: withdrawn, its slot back in the ring now. Else the
+        # engine keeps a slot the kernel may still write until its completion arrives.
+        if not self.handle.withdraw():
+            give_back(self.handle.wait(timeout))
 
 
 @dataclass
@@ -616,7 +620,8 @@ class Window:
             del held
         # Reads already started own their memory until they complete: a slot read is
         # waited for until the deadline, then dropped (the engine keeps its slot); so is
-        # a direct read, whose blocks are then reported unusable (`_unusable`).
+        # a direct read, whose blocks are then reported unusable (`_unusable`). A slot
+        # read still queued in the engine is withdrawn, its slot back at once.
         while self._reads:
             read = self._reads.popleft()
             try:

@@ -61,6 +61,9 @@ class PendingChunk:
     unchecked: `expected_xxh3` is the record header's payload hash, which the caller
     must compare (install.py hashes while it copies), and `reject(reason)` quarantines
     the record and returns the `ChunkCorrupt` to raise when it differs.
+
+    `withdraw()`: give the read up unused while it is still queued in the engine (True:
+    its slot is back in the ring; False, the default: it goes on).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class PendingChunk:
         *,
         expected_xxh3: int | None = None,
         reject: Callable[[str], Exception] | None = None,
+        withdraw: Callable[[], bool] | None = None,
     ) -> None:
         self.key = key
         self._finish = finish
@@ -78,6 +82,11 @@ class PendingChunk:
         self._slot: Slot | None = None
         self.expected_xxh3 = expected_xxh3
         self._reject = reject
+        self._withdraw = withdraw
+
+    def withdraw(self) -> bool:
+        """Give the read up unused if it never reached the kernel (see the class doc)."""
+        return self._slot is None and self._withdraw is not None and self._withdraw()
 
     def reject(self, reason: str) -> Exception:
         """The payload failed the caller's check: withdraw the record, get the error."""

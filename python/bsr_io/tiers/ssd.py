@@ -248,13 +248,14 @@ class SSDTier(FileTier):
             return slot
 
         if verify:
-            return PendingChunk(key, finish, pending.done)
+            return PendingChunk(key, finish, pending.done, withdraw=pending.withdraw)
         return PendingChunk(
             key,
             finish,
             pending.done,
             expected_xxh3=header.payload_xxh3,
             reject=lambda why: self._corrupt(key, path, record, why),
+            withdraw=pending.withdraw,
         )
 
     def submit_read_into(
