@@ -1033,12 +1033,13 @@ mod tests {
     /// the writer that releases it. None where the kernel refuses io_uring.
     fn hung_source(
         dir: &std::path::Path,
+        window: usize,
         queue_depth: usize,
     ) -> Option<(Engine, Arc<EngineFile>, std::fs::File)> {
         let e = Engine::new(EngineConfig {
             backend: BackendChoice::Uring,
             queue_depth,
-            ..EngineConfig::new(4, 4096)
+            ..EngineConfig::new(window, 4096)
         })
         .ok()?;
         let fifo = dir.join("stall");
@@ -1068,7 +1069,7 @@ mod tests {
         for deaf in [true, false] {
             let sub = dir.path().join(format!("deaf-{deaf}"));
             std::fs::create_dir(&sub).unwrap();
-            let Some((e, src, writer)) = hung_source(&sub, 32) else {
+            let Some((e, src, writer)) = hung_source(&sub, 4, 32) else {
                 return; // the kernel refuses io_uring
             };
             if deaf {
@@ -1110,7 +1111,7 @@ mod tests {
         let path = dir.path().join("data");
         std::fs::write(&path, pattern(1 << 16)).unwrap();
         // One place in the queue, held by the hung read: what follows stays queued.
-        let Some((e, src, writer)) = hung_source(dir.path(), 1) else {
+        let Some((e, src, writer)) = hung_source(dir.path(), 4, 1) else {
             return;
         };
         let stuck = e.submit_read(&src, 0, 4096).unwrap();
@@ -1164,7 +1165,7 @@ mod tests {
     #[test]
     fn a_registration_behind_a_hung_request_is_taken_at_once() {
         let dir = tempfile::tempdir().unwrap();
-        let Some((e, src, writer)) = hung_source(dir.path(), 32) else {
+        let Some((e, src, writer)) = hung_source(dir.path(), 4, 32) else {
             return;
         };
         if !matches!(e.driver().as_ref(), Some(Driver::Uring(d)) if d.info.memory_entries > 0) {
@@ -1191,32 +1192,15 @@ mod tests {
     #[test]
     fn a_registration_behind_a_hung_request_times_out_and_never_happens() {
         let dir = tempfile::tempdir().unwrap();
-        let Ok(e) = Engine::new(EngineConfig {
-            backend: BackendChoice::Uring,
-            ..EngineConfig::new(2, 4096)
-        }) else {
+        let Some((e, src, writer)) = hung_source(dir.path(), 2, 32) else {
             return; // the kernel refuses io_uring
         };
         if !matches!(e.driver().as_ref(), Some(Driver::Uring(d)) if d.info.memory_entries > 0) {
-            return; // no io_uring, or no room for caller memory here: nothing to wait for
+            return; // no room for caller memory here: nothing to wait for
         }
         // The I/O thread deaf to wakes (no eventfd) and held by a read of a FIFO nobody
         // writes (a hung device): it takes commands only between completions.
         e.inject(crate::backend::uring::Fault::Deaf);
-        let fifo = dir.path().join("stall");
-        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
-        // SAFETY: a NUL-terminated path we own.
-        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
-        let special = OpenOptions {
-            special: true,
-            ..Default::default()
-        };
-        let src = e.open(fifo.to_str().unwrap(), special).unwrap();
-        let writer = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&fifo)
-            .unwrap();
         let stuck = e.submit_read(&src, 0, 4096).unwrap();
         std::thread::sleep(Duration::from_millis(100));
         let given_up = AlignedBlock::new(64 << 10).unwrap();
