@@ -288,6 +288,7 @@ impl UringDriver {
     /// Finish every queued and in-flight operation, then stop the thread.
     pub fn shutdown(&mut self) {
         let _ = self.tx.send(Command::Shutdown);
+        self.wake();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
