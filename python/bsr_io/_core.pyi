@@ -10,6 +10,7 @@ slot is never refilled under a view. Collection of the last reference is only th
 fallback: a kept traceback must not be able to starve the ring.
 """
 
+import os
 import sys
 from collections.abc import Sequence
 from os import PathLike
@@ -45,6 +46,8 @@ __all__ = [
     "dio_alignment",
     "xxh3_runs",
     "prefix_hashes",
+    "PublishStall",
+    "stall_publish",
 ]
 
 class BsrError(Exception):
@@ -79,7 +82,10 @@ class FilePermissionError(BsrIoError, PermissionError):
     """Access to the file was refused (errno EACCES or EPERM)."""
 
 class WaitTimeoutError(BsrIoError, TimeoutError):
-    """A wait ran past its timeout (errno ETIMEDOUT); the operation keeps its slot."""
+    """A wait ran past its timeout (errno ETIMEDOUT); the operation keeps its slot.
+    From `Engine.publish`, `step` names what was under way."""
+
+    step: str
 
 class EngineBrokenError(BsrIoError):
     """The engine's I/O thread met an error it cannot retry (io_uring_enter failing
@@ -320,6 +326,27 @@ class Engine:
         RLIMIT_MEMLOCK) when the kernel will not pin them, ValueError for an empty one.
         The I/O thread registers between its waits (woken for it), waited for at most
         `timeout` seconds: WaitTimeoutError past it, and the buffers are never registered."""
+    def publish(
+        self,
+        slot: Slot,
+        tmp: str | os.PathLike[str],
+        dest: str | os.PathLike[str],
+        head: bytes,
+        length: int,
+        *,
+        root: str | os.PathLike[str] | None = None,
+        release: bool = False,
+        timeout: float | None = None,
+    ) -> tuple[int, int, int, int]:
+        """Publish a record in one call, the GIL released once: `head` then the slot's
+        first `length` bytes into the new temp file `tmp` (O_EXCL, below `root` with no
+        link followed; missing directories made 0700), fdatasync, rename to `dest`, the
+        directory fsynced (a group commit), on a kept thread of the caller's CPUs and
+        priority. (st_dev, st_ino, st_mtime_ns, st_size) of the record. Past `timeout`
+        seconds WaitTimeoutError, whose `step` names the step under way; nothing is
+        published unless a rename already under way completes (the record whole and
+        durable). OSError (errno, the step in its text) when a step fails; no temp file
+        is left. `release`: the slot goes back to the ring once its bytes are written."""
     def sync(self, file: File, timeout: float | None = None) -> None:
         """fdatasync `file` on the engine's I/O thread, waiting at most `timeout` seconds
         (GIL released): WaitTimeoutError then, while the sync goes on without a waiter."""
@@ -362,3 +389,15 @@ def xxh3_runs(bufs: Sequence[Any], runs: Sequence[tuple[int, int, int, int]]) ->
 
 def dio_alignment(path: str | PathLike[str]) -> tuple[int, int]:
     """(memory alignment, offset alignment) for O_DIRECT on `path`'s filesystem."""
+
+@final
+class PublishStall:
+    """Fault double (tests only): publications held at one step; see `stall_publish`."""
+    @property
+    def hits(self) -> int: ...
+    def release(self) -> None: ...
+
+def stall_publish(step: str, under: str) -> PublishStall:
+    """Fault double of a stalled drive: every `Engine.publish` whose temp file is under
+    `under` waits at `step` ("create", "write", "fdatasync", "rename", "dirsync"), just
+    before its system call, until `release()`."""

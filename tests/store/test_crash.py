@@ -22,8 +22,9 @@ LAYOUT = preset("tiny", chunk_tokens=4096)
 CHUNKS = 40
 
 _WRITER = r"""
-import os, signal, sys
+import os, signal, sys, threading, time
 from bsr_io import Engine
+from bsr_io._core import stall_publish
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import preset
 from bsr_io.cli.synthetic import synthetic_chunk, synthetic_tokens
@@ -34,9 +35,20 @@ seed, at = int(seed), int(at)
 lay = preset("tiny", chunk_tokens=4096)
 keys = chunk_keys(synthetic_tokens(seed, lay.chunk_tokens * @CHUNKS@), lay, "crash")
 
-if point != "random":
+def die_when_held(stall):
+    while stall.hits == 0:
+        time.sleep(0.001)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if point != "random" and kind == "L2":
+    # Fault double, in this child only: the `at`-th record's publication (one native
+    # call) is held just before the step's system call, and the process dies there.
+    step = {"write": "write", "rename": "rename", "dirsync": "dirsync"}[point]
+    arm_at = at - 1
+elif point != "random":
     # Test double, in this child only: die by SIGKILL at the `at`-th call of one step.
-    target = {"header": "pwrite", "rename": "rename", "dirsync": "fsync"}[point]
+    arm_at = None
+    target = {"write": "pwrite", "rename": "rename", "dirsync": "fsync"}[point]
     real = getattr(os, target)
     calls = [0]
     def dying(*a, **kw):
@@ -50,6 +62,9 @@ with Engine(2, lay.chunk_bytes) as eng:
     tier = SSDTier(root, None, eng) if kind == "L2" else LowerTier(root)
     print("ready", flush=True)
     for i, key in enumerate(keys):
+        if point != "random" and i == arm_at:
+            held = stall_publish(step, root)
+            threading.Thread(target=die_when_held, args=(held,), daemon=True).start()
         tier.write(key, synthetic_chunk(lay, seed, i), lay)
         print("committed", i, flush=True)
 """.replace("@CHUNKS@", str(CHUNKS))
@@ -108,7 +123,7 @@ def test_kill_at_random_moments(kind, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["L2", "L3"])
-@pytest.mark.parametrize("point", ["header", "rename", "dirsync"])
+@pytest.mark.parametrize("point", ["write", "rename", "dirsync"])
 def test_kill_at_each_step_of_a_write(kind, point, tmp_path):
     committed_by_seed = {}
     with Engine(2, LAYOUT.chunk_bytes) as engine:

@@ -1,7 +1,7 @@
 """The plain file calls of a save have the save's deadline too (`tiers/files/bounded.py`).
 
-- L2's header pwrite (the payload write and fdatasync go through the engine, tested in
-  test_write_deadlines.py) is waited for within the same `write_timeout_s`.
+(L2 publishes a record in one native call: its stalls are in test_publish_deadline.py.)
+
 - L3's writes and fdatasync (buffered, on the caller's thread before) are waited for
   `write_timeout_s` at most.
 
@@ -51,30 +51,6 @@ def _save_in_time(save: Callable[[], object]) -> tuple[float, BaseException | No
 def _no_leftovers(root: Path, chunks: int) -> None:
     assert len(list(root.rglob("*.chunk"))) == chunks
     assert not list(root.rglob("*.tmp"))
-
-
-def test_a_stalled_l2_header_write_fails_the_save_at_its_deadline(tmp_path, monkeypatch):
-    """Before, the header's pwrite ran on the caller's thread with no limit."""
-    root = tmp_path / "l2"
-    with Engine(2, LAYOUT.chunk_bytes) as engine:
-        tier = SSDTier(root, None, engine, write_timeout_s=DEADLINE_S)
-        _, first = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=1, model="m")
-        with _stalled(monkeypatch, "pwrite", root) as stall:
-            took, exc = _save_in_time(
-                lambda: fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=2, model="m")
-            )
-            assert isinstance(exc, ChunkWriteError), exc
-            assert "header write" in str(exc) and "did not end within" in str(exc)
-            assert stall.hits == 1 and took < DEADLINE_S + SLACK_S
-            assert tier.keys() == first
-            _no_leftovers(root, 1)
-        _no_leftovers(root, 1)  # the late write went into the removed temp file
-        assert bytes(memoryview(tier.read_into(first[0], engine))) == (
-            synthetic_chunk(LAYOUT, 1, 0).tobytes()
-        )
-        # Control: with the call free the same save works.
-        _, second = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=2, model="m")
-        assert set(tier.keys()) == {first[0], second[0]}
 
 
 @pytest.mark.parametrize("call", ["pwrite", "fdatasync"])

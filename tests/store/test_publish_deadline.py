@@ -11,15 +11,18 @@ fdatasynced before the rename began, and which a reader then verifies like any r
 another process wrote (checked below: it reads back equal); a late directory fsync
 follows a rename already done (the same). No temp file is left either way.
 
-The stall is a fault double: `os.open` (the temp file's creation), `os.rename` or
-`os.fsync` (of the record's directory) blocks, as on a stalled drive, for the tier's
-paths only, until the test releases it. The tiers are the real ones; the save runs on a
-thread of the test's, so that a save with no deadline fails the test instead of hanging it.
+The stall is a fault double: for L3, `os.open` (the temp file's creation), `os.rename`
+or `os.fsync` (of the record's directory) blocks, as on a stalled drive, for the tier's
+paths only, until the test releases it; for L2, whose records are published in one
+native call, the engine's `stall_publish` holds a step just before its system call. The
+tiers are the real ones; the save runs on a thread of the test's, so that a save with no
+deadline fails the test instead of hanging it.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ import pytest
 from stalls import ends_within, fd_path, stalled
 
 from bsr_io import Engine
+from bsr_io._core import stall_publish
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
 from bsr_io.errors import ChunkWriteError
 from bsr_io.model.layout import preset
@@ -93,21 +97,51 @@ def test_a_stalled_publish_fails_the_save_at_its_deadline(tmp_path, monkeypatch,
     assert third[0] in tier.keys()
 
 
-def test_a_stalled_l2_rename_fails_the_save_at_its_deadline(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("step", "says", "publishes"),
+    [
+        ("create", "temp file's creation", False),
+        ("write", "write", False),
+        ("fdatasync", "fdatasync", False),
+        ("rename", "rename", True),
+        ("dirsync", "directory's fsync", True),
+    ],
+)
+def test_a_stalled_l2_publication_fails_the_save_at_its_deadline(tmp_path, step, says, publishes):
+    """L2 publishes a record in one native call; each of its steps held (the engine's
+    stall double, `stall_publish`: the step's system call does not return) fails the
+    save at the deadline, naming the step. The slot the tier leased stays out of the
+    ring until its bytes are written, and is back as soon as they are."""
     root = tmp_path / "l2"
-    with Engine(2, LAYOUT.chunk_bytes) as engine:
+    window = 2
+    with Engine(window, LAYOUT.chunk_bytes) as engine:
         tier = SSDTier(root, None, engine, layout=LAYOUT, write_timeout_s=DEADLINE_S)
         _, first = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=1)
-        with _stalled(monkeypatch, "rename", root) as stall:
+        stall = stall_publish(step, str(root))
+        try:
             took, exc = _save_in_time(lambda: fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=2))
-            assert isinstance(exc, ChunkWriteError) and "rename" in str(exc), exc
+            assert isinstance(exc, ChunkWriteError), exc
+            assert f"the {says} of " in str(exc) and "did not end within" in str(exc), exc
             assert stall.hits == 1 and took < DEADLINE_S + SLACK_S
-            assert tier.keys() == first
-        assert not list(root.rglob("*.tmp"))
-        # The late rename published the whole record: it reads back verified.
+            assert tier.keys() == first  # not indexed: the caller was told it failed
+            written = step not in ("create", "write")
+            assert engine.free_slots() == (window if written else window - 1)
+        finally:
+            stall.release()
+        # Released: the slot comes back; a chain given up on before its rename removes
+        # its temp file; a rename already under way publishes the whole record.
+        ends_within(lambda: _until(lambda: engine.free_slots() == window), 5.0, "slot")
+        ends_within(lambda: _until(lambda: not list(root.rglob("*.tmp"))), 5.0, "cleanup")
+        assert len(list(root.rglob("*.chunk"))) == (2 if publishes else 1)
         fresh = SSDTier(root, None, engine, layout=LAYOUT)
-        assert len(fresh.keys()) == 2
         for key in fresh.keys():
-            slot = fresh.submit_read(key, engine).wait()
-            slot.release()
+            fresh.submit_read(key, engine).wait().release()
         assert fresh.stats()["quarantined"] == 0
+        # Control: unheld, the next save is published and indexed at once.
+        _, third = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens, seed=3)
+        assert third[0] in tier.keys()
+
+
+def _until(ok: Callable[[], bool]) -> None:
+    while not ok():
+        time.sleep(0.01)

@@ -68,9 +68,7 @@ class LowerTier(FileTier):
         layout: KVLayout,
         staged: Any,
         deadline: float,
-        header: RecordHeader | None,
     ) -> RecordHeader:
-        # The header's checksum is taken here, on the write's thread: none comes made.
         view: memoryview = staged
         header = make_header(key, layout, xxh3_64(view))
 

@@ -19,6 +19,7 @@ from bsr_io._core import (
     Pending,
     ShortReadError,
     Slot,
+    WaitTimeoutError,
 )
 from bsr_io.errors import ChunkWriteError, DestinationUnusable, LayoutError
 from bsr_io.model.keys import ChunkKey
@@ -35,6 +36,8 @@ from bsr_io.tiers.base import (
 )
 from bsr_io.tiers.files import FileTier, RecordId
 from bsr_io.tiers.files.bounded import run_within
+from bsr_io.tiers.files.publish import write_error
+from bsr_io.tiers.files.records import Entry, tmp_path
 
 _local = threading.local()
 
@@ -54,10 +57,10 @@ class SSDTier(FileTier):
     One record per file: opening and closing a file costs microseconds against
     milliseconds for reading a 16 MiB chunk (see the issue note for the measurement).
 
-    A record's payload write and its fdatasync run on the engine's I/O thread, its header
-    write on a thread of its own (`bounded.py`), and all are waited for `write_timeout_s`
-    at most, together: a stalled drive fails the save (ChunkWriteError, nothing
-    published) instead of holding the caller.
+    A record is published in one native call (the engine's `publish`: creation, header
+    and payload, fdatasync, rename, directory fsync), waited for `write_timeout_s` at
+    most: a stalled drive fails the save (ChunkWriteError, nothing published) instead of
+    holding the caller.
     """
 
     def __init__(
@@ -77,14 +80,15 @@ class SSDTier(FileTier):
         self.write_timeout_s = write_timeout_s
         super().__init__(root, capacity_bytes, name=name, layout=layout, evict_to=evict_to)
 
-    def _stage(self, payload: Payload, layout: KVLayout) -> Slot:
+    def _stage(self, payload: Payload, layout: KVLayout) -> tuple[Slot, bool]:
+        """(the slot holding the payload, whether the tier leased it)."""
         n = layout.chunk_bytes
         if isinstance(payload, Slot):
             if len(payload) != n:
                 raise LayoutError(
                     f"slot holds {len(payload)} bytes, a chunk of layout {layout.name} is {n}"
                 )
-            return payload
+            return payload, False
         view = payload_view(payload, layout)
         if n > self.engine.slot_bytes:
             raise LayoutError(
@@ -94,57 +98,43 @@ class SSDTier(FileTier):
         slot = self.engine.lease()
         slot.fill_from(view)
         slot.set_length(n)
-        return slot
+        return slot, True
 
-    def _header(self, key: ChunkKey, layout: KVLayout, staged: Any) -> RecordHeader:
-        slot: Slot = staged
-        return make_header(key, layout, slot.checksum(0, layout.chunk_bytes))
-
-    def _write_record(
-        self,
-        fd: int,
-        tmp: Path,
-        key: ChunkKey,
-        layout: KVLayout,
-        staged: Any,
-        deadline: float,
-        header: RecordHeader | None,
-    ) -> RecordHeader:
-        # The header came with the temp file's creation (`_header`): the payload goes
-        # through the engine, straight from the slot, then the fdatasync.
-        assert header is not None
-        slot: Slot = staged
-        f = self.engine.open(tmp, write=True, root=self.root)
+    def _publish(self, key: ChunkKey, layout: KVLayout, staged: list[Any]) -> Entry:
+        # One native call (the engine's `publish`): the temp file's creation, header and
+        # payload written straight from the slot, fdatasync, rename and the directory's
+        # fsync, on a thread of the engine's, the GIL released once, all by the deadline.
+        slot, leased = staged.pop()
+        n = layout.chunk_bytes
+        header = make_header(key, layout, slot.checksum(0, n))
+        final = self.path_of(key)
+        tmp = tmp_path(final)
         try:
-            pending = self.engine.submit_write(slot, f, HEADER_BYTES, layout.chunk_bytes)
-            try:
-                # Past the deadline the write goes on without us; its op keeps the slot
-                # out of the ring until it ends, and the temp file is removed.
-                self._by(deadline, key, tmp, "write", pending.wait)
-            finally:
-                del pending  # a kept traceback must not keep the file and slot busy
-            # fdatasync: the header (written at creation) and payload share the inode.
-            self._by(deadline, key, tmp, "fdatasync", lambda t: self.engine.sync(f, t))
-        finally:
-            f.close()
-        return header
-
-    def _by(
-        self, deadline: float, key: ChunkKey, tmp: Path, what: str, wait: Callable[[float], Any]
-    ) -> None:
-        """`wait(seconds left)`; ChunkWriteError when the deadline passes first."""
-        try:
-            wait(max(0.0, deadline - time.monotonic()))
-        except TimeoutError as exc:
+            dev, ino, mtime_ns, _ = self.engine.publish(
+                slot,
+                tmp,
+                final,
+                header.encode(),
+                n,
+                root=self.root,
+                # A slot the tier leased goes back to the ring once its bytes are written.
+                release=leased,
+                timeout=self.write_timeout_s,
+            )
+        except WaitTimeoutError as exc:
+            note = (
+                " (it may yet publish it whole)" if exc.step.startswith(("rename", "dir")) else ""
+            )
             raise ChunkWriteError(
-                f"the {what} of {tmp.name} did not end within {self.write_timeout_s} s "
-                "(device stalled?); record not stored, earlier records intact",
+                f"the {exc.step} of {tmp.name} did not end within {self.write_timeout_s} s "
+                f"(device stalled?); record not stored{note}, earlier records intact",
                 key=key,
                 tier=self.name,
                 cause=exc,
             ) from None
-        finally:
-            del wait  # a kept traceback must not keep the operation (and its file) open
+        except OSError as exc:
+            raise write_error(self.name, key, final, exc) from exc
+        return Entry(header, ino, mtime_ns)
 
     defers_verify = True
 

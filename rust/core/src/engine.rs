@@ -478,6 +478,21 @@ impl Engine {
         self.submit(op)
     }
 
+    /// Publish a record from `slot` in one call (publish.rs): created, written, made
+    /// durable and renamed into place within `timeout`, or nothing published.
+    pub fn publish(
+        &self,
+        slot: &Arc<SlotLease>,
+        spec: crate::publish::Spec,
+        timeout: Option<Duration>,
+    ) -> Result<crate::publish::Published> {
+        self.check_open()?;
+        if !Arc::ptr_eq(slot.arena(), &self.arena) {
+            return Err(Error::invalid("the slot belongs to another engine"));
+        }
+        crate::publish::publish(slot, spec, timeout)
+    }
+
     /// fdatasync `file` on the I/O thread: the caller waits on the `Pending` with a
     /// deadline, so a stalled device holds the I/O thread's call, never the caller.
     pub fn submit_sync(&self, file: &Arc<EngineFile>) -> Result<Pending> {

@@ -52,6 +52,9 @@ pub enum Error {
     Timeout,
     /// Its caller withdrew the read before any of it reached the kernel.
     Withdrawn,
+    /// A publication was still in `step` at its deadline (publish.rs): the device
+    /// stalled, or the machine is starved.
+    Stalled { step: &'static str, path: String },
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
@@ -90,6 +93,7 @@ impl Error {
             Error::InvalidArgument(_) => None,
             Error::Timeout => Some(libc::ETIMEDOUT),
             Error::Withdrawn => Some(libc::ECANCELED),
+            Error::Stalled { .. } => Some(libc::ETIMEDOUT),
         }
     }
 
@@ -98,6 +102,7 @@ impl Error {
         match self {
             Error::Os { path, .. } => path.as_deref(),
             Error::ShortRead { path, .. } => Some(path),
+            Error::Stalled { path, .. } => Some(path),
             _ => None,
         }
     }
@@ -178,6 +183,9 @@ impl fmt::Display for Error {
             }
             Error::InvalidArgument(msg) => write!(f, "{msg}"),
             Error::Timeout => write!(f, "timed out waiting for the operation"),
+            Error::Stalled { step, path } => {
+                write!(f, "the {step} of {path} had not ended at the deadline")
+            }
             Error::Withdrawn => write!(
                 f,
                 "the read was withdrawn before it reached the kernel; its memory was never \

@@ -51,7 +51,7 @@ impl std::fmt::Debug for EngineFile {
     }
 }
 
-fn open_raw(c: &CString, flags: i32) -> std::result::Result<OwnedFd, i32> {
+pub(crate) fn open_raw(c: &CString, flags: i32) -> std::result::Result<OwnedFd, i32> {
     // SAFETY: `c` is a NUL-terminated path we own; open returns a new descriptor or -1.
     let fd = unsafe { libc::open(c.as_ptr(), flags, 0o600 as libc::c_uint) };
     if fd < 0 {
@@ -148,7 +148,11 @@ fn components_below<'a>(root: &str, path: &'a str) -> std::result::Result<Vec<&'
 /// (O_NOFOLLOW | O_DIRECTORY each), then the last component with `flags` (O_NOFOLLOW).
 /// A link anywhere below `root` gives ELOOP (or ENOTDIR from the walk); a path out of
 /// `root`, EXDEV. (`root` itself is the caller's choice and may be a link.)
-fn open_beneath(root: &str, path: &str, flags: i32) -> std::result::Result<OwnedFd, i32> {
+pub(crate) fn open_beneath(
+    root: &str,
+    path: &str,
+    flags: i32,
+) -> std::result::Result<OwnedFd, i32> {
     let parts = components_below(root, path)?;
     let croot = CString::new(root).map_err(|_| libc::EINVAL)?;
     let dir = open_raw(&croot, libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)?;

@@ -14,6 +14,7 @@ pub mod error;
 pub mod file;
 pub mod install;
 pub mod prefix;
+pub mod publish;
 
 pub use arena::{Arena, SlotLease};
 pub use backend::trace::TraceEvent;

@@ -9,6 +9,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use bsr_io_core::publish::Spec;
 use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
 
 use crate::direct::{payload_runs, Held, PyDirectRead, PyMemoryRegistration};
@@ -17,6 +18,12 @@ use crate::file::PyFile;
 use crate::pending::{timeout_arg, Handoff, PyPending};
 use crate::slot::{Exported, PySlot};
 use crate::{non_negative, positive};
+
+fn utf8(p: &std::path::Path, what: &str) -> PyResult<String> {
+    p.to_str()
+        .map(str::to_owned)
+        .ok_or_else(|| PyValueError::new_err(format!("{what} is not valid UTF-8")))
+}
 
 /// One traced request as Python sees it (see `trace_take`).
 type TraceTuple = (u64, u64, u64, u64, u64, u32, u32);
@@ -159,11 +166,6 @@ impl PyEngine {
         special: bool,
         root: Option<PathBuf>,
     ) -> PyResult<PyFile> {
-        let utf8 = |p: &PathBuf, what: &str| {
-            p.to_str()
-                .map(str::to_owned)
-                .ok_or_else(|| PyValueError::new_err(format!("{what} is not valid UTF-8")))
-        };
         let path = utf8(&path, "path")?;
         let root = root.map(|r| utf8(&r, "root")).transpose()?;
         let opts = OpenOptions {
@@ -286,6 +288,44 @@ impl PyEngine {
             .detach(|| unsafe { engine.register_memory(&regions, timeout) })
             .raise()?;
         Ok(PyMemoryRegistration::new(reg, Held::new(exports)))
+    }
+
+    /// Publish a record in one call: `head`, then the slot's first `length` bytes,
+    /// into the new temp file `tmp`, made durable and renamed to `dest` (its directory
+    /// fsynced), within `timeout` seconds; (st_dev, st_ino, st_mtime_ns, st_size) of the
+    /// record. WaitTimeoutError (with `.step`) past the deadline, nothing published but
+    /// by a rename already under way; OSError naming the failed step.
+    #[pyo3(signature = (slot, tmp, dest, head, length, *, root = None, release = false, timeout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn publish(
+        &self,
+        py: Python<'_>,
+        slot: &Bound<'_, PySlot>,
+        tmp: PathBuf,
+        dest: PathBuf,
+        head: &[u8],
+        length: i64,
+        root: Option<PathBuf>,
+        release: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<(u64, u64, i64, u64)> {
+        let timeout = timeout_arg(timeout)?;
+        let spec = Spec {
+            root: root.map(|r| utf8(&r, "root")).transpose()?,
+            tmp: utf8(&tmp, "tmp")?,
+            dest: utf8(&dest, "dest")?,
+            head: head.to_vec(),
+            length: positive("length", length)?,
+            release_slot: release,
+        };
+        // The chain reads the slot until its bytes are written: no writable view may
+        // outlive the call.
+        slot.get().check_no_views()?;
+        let lease = Arc::clone(&slot.get().lease);
+        let got = py
+            .detach(|| self.inner.publish(&lease, spec, timeout))
+            .raise()?;
+        Ok((got.dev, got.ino, got.mtime_ns, got.size))
     }
 
     #[pyo3(signature = (slot, file, offset, length = None))]

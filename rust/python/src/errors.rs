@@ -157,7 +157,7 @@ fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
     );
     let exc = match &e {
         Error::InvalidArgument(_) => return PyValueError::new_err(msg),
-        Error::Timeout => Exc::WaitTimeout,
+        Error::Timeout | Error::Stalled { .. } => Exc::WaitTimeout,
         Error::Withdrawn => Exc::BsrIo,
         Error::Alignment(_) => Exc::Alignment,
         Error::ShortRead { .. } => Exc::ShortRead,
@@ -176,10 +176,17 @@ fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
             _ => Exc::BsrIo,
         },
     };
-    match exc_type(py, exc) {
+    let err = match exc_type(py, exc) {
         Ok(t) => PyErr::from_type(t, args),
-        Err(err) => err,
+        Err(err) => return err,
+    };
+    if let Error::Stalled { step, .. } = e {
+        // Which step of a publication was under way, for the caller's message.
+        if let Err(failed) = err.value(py).setattr("step", step) {
+            return failed;
+        }
     }
+    err
 }
 
 /// The Python exception for a core error. (The orphan rule forbids `From<Error> for

@@ -10,6 +10,7 @@ mod errors;
 mod file;
 mod pending;
 mod slot;
+mod stall;
 
 use std::path::PathBuf;
 
@@ -105,6 +106,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<pending::PyPending>()?;
     m.add_class::<direct::PyDirectRead>()?;
     m.add_class::<direct::PyMemoryRegistration>()?;
+    m.add_class::<stall::PyPublishStall>()?;
     m.add("BsrError", py.get_type::<BsrError>())?;
     for exc in Exc::ALL {
         m.add(exc.spec().0, exc_type(py, exc)?)?;
@@ -113,5 +115,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dio_alignment, m)?)?;
     m.add_function(wrap_pyfunction!(prefix_hashes, m)?)?;
     m.add_function(wrap_pyfunction!(direct::xxh3_runs, m)?)?;
+    m.add_function(wrap_pyfunction!(stall::stall_publish, m)?)?;
     Ok(())
 }

@@ -11,7 +11,7 @@ process reusing the number for another file) never redirects a late write; and `
 set at the deadline, tells the work not to start its next syscall (it may otherwise read
 a payload buffer its caller has reused, and write it into the doomed temp file).
 
-The threads are kept (`Runners`): a record's save makes three such calls, and starting a
+The threads are kept (`Runners`): an L3 record's save makes three such calls, and starting a
 Python thread for each cost more of the GIL than the calls themselves, taken from the
 thread that runs the model's forward in the same process. A call takes an idle runner
 or, none being idle, starts a new one: a call stalled in the kernel holds its runner,

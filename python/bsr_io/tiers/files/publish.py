@@ -10,10 +10,10 @@ temp file) block in the kernel as long as a stalled drive likes, so they run on 
 of their own (bounded.py) and the save fails (ChunkWriteError) at the deadline, the
 caller touching the directory no more. Two such calls per record, not one per syscall:
 each hand-off to a thread costs about as much CPU as the syscalls it carries (GIL
-hand-overs, wake-ups), so the temp file's creation takes the record's header with it
-when the caller has it (`head`), and the rename takes the directory's fsync. That fsync
-is a group commit (`DirSyncs`): records renamed in one directory while its fsync runs
-share the next one, as a journal commits many transactions at once.
+hand-overs, wake-ups), so the rename takes the directory's fsync. That fsync is a group
+commit (`DirSyncs`): records renamed in one directory while its fsync runs share the
+next one, as a journal commits many transactions at once. (L2 records do all of it in
+one native call instead: the engine's `publish`, used by `SSDTier`.)
 
 A rename given up on may still complete on its thread: it then publishes the temp file,
 which was written whole and fdatasynced before the rename began (a record like one
@@ -35,7 +35,7 @@ from pathlib import Path
 from bsr_io.errors import ChunkError, ChunkWriteError
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.record import RecordHeader
-from bsr_io.tiers.files.bounded import pwrite_all, run_within
+from bsr_io.tiers.files.bounded import run_within
 from bsr_io.tiers.files.records import fsync_dir, mkdir_private, tmp_path
 
 # Writes the whole record into the new temp file (fd, its path) durably, by the deadline
@@ -98,24 +98,19 @@ def publish(
     final: Path,
     write: WriteRecord,
     timeout: float,
-    head: bytes | None = None,
 ) -> tuple[RecordHeader, os.stat_result]:
     """Publish the record `write` produces at `final` within `timeout` seconds; (header,
-    stat of the new file). ChunkWriteError past it, nothing published by this call.
-    `head`: bytes written at offset 0 of the temp file on its creation (the header)."""
+    stat of the new file). ChunkWriteError past it, nothing published by this call."""
     deadline = time.monotonic() + timeout
     tmp = tmp_path(final)
     try:
         fd = run_within(
             deadline - time.monotonic(),
-            lambda: _create(final, tmp, head),
+            lambda: _create(final, tmp),
             late=lambda fd: _drop(fd, tmp),
         )
     except TimeoutError:
-        # Created and stalled in its header's write, it is removed now by its name.
-        _remove(tmp, CLEANUP_S)
-        what = "temp file's creation" + (" and header write" if head else "")
-        raise _late(tier, key, final, what, timeout) from None
+        raise _late(tier, key, final, "temp file's creation", timeout) from None
     except OSError as exc:
         raise write_error(tier, key, final, exc) from exc
     try:
@@ -136,16 +131,9 @@ def publish(
     return header, st
 
 
-def _create(final: Path, tmp: Path, head: bytes | None) -> int:
+def _create(final: Path, tmp: Path) -> int:
     mkdir_private(final.parent)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    if head:
-        try:
-            pwrite_all(fd, memoryview(head), 0)
-        except BaseException:
-            _drop(fd, tmp)
-            raise
-    return fd
+    return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
 
 def _drop(fd: int, tmp: Path) -> None:

@@ -227,26 +227,15 @@ class FileTier(Tier):
         # Held in a list the record writer empties, so a leased staging slot goes back
         # to the ring as soon as its bytes are written, not after the rename and fsync.
         staged = [self._stage(payload, layout)]
-        # A header known before the file exists goes with the temp file's creation.
-        head = self._header(key, layout, staged[0])
         nbytes = HEADER_BYTES + layout.chunk_bytes
         self._room.reserve(nbytes, self._evict)
         try:
-            header, st = publish(
-                self.name,
-                key,
-                self.path_of(key),
-                lambda fd, tmp, by: self._write_record(
-                    fd, tmp, key, layout, staged.pop(), by, head
-                ),
-                self.write_timeout_s,
-                head=None if head is None else head.encode(),
-            )
+            entry = self._publish(key, layout, staged)
         finally:
             staged.clear()  # even on error
             self._room.release(nbytes)
-        self._index.remember(key, Entry.of(header, st))
-        self._count(writes=1, bytes_written=header.payload_len)
+        self._index.remember(key, entry)
+        self._count(writes=1, bytes_written=entry.header.payload_len)
         return True
 
     def adopt(self, key: ChunkKey, src: Path) -> bool:
@@ -301,25 +290,25 @@ class FileTier(Tier):
     def _stage(self, payload: Payload, layout: KVLayout) -> Any:
         """Check `payload` and get it ready to write (before any file is created)."""
 
-    def _header(self, key: ChunkKey, layout: KVLayout, staged: Any) -> RecordHeader | None:
-        """The record's header from its staged payload, when the tier can make it before
-        the file is created (None: `_write_record` writes it)."""
-        return None
+    def _publish(self, key: ChunkKey, layout: KVLayout, staged: list[Any]) -> Entry:
+        """Publish the record of `staged` (its one item, taken by the writer) atomically,
+        by `write_timeout_s` (ChunkWriteError past it, nothing published)."""
+        header, st = publish(
+            self.name,
+            key,
+            self.path_of(key),
+            lambda fd, tmp, by: self._write_record(fd, tmp, key, layout, staged.pop(), by),
+            self.write_timeout_s,
+        )
+        return Entry.of(header, st)
 
-    @abstractmethod
     def _write_record(
-        self,
-        fd: int,
-        tmp: Path,
-        key: ChunkKey,
-        layout: KVLayout,
-        staged: Any,
-        deadline: float,
-        header: RecordHeader | None,
+        self, fd: int, tmp: Path, key: ChunkKey, layout: KVLayout, staged: Any, deadline: float
     ) -> RecordHeader:
-        """Write the payload, and the header unless the file was created with it
-        (`header`, from `_header`), to the new temp file `fd` and make them durable, by
-        `deadline` (time.monotonic; ChunkWriteError past it); returns the header."""
+        """Write the header and payload to the new temp file `fd` and make them durable,
+        by `deadline` (time.monotonic; ChunkWriteError past it); returns the header. For
+        tiers that publish through `publish.py` (the default `_publish`)."""
+        raise NotImplementedError(f"{type(self).__name__} publishes records its own way")
 
     # -- shared read checks -------------------------------------------------------------
     def _known_header(self, key: ChunkKey, st: os.stat_result) -> RecordHeader | None:
