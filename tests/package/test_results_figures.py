@@ -1362,6 +1362,36 @@ VLLM_FIGURES: list[Fig] = [
 
 # The README's headline table: one row per claim, each linking its JSON.
 HEADLINE_FIGURES: list[Fig] = [
+    Fig(
+        "switches per record {} before,",
+        "store-publish.json",
+        "summary.old.write_switches_per_record_median",
+        fmt="{:.1f}",
+    ),
+    Fig(
+        "before, {} after (medians;",
+        "store-publish.json",
+        "summary.new.write_switches_per_record_median",
+        fmt="{:.1f}",
+    ),
+    Fig(
+        "CPU per record {} ms before,",
+        "store-publish.json",
+        "summary.old.write_cpu_ms_per_record_median",
+    ),
+    Fig(
+        "ms before, {} ms after", "store-publish.json", "summary.new.write_cpu_ms_per_record_median"
+    ),
+    Fig(
+        "write rate {}x the raw engine write before",
+        "store-publish.json",
+        "summary.old.write_ratio_store_vs_raw_median",
+    ),
+    Fig(
+        "write before and {}x after",
+        "store-publish.json",
+        "summary.new.write_ratio_store_vs_raw_median",
+    ),
     Fig("| {} streams answered and", "soak-hour.json", "requests.full", fmt="{:,.0f}"),
     Fig("answered and {} closed early;", "soak-hour.json", "requests.aborted", fmt="{:,.0f}"),
     Fig(
