@@ -83,7 +83,7 @@ def save_records(
     if len(layouts) != len(keys):
         raise ValueError(f"{len(layouts)} layouts for {len(keys)} keys")
     width = engine.window if width is None else width
-    clock = _Clock(phases)
+    clock = PhaseClock(phases)
 
     def write(i: int) -> int:
         if skip_existing and tier.probe([keys[i]]) == 1:
@@ -111,12 +111,12 @@ def save_records(
     return written
 
 
-class _Clock:
+class PhaseClock:
     """Adds each `with clock(name):` block's seconds to `phases[name]`, from any writer
     thread (nothing without a dict)."""
 
     def __init__(self, phases: dict[str, float] | None) -> None:
-        self._phases = phases
+        self.phases = phases
         self._lock = threading.Lock()
 
     @contextmanager
@@ -125,9 +125,9 @@ class _Clock:
         try:
             yield
         finally:
-            if self._phases is not None:
+            if self.phases is not None:
                 with self._lock:
-                    self._phases[name] = self._phases.get(name, 0.0) + time.monotonic() - t0
+                    self.phases[name] = self.phases.get(name, 0.0) + time.monotonic() - t0
 
 
 def write_staged(

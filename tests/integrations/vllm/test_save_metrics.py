@@ -58,7 +58,14 @@ def test_step_saves_are_counted_timed_and_logged_saved_or_skipped(tmp_path):
         lines = [json.loads(x) for x in events.read_text().splitlines()]
         steps = [(e["request_id"], e["outcome"]) for e in lines if e["kind"] == "step_save"]
         assert sorted(steps) == [("saved-1", "complete")] * 3 + [("skipped-1", "skipped")] * 2
-        assert all(e["seconds"] >= 0 for e in lines if e.get("outcome") == "complete")
+        done = [e for e in lines if e["kind"] == "step_save" and e["outcome"] == "complete"]
+        assert all(e["seconds"] >= 0 for e in done)
+        # Each written cut says where its time went; the tier's write is within its
+        # `seconds`, the slot and the copy outside it. A skipped cut has no phases.
+        for e in done:
+            assert set(e["phases"]) - {"pace"} == {"slot", "copy", "write"}, e
+            assert 0 < e["phases"]["write"] <= e["seconds"], e
+        assert not any("phases" in e for e in lines if e.get("outcome") == "skipped")
     finally:
         for slot in held:
             slot.release()

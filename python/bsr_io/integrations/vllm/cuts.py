@@ -35,7 +35,7 @@ from bsr_io.integrations.vllm.layout import FULL
 from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
 from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED
 from bsr_io.load.records import COMPLETE
-from bsr_io.save.records import extract_record
+from bsr_io.save.records import PhaseClock, extract_record
 
 if TYPE_CHECKING:
     from bsr_io.integrations.vllm.worker import WorkerSide
@@ -92,13 +92,16 @@ class StepCuts:
             guard.close()  # waits for a copy in progress; a later one is Abandoned
 
     def _cut_now(self, t: Transfer, r: RecordOrder, budget_end: float) -> None:
+        clock = PhaseClock({})
         try:
-            slot = lease(self.w.save_engine, budget_end)
+            with clock("slot"):
+                slot = lease(self.w.save_engine, budget_end)
         except EngineBusy:
             self._lost(t.request_id, SKIPPED, "no save slot within the step budget")
             return
-        self._extract(t, r, slot, Guard())
-        self._track(t.request_id, self._writers.submit(self._write, t, r, slot))
+        with clock("copy"):
+            self._extract(t, r, slot, Guard())
+        self._track(t.request_id, self._writers.submit(self._write, t, r, slot, clock))
 
     def _queue(self, t: Transfer, r: RecordOrder) -> None:
         copied = threading.Event()
@@ -115,15 +118,19 @@ class StepCuts:
     def _cut_later(
         self, t: Transfer, r: RecordOrder, guard: Guard, copied: threading.Event
     ) -> None:
+        clock = PhaseClock({})
         try:
-            self.w.gate.wait()  # the copy, while a forward runs (gate.py)
+            with clock("pace"):
+                self.w.gate.wait()  # the copy, while a forward runs (gate.py)
             try:
-                slot = lease(self.w.save_engine, time.monotonic() + self.cfg.save_timeout_s)
+                with clock("slot"):
+                    slot = lease(self.w.save_engine, time.monotonic() + self.cfg.save_timeout_s)
             except EngineBusy:
                 self._lost(t.request_id, SKIPPED, "no save slot within save_timeout_s")
                 return
             try:
-                self._extract(t, r, slot, guard)
+                with clock("copy"):
+                    self._extract(t, r, slot, guard)
             except Abandoned:
                 self._lost(t.request_id, SKIPPED, "its blocks were released before its cut")
                 return
@@ -133,7 +140,7 @@ class StepCuts:
                 return
         finally:
             copied.set()
-        self._write(t, r, slot)
+        self._write(t, r, slot, clock)
 
     def _extract(self, t: Transfer, r: RecordOrder, slot: Slot, guard: Guard) -> None:
         """Copy record `r` out of its blocks into `slot` (given back on failure)."""
@@ -143,17 +150,19 @@ class StepCuts:
             give_back(slot)
             raise
 
-    def _write(self, t: Transfer, r: RecordOrder, slot: Slot) -> None:
+    def _write(self, t: Transfer, r: RecordOrder, slot: Slot, clock: PhaseClock) -> None:
         key, g = self.w.key(t, r), self.w.groups[r.group]
-        self.w.gate.wait()  # the write too
+        with clock("pace"):
+            self.w.gate.wait()  # the write too
         t0 = time.monotonic()
         try:
-            self.w.save_tier.write(key, slot, g.record)
+            with clock("write"):
+                self.w.save_tier.write(key, slot, g.record)
             self.w.note_saved(key)
-            self._outcome(t.request_id, SAVED, time.monotonic() - t0, "")
+            self._outcome(t.request_id, SAVED, time.monotonic() - t0, "", clock.phases)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
             log.warning("bsr-io: save of %s failed: %s", key.short(), exc)
-            self._outcome(t.request_id, FAILED, time.monotonic() - t0, str(exc))
+            self._outcome(t.request_id, FAILED, time.monotonic() - t0, str(exc), clock.phases)
         finally:
             give_back(slot)
 
@@ -163,12 +172,25 @@ class StepCuts:
             self._skipped += 1
         self._outcome(request_id, outcome, None, why)
 
-    def _outcome(self, request_id: str, outcome: str, seconds: float | None, why: str) -> None:
-        """A record cut in a step: written, skipped or failed (counted, logged)."""
+    def _outcome(
+        self,
+        request_id: str,
+        outcome: str,
+        seconds: float | None,
+        why: str,
+        phases: dict[str, float] | None = None,
+    ) -> None:
+        """A record cut in a step: written, skipped or failed (counted, logged). A written
+        or failed one says where its time went (`phases`, seconds): waits for a forward
+        (`pace`), for a slot, the copy out of its blocks, the tier's write."""
         self.w.save_metrics.step(outcome, seconds)
         fields: dict[str, Any] = {"kind": "step_save", "request_id": request_id}
         fields |= {"outcome": COMPLETE if outcome == SAVED else outcome, "reason": why}
-        self.w.event(None, fields | ({"seconds": seconds} if seconds is not None else {}))
+        if seconds is not None:
+            fields["seconds"] = seconds
+        if phases is not None:
+            fields["phases"] = phases
+        self.w.event(None, fields)
 
     def writes_of(self, request_id: str) -> list[Future[None]]:
         """The request's cuts still being written (its finish save waits for them)."""
