@@ -102,6 +102,13 @@ class ReadTimedOut(Exception):
         )
 
 
+def _whereabouts(exc: TimeoutError) -> str:
+    """What a timed-out wait said of its read, without the errno and the generic words
+    around it: "read of PATH sent 3.1 s ago, in the kernel for 3.0 s"."""
+    said = exc.strerror if isinstance(exc.strerror, str) else str(exc)
+    return said.split("timed out waiting for the operation: ", 1)[-1]
+
+
 class ChunkUnavailable(Exception):
     """No tier could deliver a verified copy of a chunk."""
 
@@ -197,7 +204,7 @@ class _SlotRead(_Read):
             return self.handle.wait(timeout)
         except TimeoutError as exc:
             self.handle.withdraw()  # still queued in the engine: its slot back now
-            raise ReadTimedOut(self.index, self.key, str(exc)) from None
+            raise ReadTimedOut(self.index, self.key, _whereabouts(exc)) from None
 
     def land(self, window: Window, trail: _Trail) -> _Landed | None:
         return window._attempt(
@@ -228,7 +235,7 @@ class _DirectRead(_Read):
         except TimeoutError as exc:
             if not self.handle.done() and not self.handle.abandon():
                 window._unusable(self.index, self.handle)
-            raise ReadTimedOut(self.index, self.key, str(exc)) from None
+            raise ReadTimedOut(self.index, self.key, _whereabouts(exc)) from None
         except DestinationUnusable:
             window._unusable(self.index, self.handle)
             raise
