@@ -395,6 +395,9 @@ class PublishStall:
     """Fault double (tests only): publications held at one step; see `stall_publish`."""
     @property
     def hits(self) -> int: ...
+    @property
+    def threads(self) -> list[int]:
+        """Kernel thread ids of the runners it held, in order."""
     def release(self) -> None: ...
 
 def stall_publish(step: str, under: str) -> PublishStall:

@@ -22,6 +22,12 @@ impl PyPublishStall {
         self.stall.hits()
     }
 
+    /// The kernel thread ids of the publications it held (their runners), in order.
+    #[getter]
+    fn threads(&self) -> Vec<i32> {
+        self.stall.threads()
+    }
+
     /// Let the held ones go on; hold no more.
     fn release(&self) {
         self.stall.release();

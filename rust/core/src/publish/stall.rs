@@ -20,6 +20,8 @@ pub struct Stall {
     /// Publications of temp files under this path prefix only.
     under: String,
     hits: AtomicUsize,
+    /// The threads it held (their kernel ids): where a publication ran.
+    threads: Mutex<Vec<i32>>,
     released: Mutex<bool>,
     turn: Condvar,
 }
@@ -30,6 +32,7 @@ pub fn arm(step: Step, under: &str) -> Arc<Stall> {
         step,
         under: under.to_owned(),
         hits: AtomicUsize::new(0),
+        threads: Mutex::new(Vec::new()),
         released: Mutex::new(false),
         turn: Condvar::new(),
     });
@@ -42,6 +45,11 @@ impl Stall {
     /// Publications it has held.
     pub fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
+    }
+
+    /// The kernel thread ids of the publications it held, in order.
+    pub fn threads(&self) -> Vec<i32> {
+        locked(&self.threads).clone()
     }
 
     /// Let the held ones go on, and hold no more. Idempotent.
@@ -67,6 +75,8 @@ pub(crate) fn at(step: Step, tmp: &str) {
         .find(|s| s.step == step && tmp.starts_with(&s.under))
         .cloned();
     if let Some(s) = held {
+        // SAFETY: gettid takes no arguments and cannot fail.
+        locked(&s.threads).push(unsafe { libc::gettid() });
         s.hits.fetch_add(1, Ordering::SeqCst);
         let mut released = locked(&s.released);
         while !*released {
