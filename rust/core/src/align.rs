@@ -153,6 +153,48 @@ pub fn split(extent: u64, request: u64) -> impl Iterator<Item = (u64, u64)> {
     })
 }
 
+/// A zeroed heap block aligned for O_DIRECT: to its own size (at least 512 bytes) by
+/// `new`, to `align` by `copy_of`.
+pub(crate) struct AlignedBlock {
+    pub(crate) ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl AlignedBlock {
+    pub(crate) fn new(size: usize) -> Result<AlignedBlock> {
+        Self::aligned(size, size.max(512))
+    }
+
+    /// A copy of `bytes` (at least one byte long) aligned to `align`.
+    pub(crate) fn copy_of(bytes: &[u8], align: usize) -> Result<AlignedBlock> {
+        let block = Self::aligned(bytes.len(), align)?;
+        // SAFETY: `block` holds `bytes.len()` bytes of its own, apart from `bytes`.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), block.ptr, bytes.len()) };
+        Ok(block)
+    }
+
+    fn aligned(size: usize, align: usize) -> Result<AlignedBlock> {
+        if size == 0 {
+            return Err(Error::invalid("an aligned block needs at least one byte"));
+        }
+        let layout = std::alloc::Layout::from_size_align(size, align)
+            .map_err(|_| Error::invalid(format!("bad alignment {align} for {size} bytes")))?;
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(Error::os("alloc", None, libc::ENOMEM));
+        }
+        Ok(AlignedBlock { ptr, layout })
+    }
+}
+
+impl Drop for AlignedBlock {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `aligned` with this layout and not freed elsewhere.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

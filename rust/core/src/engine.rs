@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::align::{is_aligned, round_up};
+use crate::align::{is_aligned, round_up, AlignedBlock};
 use crate::arena::{Arena, SlotLease, PAGE};
 use crate::backend::pread::PreadPool;
 use crate::backend::trace::TraceEvent;
@@ -602,32 +602,6 @@ fn fill_tail_block(
         slot.copy_in(length as usize, old)?;
     }
     Ok(())
-}
-
-/// A heap block aligned for O_DIRECT.
-struct AlignedBlock {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl AlignedBlock {
-    fn new(size: usize) -> Result<AlignedBlock> {
-        let layout = std::alloc::Layout::from_size_align(size, size.max(512))
-            .map_err(|_| Error::invalid(format!("bad alignment {size}")))?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            return Err(Error::os("alloc", None, libc::ENOMEM));
-        }
-        Ok(AlignedBlock { ptr, layout })
-    }
-}
-
-impl Drop for AlignedBlock {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout and not freed elsewhere.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
-    }
 }
 
 impl Drop for Engine {

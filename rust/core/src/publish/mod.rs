@@ -27,6 +27,7 @@ use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use crate::align::AlignedBlock;
 use crate::arena::SlotLease;
 use crate::error::{Error, Result};
 use crate::file::{open_beneath, open_raw};
@@ -311,40 +312,16 @@ fn mkdir_private(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-/// A heap copy of the header, aligned for O_DIRECT.
-struct Head {
-    ptr: *mut u8,
-    layout: std::alloc::Layout,
-}
-
-impl Head {
-    fn new(bytes: &[u8]) -> Result<Head> {
-        let layout = std::alloc::Layout::from_size_align(bytes.len().max(1), BLOCK as usize)
-            .map_err(|_| Error::invalid("header too large"))?;
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { std::alloc::alloc(layout) };
-        if ptr.is_null() {
-            return Err(Error::os("alloc", None, libc::ENOMEM));
-        }
-        // SAFETY: `ptr` holds at least `bytes.len()` bytes and does not overlap `bytes`.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len()) };
-        Ok(Head { ptr, layout })
-    }
-}
-
-impl Drop for Head {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, freed once.
-        unsafe { std::alloc::dealloc(self.ptr, self.layout) };
-    }
-}
-
 /// The header, then the slot's `length` bytes, from offset 0: one pwritev, repeated on
 /// a short write for what is left.
 fn write_all(fd: i32, spec: &Spec, lease: &SlotLease, path: &str) -> Result<()> {
-    let head = Head::new(&spec.head)?;
+    // The header's copy aligned for O_DIRECT (none for an empty header).
+    let head = match spec.head.is_empty() {
+        true => None,
+        false => Some(AlignedBlock::copy_of(&spec.head, BLOCK as usize)?),
+    };
     let mut pieces = [
-        (head.ptr as usize, spec.head.len()),
+        (head.as_ref().map_or(0, |h| h.ptr as usize), spec.head.len()),
         (lease.addr(), spec.length as usize),
     ];
     let mut offset: i64 = 0;
