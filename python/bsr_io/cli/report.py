@@ -31,13 +31,32 @@ def source_commit() -> str:
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
+def machine() -> dict[str, Any]:
+    """The CPU a result was measured on: absolute rates differ severalfold between the
+    machines this runs on (a bf16 forward with AMX or without), so a figure is compared
+    only with those of the same machine, and ratios only within one run."""
+    model, flags = "unknown", ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif name.strip() == "flags" and not flags:
+                    flags = value
+    except OSError:
+        pass
+    return {"cpu": model, "cpus": os.cpu_count(), "amx": "amx_tile" in flags.split()}
+
+
 def write_json(path: str | os.PathLike[str] | None, doc: Any) -> None:
-    """Write `doc` to `path` (parents created), with the commit it measured, and say so;
-    nothing when `path` is None."""
+    """Write `doc` to `path` (parents created), with the commit it measured and the
+    machine, and say so; nothing when `path` is None."""
     if path is None:
         return
-    if isinstance(doc, dict) and "commit" not in doc:
-        doc = {**doc, "commit": source_commit()}
+    if isinstance(doc, dict):
+        doc = {"machine": machine(), **doc}
+        doc.setdefault("commit", source_commit())
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")
