@@ -613,6 +613,239 @@ MOONCAKE_FIGURES: list[Fig] = [
 
 # docs/vllm.md: the CPU engine runs, the hybrid model and scheduler-side discovery.
 VLLM_FIGURES: list[Fig] = [
+    # The run with the one-call publish (serve-publish.json).
+    Fig(
+        "against {} to 2.6)",
+        "serve.json,serve-gate.json,serve-gate-repeat.json,serve-gate-control.json",
+        "min of warmup_saturated_req_s",
+        fmt="{:.1f}",
+        derive=lambda d: min(x["warmup_saturated_req_s"] for x in d.values()),
+    ),
+    Fig(
+        "against 2.1 to {})",
+        "serve.json,serve-gate.json,serve-gate-repeat.json,serve-gate-control.json",
+        "max of warmup_saturated_req_s",
+        fmt="{:.1f}",
+        derive=lambda d: max(x["warmup_saturated_req_s"] for x in d.values()),
+    ),
+    Fig(
+        "took about {}% of a saved record's CPU away",
+        "store-publish.json",
+        "1 - new/old CPU per record",
+        fmt="{:.0f}",
+        derive=lambda d: (
+            100
+            * (
+                1
+                - d["store-publish.json"]["summary"]["new"]["write_cpu_ms_per_record_median"]
+                / d["store-publish.json"]["summary"]["old"]["write_cpu_ms_per_record_median"]
+            )
+        ),
+    ),
+    Fig(
+        "both servers: {} steps,",
+        "serve-probe.json",
+        "counters_two_phases.bsr_io.vllm:iteration_tokens_total_count",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "steps, {} prompt tokens computed",
+        "serve-probe.json",
+        "counters_two_phases.bsr_io.vllm:prompt_tokens_total",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "computed, {} output tokens",
+        "serve-probe.json",
+        "counters_two_phases.bsr_io.vllm:generation_tokens_total",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "prefill time {}x,",
+        "serve-probe.json",
+        "prefill time ratio",
+        fmt="{:.3f}",
+        derive=lambda d: (
+            d["serve-probe.json"]["counters_two_phases"]["bsr_io"][
+                "vllm:request_prefill_time_seconds_sum"
+            ]
+            / d["serve-probe.json"]["counters_two_phases"]["baseline"][
+                "vllm:request_prefill_time_seconds_sum"
+            ]
+        ),
+    ),
+    Fig(
+        "decode time {}x.",
+        "serve-probe.json",
+        "decode time ratio",
+        fmt="{:.3f}",
+        derive=lambda d: (
+            d["serve-probe.json"]["counters_two_phases"]["bsr_io"][
+                "vllm:request_decode_time_seconds_sum"
+            ]
+            / d["serve-probe.json"]["counters_two_phases"]["baseline"][
+                "vllm:request_decode_time_seconds_sum"
+            ]
+        ),
+    ),
+    Fig(
+        "that thread spent {} samples",
+        "serve-probe.json",
+        "py_spy_one_phase.bsr_io.forward_thread",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "with bsr-io and {} without; the model",
+        "serve-probe.json",
+        "py_spy_one_phase.baseline.forward_thread",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "forward took {} against",
+        "serve-probe.json",
+        "py_spy_one_phase.bsr_io.model_forward",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "against {} (1.039x)",
+        "serve-probe.json",
+        "py_spy_one_phase.baseline.model_forward",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "({}x)",
+        "serve-probe.json",
+        "model forward ratio",
+        fmt="{:.3f}",
+        derive=lambda d: (
+            d["serve-probe.json"]["py_spy_one_phase"]["bsr_io"]["model_forward"]
+            / d["serve-probe.json"]["py_spy_one_phase"]["baseline"]["model_forward"]
+        ),
+    ),
+    Fig(
+        "bsr-io's hooks {}.",
+        "serve-probe.json",
+        "py_spy_one_phase.bsr_io.bsr_io_hooks",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "They save {} MB/s here",
+        "serve-publish.json",
+        "bsr_io.save_bytes_per_s",
+        fmt="{:.1f}",
+        derive=lambda d: d["serve-publish.json"]["bsr_io"]["save_bytes_per_s"] / 1e6,
+    ),
+    Fig(
+        "records: {} a second",
+        "serve-publish.json",
+        "bsr_io.save_bytes_per_s / 2 MiB",
+        fmt="{:.1f}",
+        derive=lambda d: d["serve-publish.json"]["bsr_io"]["save_bytes_per_s"] / (1 << 21),
+    ),
+    Fig(
+        "at about {} ms of CPU each",
+        "store-publish.json",
+        "summary.new.write_cpu_ms_per_record_median",
+        fmt="{:.2f}",
+    ),
+    Fig(
+        "the worker there {}% of the time",
+        "serve-probe.json",
+        "perf_forward_core_worker_share.bsr_io",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["serve-probe.json"]["perf_forward_core_worker_share"]["bsr_io"],
+    ),
+    Fig(
+        "with bsr-io and {}% without.",
+        "serve-probe.json",
+        "perf_forward_core_worker_share.baseline",
+        fmt="{:.1f}",
+        derive=lambda d: 100 * d["serve-probe.json"]["perf_forward_core_worker_share"]["baseline"],
+    ),
+    Fig(
+        "All {} step saves completed, none skipped; a save took",
+        "serve-publish.json",
+        "bsr_io.save_outcomes.step_save:complete",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "about 3x slower (the reference saturated at {} requests/s",
+        "serve-publish.json",
+        "warmup_saturated_req_s",
+        fmt="{:.2f}",
+    ),
+    Fig(
+        "steady throughput {}x the reference's and 0.969x",
+        "serve-publish.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the reference's and {}x the control's",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_control.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "against both, {}x (95% interval",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval {}x to 0.986x). TTFT",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.945x to {}x). TTFT",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 {}x (1.011x",
+        "serve-publish.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "({}x to 1.074x). The control",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_baseline.ttft_p50_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(1.011x to {}x). The control",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_baseline.ttft_p50_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "The control ran at {}x the reference's.",
+        "serve-publish.json",
+        "noise_floor.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "At the fixed rate: TTFT p50 {}x and",
+        "serve-publish.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 1.009x and throughput {}x.",
+        "serve-publish.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "a save took {} s at p50",
+        "serve-publish.json",
+        "bsr_io.save_seconds.p50",
+        fmt="{:.3f}",
+    ),
     # An hour of serving (soak-hour.json, bsr-lab bench soak --minutes 60).
     Fig("{} streams answered in full", "soak-hour.json", "requests.full", fmt="{:,.0f}"),
     Fig("in full and {} closed early", "soak-hour.json", "requests.aborted", fmt="{:,.0f}"),
@@ -1362,6 +1595,49 @@ VLLM_FIGURES: list[Fig] = [
 
 # The README's headline table: one row per claim, each linking its JSON.
 HEADLINE_FIGURES: list[Fig] = [
+    # The run with the one-call publish (serve-publish.json).
+    Fig(
+        "steady throughput {}x the reference's, 0.964x",
+        "serve-publish.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.959x the reference's, {}x both",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval {}x to 0.986x); TTFT",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.945x to {}x); TTFT",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 {}x (1.011x to 1.074x): not met",
+        "serve-publish.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "1.044x ({}x to 1.074x): not met",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_baseline.ttft_p50_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(1.011x to {}x): not met",
+        "serve-publish.json",
+        "saturated_95.bsr_io_vs_baseline.ttft_p50_ratio_95.1",
+        fmt="{:.3f}",
+    ),
     Fig(
         "switches per record {} before,",
         "store-publish.json",
