@@ -50,11 +50,9 @@ VOCAB = 512
 
 
 def has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_tile" in f.read()
-    except OSError:
-        return False
+    from bsr_io.cli.report import machine
+
+    return bool(machine()["amx"])
 
 
 def apply_vllm_cpu_workarounds() -> None:
