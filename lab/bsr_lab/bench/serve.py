@@ -128,6 +128,16 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
         help="the connector's save_in_steps: full records cut in the step that completes "
         "them, so a finished request's blocks are freed at once",
     )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more kv_connector_extra_config setting of the bsr-io server, VALUE as "
+        "JSON (a bare word is text), e.g. --set window=2 --set save_gate_s=0: an A/B of "
+        "the connector's settings, run by run (repeatable; checked before any server "
+        "starts)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
     p.add_argument("--json", default=None, help="write the result here")
@@ -506,6 +516,35 @@ def round_order(r: int, servers: dict[str, Any]) -> list[str]:
     return order
 
 
+def connector_settings(args: argparse.Namespace, store: Path, events: Path) -> dict[str, Any]:
+    """The bsr-io server's kv_connector_extra_config: the bench's own settings, then each
+    `--set KEY=VALUE`, checked as the connector checks them (ValueError naming what is
+    wrong), so a typo fails at once, not after the other servers have started."""
+    from bsr_io.integrations.vllm.config import KEYS
+    from bsr_io.settings import parse
+
+    settings: dict[str, Any] = {
+        "store_dir": str(store),
+        "window": 8,
+        "chunk_tokens": args.chunk,
+        "load_timeout_s": 30,
+        "events_path": str(events),
+        "save_in_steps": args.save_in_steps,
+    }
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        if key in ("store_dir", "events_path"):
+            raise ValueError(f"--set {key}: the bench sets it (its work directory)")
+        try:
+            settings[key] = json.loads(text)
+        except json.JSONDecodeError:
+            settings[key] = text  # a bare word: text ("--set io_cpus=inherit")
+    parse(KEYS, settings)
+    return settings
+
+
 def max_len(args: argparse.Namespace) -> int:
     """vLLM's max_model_len: what the KV cache holds (vLLM keeps a block back), at most
     8192."""
@@ -546,6 +585,12 @@ def run(args: argparse.Namespace) -> int:
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="bsr-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
+    store, events_path = work / "store", work / "events.jsonl"
+    try:
+        connector = connector_settings(args, store, events_path)
+    except ValueError as exc:
+        print(f"bsr-lab bench serve: {exc}", file=sys.stderr)
+        return 2
     heads = args.hidden // 64
     model = write_tiny_llama(
         work / f"model-{args.hidden}x{args.layers}",
@@ -554,17 +599,8 @@ def run(args: argparse.Namespace) -> int:
         heads=heads,
         kv_heads=max(1, heads // 3),
     )
-    store, events_path = work / "store", work / "events.jsonl"
     shutil.rmtree(store, ignore_errors=True)  # every run starts from an empty store
     events_path.unlink(missing_ok=True)
-    connector = {
-        "store_dir": str(store),
-        "window": 8,
-        "chunk_tokens": args.chunk,
-        "load_timeout_s": 30,
-        "events_path": str(events_path),
-        "save_in_steps": args.save_in_steps,
-    }
     sides = (
         *SIDES,
         *((CONTROL,) if args.control else ()),
