@@ -28,6 +28,7 @@ class Work:
         self.hold = threading.Event()
         self.ran: list[str] = []
         self.ended: list[tuple[str, bool, str]] = []
+        self.details: dict[str, dict[str, object]] = {}
 
     def run(self, job: Job) -> tuple[bool, str, dict[str, object]]:
         self.ran.append(job.request_id)
@@ -48,6 +49,7 @@ class Work:
 
     def on_end(self, job: Job, details: dict[str, object]) -> None:
         self.ended.append((job.request_id, job.ok, job.reason))
+        self.details[job.request_id] = details
 
 
 def table(work: Work, load=None, save=None) -> JobTable:
@@ -111,6 +113,32 @@ def test_a_hung_job_is_given_up_on_then_its_lane_takes_no_new_saves():
         t.submit("save", transfer("after"), 5)
         assert poll_until(t, 1)[0] == {"after"}
         assert work.ran == ["hung", "after"]
+    finally:
+        work.hold.set()
+        t.close()
+
+
+def test_a_job_given_up_while_running_says_where_its_lane_was(caplog):
+    """A running job past its deadline ignored it somewhere: its report carries the lane's
+    stack at the give-up (the event log's `stack`), and its late return is logged. A job
+    given up while still queued has no stack to give."""
+    work = Work()
+    t = table(work, save=work.hung)
+    try:
+        with caplog.at_level("WARNING", logger="bsr_io.vllm"):
+            t.submit("save", transfer("hung"), 0.2)
+            time.sleep(0.05)  # the lane took it and hangs
+            t.submit("save", transfer("queued"), 0.1)
+            assert poll_until(t, 2)[0] == {"hung", "queued"}
+            stack = "".join(work.details["hung"]["stack"])  # type: ignore[arg-type]
+            assert "in hung" in stack and "self.hold.wait()" in stack, stack
+            assert "stack" not in work.details["queued"]
+            assert 0 <= work.details["hung"]["poll_gap_s"] < 5  # type: ignore[operator]
+            work.hold.set()
+            end = time.monotonic() + 5
+            while "returned" not in caplog.text and time.monotonic() < end:
+                time.sleep(0.02)
+        assert "save of hung returned" in caplog.text, caplog.text
     finally:
         work.hold.set()
         t.close()

@@ -69,7 +69,15 @@ def _loads(events: Events, reply: Completion) -> dict[int, str]:
 
 
 def _summary(r: Completion, events: Events) -> dict[str, Any]:
-    return {"tokens": r.tokens, "cached": r.cached or 0, "s": r.seconds, "loads": _loads(events, r)}
+    out = {"tokens": r.tokens, "cached": r.cached or 0, "s": r.seconds, "loads": _loads(events, r)}
+    # A load given up: the gap between the worker's polls and where its lane was (printed
+    # when a test fails).
+    given_up = {
+        e["rank"]: f"{e['poll_gap_s']} s since the previous poll; " + "".join(e.get("stack", []))
+        for e in events.of(r.request_id, "load")
+        if "poll_gap_s" in e
+    }
+    return out | ({"given_up": given_up} if given_up else {})
 
 
 def _ttft(c: Cluster, prompt: list[int], rounds: int = 3) -> list[float]:

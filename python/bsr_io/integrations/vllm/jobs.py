@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -98,6 +100,7 @@ class JobTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._jobs: list[Job] = []  # submitted, not yet reported
+        self._polled = clock()  # a long gap between polls: the worker itself did not step
         self._lanes = {kind: _Lane(kind, run) for kind, run in runs.items()}
         for lane in self._lanes.values():
             lane.thread = threading.Thread(
@@ -136,15 +139,29 @@ class JobTable:
         """(finished_sending, finished_recving, failed_recving) of the jobs that ended
         since the last call; first gives up on every job past its deadline."""
         now = self._clock()
+        gap, self._polled = now - self._polled, now
         with self._lock:
             late = [j for j in self._jobs if not j.done and now > self._limit(j)]
         for job in late:
             where = "queued" if job.started is None else "running"
+            # A running job past its deadline ignored it somewhere: say where it is.
+            # (The gap since the previous poll tells a stalled lane from a worker that
+            # was not stepping, or not running, meanwhile.)
+            stack = self._stack(job) if job.started is not None else []
+            if stack:
+                log.warning(
+                    "bsr-io: %s of %s still running past its deadline (%.1f s since the "
+                    "previous poll), at:\n%s",
+                    job.kind,
+                    job.request_id,
+                    gap,
+                    "".join(stack),
+                )
             self._end(
                 job,
                 False,
                 f"{job.kind} did not end within its deadline ({where})",
-                {},
+                {"poll_gap_s": round(gap, 3)} | ({"stack": stack} if stack else {}),
                 until_returned=self._hold_running
                 and job.kind == "load"
                 and job.started is not None,
@@ -194,6 +211,15 @@ class JobTable:
                 lane.thread.join(timeout=timeout_s)
 
     # -- inside ----------------------------------------------------------------------
+    def _stack(self, job: Job) -> list[str]:
+        """Where `job`'s lane is now (its innermost frames), if it is still running it."""
+        lane = self._lanes[job.kind]
+        ident = lane.thread.ident if lane.thread is not None else None
+        frame = sys._current_frames().get(ident) if ident is not None else None
+        if frame is None or lane.current is not job:
+            return []
+        return traceback.format_stack(frame, limit=12)
+
     def _limit(self, job: Job) -> float:
         # A running job gets a grace past its deadline to return on its own (its reads
         # end at the deadline); a queued one none: nothing of it has started.
@@ -254,6 +280,17 @@ class JobTable:
                 ok, reason, details = False, f"{type(exc).__name__}: {exc}", {}
             finally:
                 lane.current = None
+            if job.done:
+                # Given up on already (reported): what the late run saw is only logged.
+                log.warning(
+                    "bsr-io: %s of %s returned %.1f s after it was given up (%s): %s",
+                    job.kind,
+                    job.request_id,
+                    self._clock() - job.deadline,
+                    reason or "ok",
+                    details,
+                )
+                continue
             if job.aborted and ok and job.kind == "load":
                 ok, reason = False, "the request was aborted during its load"
             self._end(job, ok, reason, details)
