@@ -613,6 +613,68 @@ MOONCAKE_FIGURES: list[Fig] = [
 
 # docs/vllm.md: the CPU engine runs, the hybrid model and scheduler-side discovery.
 VLLM_FIGURES: list[Fig] = [
+    # Default settings at 8a68daf (serve-default.json).
+    Fig(
+        "saturation, steady throughput {}x the reference's",
+        "serve-default.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "reference's, {}x both references' (95% interval 0.942x",
+        "serve-default.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval {}x to 0.956x), TTFT",
+        "serve-default.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.942x to {}x), TTFT",
+        "serve-default.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.956x), TTFT p50 {}x; at",
+        "serve-default.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "fixed rate TTFT p50 {}x and throughput 1.000x. All",
+        "serve-default.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "and throughput {}x. All 364",
+        "serve-default.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "All {} saves completed, at",
+        "serve-default.json",
+        "bsr_io.save_outcomes.save:complete",
+        fmt="{:.0f}",
+    ),
+    Fig("completed, at {} s p50.", "serve-default.json", "bsr_io.save_seconds.p50", fmt="{:.3f}"),
+    Fig(
+        "requests: TTFT p50 {} s against",
+        "serve-default.json",
+        "restore_vs_recompute.ttft_restored_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "s against {} s recomputed. The",
+        "serve-default.json",
+        "restore_vs_recompute.ttft_recomputed_s.p50",
+        fmt="{:.3f}",
+    ),
     # The run with the one-call publish (serve-publish.json).
     Fig(
         "against {} to 2.6)",
@@ -1670,25 +1732,59 @@ HEADLINE_FIGURES: list[Fig] = [
     ),
     Fig("| {} streams answered and", "soak-hour.json", "requests.full", fmt="{:,.0f}"),
     Fig("answered and {} closed early;", "soak-hour.json", "requests.aborted", fmt="{:,.0f}"),
+    # Default settings (serve-default.json).
     Fig(
         "TTFT p50 {}x, output throughput",
-        "serve.json",
+        "serve-default.json",
         "miss_penalty.paced.ttft_p50_ratio",
         fmt="{:.3f}",
     ),
     Fig(
-        "output throughput {}x |", "serve.json", "miss_penalty.paced.throughput_ratio", fmt="{:.3f}"
+        "output throughput {}x |",
+        "serve-default.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
     ),
     Fig(
-        "| TTFT p50 {}x, throughput",
-        "serve.json",
+        "steady state) | steady throughput {}x the reference's",
+        "serve-default.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.947x the reference's, {}x both",
+        "serve-default.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval {}x to 0.956x)",
+        "serve-default.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.942x to {}x); TTFT",
+        "serve-default.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 {}x (1.037x to 1.129x): the goal",
+        "serve-default.json",
         "miss_penalty.saturated.ttft_p50_ratio",
         fmt="{:.3f}",
     ),
     Fig(
-        "x, throughput {}x: the goal",
-        "serve.json",
-        "miss_penalty.saturated.throughput_ratio",
+        "1.069x ({}x to 1.129x): the goal",
+        "serve-default.json",
+        "saturated_95.bsr_io_vs_baseline.ttft_p50_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(1.037x to {}x): the goal",
+        "serve-default.json",
+        "saturated_95.bsr_io_vs_baseline.ttft_p50_ratio_95.1",
         fmt="{:.3f}",
     ),
     Fig(
@@ -1747,26 +1843,26 @@ HEADLINE_FIGURES: list[Fig] = [
     ),
     Fig(
         "| TTFT p50 {} s against",
-        "serve.json",
+        "serve-default.json",
         "restore_vs_recompute.ttft_restored_s.p50",
         fmt="{:.3f}",
     ),
     Fig(
         "s against {} s recomputed",
-        "serve.json",
+        "serve-default.json",
         "restore_vs_recompute.ttft_recomputed_s.p50",
         fmt="{:.3f}",
     ),
-    Fig("recomputed ({}x); p99", "serve.json", "restore_vs_recompute.speedup_p50"),
+    Fig("recomputed ({}x); p99", "serve-default.json", "restore_vs_recompute.speedup_p50"),
     Fig(
         "x); p99 {} s against",
-        "serve.json",
+        "serve-default.json",
         "restore_vs_recompute.ttft_restored_s.p99",
         fmt="{:.3f}",
     ),
     Fig(
         "s against {} s | [serve",
-        "serve.json",
+        "serve-default.json",
         "restore_vs_recompute.ttft_recomputed_s.p99",
         fmt="{:.3f}",
     ),
