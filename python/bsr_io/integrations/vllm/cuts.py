@@ -155,16 +155,21 @@ class StepCuts:
         with clock("pace"):
             self.w.gate.wait()  # the write too
         t0 = time.monotonic()
+        error: Exception | None = None
         try:
             with clock("write"):
                 self.w.save_tier.write(key, slot, g.record)
             self.w.note_saved(key)
-            self._outcome(t.request_id, SAVED, time.monotonic() - t0, "", clock.phases)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
-            log.warning("bsr-io: save of %s failed: %s", key.short(), exc)
-            self._outcome(t.request_id, FAILED, time.monotonic() - t0, str(exc), clock.phases)
+            error = exc
         finally:
-            give_back(slot)
+            give_back(slot)  # before the outcome: a save counted holds no slot any more
+        seconds = time.monotonic() - t0
+        if error is None:
+            self._outcome(t.request_id, SAVED, seconds, "", clock.phases)
+        else:
+            log.warning("bsr-io: save of %s failed: %s", key.short(), error)
+            self._outcome(t.request_id, FAILED, seconds, str(error), clock.phases)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _lost(self, request_id: str, outcome: str, why: str) -> None:
