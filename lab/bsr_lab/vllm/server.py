@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bsr_lab.vllm.harness import BLOCK_SIZE, eager, free_ports
+from bsr_lab.vllm.harness import BLOCK_SIZE, KV_CACHE_BYTES, eager, free_ports
 
 
 def kv_transfer_config(connector: dict[str, Any], policy: str = "recompute") -> str:
@@ -72,7 +72,7 @@ def default_args(max_model_len: int = 8192, block_size: int = BLOCK_SIZE) -> lis
         "--max-model-len", str(max_model_len),
         "--dtype", "bfloat16",
         "--seed", "0",
-        "--gpu-memory-utilization", "0.08",
+        "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
         *(["--enforce-eager"] if eager() else []),
     ]  # fmt: skip
 

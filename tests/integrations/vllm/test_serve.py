@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bsr_lab.vllm.harness import Events, tokens, write_tiny_llama
+from bsr_lab.vllm.harness import KV_CACHE_BYTES, Events, tokens, write_tiny_llama
 from bsr_lab.vllm.server import Server, vllm_exe
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -69,8 +69,8 @@ def served(vllm_root):
             "--skip-tokenizer-init",  # the tiny model has none: token-id prompts
             "--max-model-len",
             "4096",
-            "--gpu-memory-utilization",
-            "0.08",
+            "--kv-cache-memory-bytes",
+            str(KV_CACHE_BYTES),
             "--enable-prompt-tokens-details",  # cached_tokens in each response
         ],  # fmt: skip
         threads_bind="0-1",
