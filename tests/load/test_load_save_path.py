@@ -283,3 +283,70 @@ def test_a_save_says_where_its_time_went(tmp_path, monkeypatch):
     assert slow["slot"] + slow["copy"] < 3 * step_s, slow
     tier.close()
     engine.close()
+
+
+def test_saves_on_kept_writers_start_no_thread_and_report_each_failure(tmp_path):
+    """`writers`: a host's kept threads write every record of every save (vLLM's CPU
+    worker: no thread started and joined per save beside the forward); a failed record
+    is reported alone, or raised without `on_done`. The control is the same saves
+    without `writers`, which start threads of their own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = Engine(4, BIG.chunk_bytes)
+    tier = SSDTier(tmp_path / "l2", None, engine)
+    keys, layouts, data = _records(12, seed=7)
+    ran_on: set[int] = set()
+    real_write = tier.write
+
+    def write(*args, **kw):
+        ran_on.add(threading.get_ident())
+        return real_write(*args, **kw)
+
+    tier.write = write  # type: ignore[method-assign]
+    pool = ThreadPoolExecutor(2)
+    both = threading.Barrier(2)  # warm: both threads started, and their idents known
+
+    def ident(_: int) -> int:
+        both.wait(10)
+        return threading.get_ident()
+
+    pooled = set(pool.map(ident, range(2)))
+    try:
+        started = threading.active_count()
+        for part in (slice(0, 4), slice(4, 8)):
+            n = save_records(
+                engine, tier, keys[part], layouts[part], HostBuffers(data[part]),
+                deadline=time.monotonic() + 30, writers=pool,
+            )  # fmt: skip
+            assert n == 4
+        assert ran_on <= pooled and threading.active_count() == started
+        # One record handed with the wrong layout fails alone; the others are stored.
+        bad = [*layouts[8:12]]
+        bad[1] = BIG if bad[1] is SMALL else SMALL
+        errors: dict[int, BaseException | None] = {}
+        n = save_records(
+            engine, tier, keys[8:12], bad, HostBuffers(data[8:12]),
+            deadline=time.monotonic() + 30, writers=pool,
+            on_done=lambda i, e: errors.__setitem__(i, e),
+        )  # fmt: skip
+        assert n == 3 and [i for i, e in errors.items() if e is not None] == [1]
+        with pytest.raises(Exception, match="layout"):
+            save_records(
+                engine, tier, keys[9:10], bad[1:2], HostBuffers(data[9:10]),
+                deadline=time.monotonic() + 30, writers=pool,
+            )  # fmt: skip
+        # The control: without `writers` a save runs on threads it starts.
+        ran_on.clear()
+        tier.write = write  # type: ignore[method-assign]
+        save_records(
+            engine, tier, keys[:2], layouts[:2], HostBuffers(data[:2]),
+            deadline=time.monotonic() + 30, width=2, skip_existing=False,
+        )  # fmt: skip
+        assert ran_on and not ran_on & pooled
+        res, out = _load_all(engine, tier, keys[:9] + keys[10:], layouts[:9] + layouts[10:])
+        assert res.complete, res.reason
+        assert engine.live_bytes() == 0
+    finally:
+        pool.shutdown()
+        tier.close()
+        engine.close()

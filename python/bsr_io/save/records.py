@@ -11,7 +11,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -62,6 +62,7 @@ def save_records(
     on_done: Callable[[int, BaseException | None], object] | None = None,
     pace: Callable[[], object] | None = None,
     phases: dict[str, float] | None = None,
+    writers: Executor | None = None,
 ) -> int:
     """Store record i of `dest` (`dest.extract(i, ...)`, `layouts[i].chunk_bytes` bytes)
     as `keys[i]` in `tier`; returns records written. `width` writers each lease one slot,
@@ -79,7 +80,10 @@ def save_records(
 
     `phases`: where the writers' time went, added to it in seconds summed over writers
     (`pace`; `slot`: waiting for one; `copy`: the gather; `write`: the tier's whole
-    write), so that a slow save says which step was slow."""
+    write), so that a slow save says which step was slow.
+
+    `writers`: a host's long-lived writer threads, used instead of `width` new ones
+    (their number is then the width, shared by the saves that run at once)."""
     if len(layouts) != len(keys):
         raise ValueError(f"{len(layouts)} layouts for {len(keys)} keys")
     width = engine.window if width is None else width
@@ -106,7 +110,7 @@ def save_records(
             del slot
         return 1
 
-    written = _each(write, len(keys), width, on_done, progress)
+    written = _each(write, len(keys), width, on_done, progress, writers)
     dest.synchronize()
     return written
 
@@ -166,9 +170,11 @@ def _each(
     width: int,
     on_done: Callable[[int, BaseException | None], object] | None,
     progress: Callable[[int], object] | None = None,
+    writers: Executor | None = None,
 ) -> int:
-    """`write(i)` for i < n on `width` threads; the records written. With `on_done`, a
-    record's failure goes there and the rest go on; without, the first one raises."""
+    """`write(i)` for i < n on `width` threads (or on `writers`); the records written.
+    With `on_done`, a record's failure goes there and the rest go on; without, the first
+    one raises."""
 
     def one(i: int) -> int:
         if on_done is None:
@@ -184,6 +190,16 @@ def _each(
     written = 0
     if n == 0:
         return 0
+    if writers is not None:
+        # Kept threads, and the caller woken once, when the last record is done: beside
+        # vLLM's CPU forward every thread start, exit and wake-up here is a GIL hand-over
+        # that the forward thread waits for (docs/vllm.md).
+        futures = [writers.submit(one, i) for i in range(n)]
+        wait(futures)
+        written = sum(f.result() for f in futures)  # without on_done: the first failure
+        if progress is not None:
+            progress(n)
+        return written
     with ThreadPoolExecutor(max_workers=min(width, n), thread_name_prefix="bsr-save") as pool:
         for w in pool.map(one, range(n)):
             written += w

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any
 
@@ -222,6 +223,11 @@ class WorkerSide:
         self.pages: KVPages | None = None
         self.gate = ForwardGate()  # set up in register, where the KV caches' device shows
         self.cuts = StepCuts(self, pinner(self.cpus))
+        # A request's records are written by kept threads, not by threads started and
+        # joined per save (records.py `_each`).
+        self.writers = ThreadPoolExecutor(
+            max(1, cfg.window // 2), thread_name_prefix="bsr-save", initializer=pinner(self.cpus)
+        )
         self.jobs = JobTable(
             {"load": self._load, "save": self._save},
             self._ended,
@@ -435,6 +441,7 @@ class WorkerSide:
             on_done=done,
             pace=self.gate.wait,
             phases=phases,
+            writers=self.writers,
         )
         extra = {
             "records": len(records),
@@ -467,6 +474,7 @@ class WorkerSide:
         self.jobs.close()
         self.inventory.close()
         self.cuts.close()
+        self.writers.shutdown(wait=True, cancel_futures=True)
         for tier in dict.fromkeys([*self.load_tiers, self.save_tier]):
             try:
                 tier.close()
