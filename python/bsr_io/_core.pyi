@@ -168,17 +168,20 @@ class Slot:
     def set_length(self, length: int) -> None:
         """Declare how many bytes are valid (for writes filled from Python)."""
     def checksum(self, offset: int = 0, length: int | None = None) -> int:
-        """xxh3-64 of slot bytes [offset, offset+length), GIL released."""
+        """xxh3-64 of slot bytes [offset, offset+length), GIL released; of the whole
+        slot right after `gather`, the hash it returned (no second pass)."""
     def fill_from(self, data: Buffer, offset: int = 0) -> None:
         """Copy bytes into the slot at `offset` (GIL released)."""
     def install_xxh3(self, dsts: Sequence[Any], runs: Sequence[tuple[int, int, int, int]]) -> int:
         """Copy the valid bytes into the writable buffers `dsts` along `runs` ((buffer
         index, offset in it, slot offset, length), in slot order) and return the xxh3-64
         of all the valid bytes, in one pass (GIL released)."""
-    def gather(self, srcs: Sequence[Any], runs: Sequence[tuple[int, int, int, int]]) -> None:
+    def gather(self, srcs: Sequence[Any], runs: Sequence[tuple[int, int, int, int]]) -> int:
         """Copy `runs` ((buffer index, offset in it, slot offset, length), in slot order)
         of the buffers `srcs` into the valid bytes and zero the bytes no run covers, in
-        one call (GIL released)."""
+        one call (GIL released); returns the xxh3-64 of the valid bytes, hashed in the
+        same pass, which `checksum()` of the whole slot returns until they may have
+        changed (set_length, fill_from, a view made of the slot)."""
 
 @final
 class Pending:

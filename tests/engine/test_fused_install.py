@@ -124,6 +124,41 @@ def test_gather_copies_runs_into_the_slot_and_zeroes_the_gaps():
         del s
 
 
+def test_gather_hashes_what_it_wrote_and_checksum_never_returns_a_stale_hash():
+    """`gather` returns the xxh3 of the slot's valid bytes (the copy's own pass), and
+    `checksum()` reuses it only while nothing can have changed them: a write through a
+    view made afterwards, a view alive during the gather, `fill_from` or `set_length`
+    all make it hash the bytes again (the controls: each changes the bytes first)."""
+    rng = np.random.default_rng(5)
+    a = rng.integers(1, 256, 200_000, dtype=np.uint8)
+    runs = [(0, 10, 4_096, 100_000), (0, 120_000, 110_000, 50_000)]
+    with Engine(1, 1 << 20) as eng:
+        s = _slot(eng, np.full(300_000, 0xCD, np.uint8))
+        h = s.gather([a], runs)
+        assert s.checksum() == h
+        assert h == xxh3_64(bytes(memoryview(s)))  # the bytes, hashed on their own
+        # A view made after the gather may have written: the hash is not reused.
+        v = memoryview(s)
+        v[7] ^= 0xFF
+        del v
+        assert s.checksum() == xxh3_64(bytes(memoryview(s))) != h
+        # A view alive during the gather may write after it: no hash is kept.
+        h = s.gather([a], runs)
+        v = memoryview(s)
+        assert s.gather([a], runs) == h
+        v[5_000] ^= 0xFF
+        del v
+        assert s.checksum() != h
+        # Bytes filled in, or a new length, after the gather.
+        assert s.gather([a], runs) == h and s.checksum() == h
+        s.fill_from(b"\x01\x02", 0)
+        assert s.checksum() != h
+        assert s.gather([a], runs) == h
+        s.set_length(200_000)
+        assert s.checksum() == xxh3_64(bytes(memoryview(s))) and len(s) == 200_000
+        del s
+
+
 def _state(tmp_path, engine, *, l3: bool):
     store = open_store(
         engine, tmp_path / "l2", layout=LAYOUT, lower_dir=tmp_path / "l3" if l3 else None

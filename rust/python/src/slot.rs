@@ -2,15 +2,15 @@
 //! `Exported`, a borrowed export of any Python buffer.
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::PyBufferError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use bsr_io_core::checksum;
+use bsr_io_core::checksum::{self, Xxh3Prefetch};
 use bsr_io_core::install::{self, Run, Span};
 use bsr_io_core::{Error, SlotLease};
 
@@ -94,6 +94,19 @@ pub(crate) struct PySlot {
     /// Live buffer exports (memoryviews, numpy arrays, tensors made through one): the
     /// slot is not given back, nor written to a file, while any of them lives.
     exports: AtomicUsize,
+    /// Exports ever made: a view made since `gathered` was set may have written.
+    export_count: AtomicU64,
+    /// The xxh3-64 `gather` computed of the bytes it wrote, while nothing else can have
+    /// changed them since (`checksum` then returns it: a save hashes its record in the
+    /// copy's pass, and hands the GIL over once per record fewer).
+    gathered: Mutex<Option<Gathered>>,
+}
+
+#[derive(Clone, Copy)]
+struct Gathered {
+    len: usize,
+    xxh3: u64,
+    export_count: u64,
 }
 
 impl PySlot {
@@ -101,6 +114,23 @@ impl PySlot {
         PySlot {
             lease,
             exports: AtomicUsize::new(0),
+            export_count: AtomicU64::new(0),
+            gathered: Mutex::new(None),
+        }
+    }
+
+    /// `gather`'s hash, if the slot's valid bytes are still exactly what it wrote.
+    fn gathered_xxh3(&self) -> Option<u64> {
+        let g = (*self.gathered.lock().ok()?)?;
+        let unchanged = g.len == self.lease.len()
+            && g.export_count == self.export_count.load(Ordering::Acquire)
+            && self.exports.load(Ordering::Acquire) == 0;
+        unchanged.then_some(g.xxh3)
+    }
+
+    fn forget_gathered(&self) {
+        if let Ok(mut g) = self.gathered.lock() {
+            *g = None;
         }
     }
 
@@ -161,6 +191,7 @@ impl PySlot {
     }
 
     fn set_length(&self, length: i64) -> PyResult<()> {
+        self.forget_gathered();
         let length = non_negative("length", length)?;
         self.lease.set_len(length as usize).raise()
     }
@@ -172,6 +203,11 @@ impl PySlot {
             Some(l) => non_negative("length", l)? as usize,
             None => self.lease.len().saturating_sub(offset),
         };
+        if offset == 0 && length == self.lease.len() {
+            if let Some(h) = self.gathered_xxh3() {
+                return Ok(h);
+            }
+        }
         let lease = Arc::clone(&self.lease);
         py.detach(move || {
             // SAFETY: the slot is leased to Python and no engine operation writes into
@@ -185,6 +221,7 @@ impl PySlot {
 
     #[pyo3(signature = (data, offset = 0))]
     fn fill_from(&self, py: Python<'_>, data: &Bound<'_, PyAny>, offset: i64) -> PyResult<()> {
+        self.forget_gathered();
         let offset = non_negative("offset", offset)? as usize;
         let src = Exported::get(data, false)?;
         let (addr, len) = (src.addr(), src.len());
@@ -251,33 +288,57 @@ impl PySlot {
     /// the buffers `srcs` into the slot's valid bytes and zero the bytes no run covers:
     /// a record gathered from scattered pages in one call, GIL released (a save's cut on
     /// vLLM's forward thread hands the GIL to other threads once, not once per page).
+    /// Returns the xxh3-64 of the valid bytes, hashed run by run while they are still in
+    /// cache; `checksum()` of the whole slot returns it until the bytes may have changed.
     fn gather(
         &self,
         py: Python<'_>,
         srcs: Vec<Bound<'_, PyAny>>,
         runs: Vec<(usize, usize, usize, usize)>,
-    ) -> PyResult<()> {
+    ) -> PyResult<u64> {
+        self.forget_gathered();
         let (exports, spans) = export_spans(&srcs, false)?;
         let slot_len = self.lease.len();
         let runs = to_runs(runs);
         let lens: Vec<usize> = spans.iter().map(|d| d.len).collect();
         install::check_runs(slot_len, &lens, &runs).raise()?;
+        // A view alive now could write while the GIL is released: no hash is kept then.
+        let count = self.export_count.load(Ordering::Acquire);
+        let viewless = self.exports.load(Ordering::Acquire) == 0;
         let lease = Arc::clone(&self.lease);
-        py.detach(move || {
-            let mut end = 0;
-            for r in &runs {
-                lease.zero(end, r.src_offset)?;
-                let src = (spans[r.dst].addr + r.dst_offset) as *const u8;
-                // SAFETY: `check_runs` put the run inside its source's export, which
-                // `exports` holds until after this closure returns.
-                unsafe { lease.copy_in_raw(r.src_offset, src, r.len) }?;
-                end = r.src_offset + r.len;
-            }
-            lease.zero(end, slot_len)
-        })
-        .raise()?;
+        let xxh3 = py
+            .detach(move || {
+                let mut hash = Xxh3Prefetch::new();
+                let mut end = 0;
+                for r in &runs {
+                    lease.zero(end, r.src_offset)?;
+                    let src = (spans[r.dst].addr + r.dst_offset) as *const u8;
+                    // SAFETY: `check_runs` put the run inside its source's export, which
+                    // `exports` holds until after this closure returns.
+                    unsafe { lease.copy_in_raw(r.src_offset, src, r.len) }?;
+                    let next = r.src_offset + r.len;
+                    // SAFETY: the slot is leased to Python and this call is what writes
+                    // it; the bytes were just written, in bounds (`check_runs`).
+                    hash.write(unsafe { lease.bytes(end, next - end) }?);
+                    end = next;
+                }
+                lease.zero(end, slot_len)?;
+                // SAFETY: as above, the tail just zeroed.
+                hash.write(unsafe { lease.bytes(end, slot_len - end) }?);
+                Ok::<_, Error>(hash.finish())
+            })
+            .raise()?;
         drop(exports);
-        Ok(())
+        if viewless {
+            if let Ok(mut g) = self.gathered.lock() {
+                *g = Some(Gathered {
+                    len: slot_len,
+                    xxh3,
+                    export_count: count,
+                });
+            }
+        }
+        Ok(xxh3)
     }
 
     /// Writable export of `len(slot)` bytes. `view.obj` is this Slot, so every view keeps
@@ -319,6 +380,7 @@ impl PySlot {
             return Err(PyErr::fetch(slf.py()));
         }
         slf.get().exports.fetch_add(1, Ordering::AcqRel);
+        slf.get().export_count.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
 
