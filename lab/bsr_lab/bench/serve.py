@@ -67,6 +67,7 @@ import numpy as np
 
 from bsr_io.cli.report import write_json
 from bsr_lab.bench.serve_pool import intervals
+from bsr_lab.vllm import sched
 
 KINDS = ("restored", "local", "miss")
 PHASES = ("saturated", "paced", "turns")
@@ -234,11 +235,15 @@ def run_round(
 
 
 def saturated(srv: Any, args: argparse.Namespace, prompts: dict[str, Any]) -> dict[str, Any]:
-    """New prompts, `--concurrency` in flight."""
+    """New prompts, `--concurrency` in flight; how the server's forward thread and engine
+    core were scheduled meanwhile (sched.py)."""
+    before = sched.counters(srv.group_pids())
     t0 = time.perf_counter()
     work = [partial(one_request, srv, p, args.max_tokens) for p in prompts["saturated"]]
     got = in_pool(args.concurrency, work)
-    return {"requests": timed(got, t0), "wall_s": time.perf_counter() - t0}
+    wall = time.perf_counter() - t0
+    after = sched.counters(srv.group_pids())
+    return {"requests": timed(got, t0), "wall_s": wall, "sched": sched.delta(before, after)}
 
 
 def paced(
@@ -467,6 +472,7 @@ def side_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         **{f"ttft_{k}_s": pct([r["ttft_s"] for r in rs if r["kind"] == k]) for k in KINDS},
         "output_tokens_per_s": {ph: out_rate([rd[ph] for rd in rounds]) for ph in PHASES},
         "cached_tokens": sum(r["cached"] for r in rs),
+        "saturated_sched": sched.rates([rd["saturated"] for rd in rounds]),
     }
 
 
@@ -768,6 +774,7 @@ def strip(rd: dict[str, Any]) -> dict[str, Any]:
         ph: {
             "wall_s": rd[ph]["wall_s"],
             "requests": [{k: v for k, v in r.items() if k != "tokens"} for r in rd[ph]["requests"]],
+            **({"sched": rd[ph]["sched"]} if "sched" in rd[ph] else {}),
         }
         for ph in PHASES
     }
