@@ -675,6 +675,160 @@ VLLM_FIGURES: list[Fig] = [
         "restore_vs_recompute.ttft_recomputed_s.p50",
         fmt="{:.3f}",
     ),
+    # What the saves do to vLLM's scheduling (serve-sched-ab.json, a scratch probe).
+    Fig(
+        "a phase (its mean: {}); with",
+        "serve-sched-ab.json",
+        "per_phase_means.baseline.forward.blocked",
+        fmt="{:.2f}",
+    ),
+    Fig(
+        "at `44c3486`, {} times. Each",
+        "serve-sched-ab.json",
+        "per_phase_means.old.forward.blocked",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "took {} cross-CPU wake-ups",
+        "serve-sched-ab.json",
+        "per_phase_means.old.cpu0_ipis.CAL",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "CPU {} times a phase and blocked 381",
+        "serve-sched-ab.json",
+        "per_phase_means.old.engine_core.migrations",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "a phase and blocked {} times.",
+        "serve-sched-ab.json",
+        "per_phase_means.old.engine_core.blocked",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "(`8805cf4`): {} blocks,",
+        "serve-sched-ab.json",
+        "per_phase_means.new.forward.blocked",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "blocks, {} wake-ups and",
+        "serve-sched-ab.json",
+        "per_phase_means.new.cpu0_ipis.CAL",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "steady throughput {}x the reference's against 0.902x",
+        "serve-sched-ab.json",
+        "steady_vs_reference.new",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "reference's against {}x (1.014x",
+        "serve-sched-ab.json",
+        "steady_vs_reference.old",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "against 0.902x ({}x). The cost",
+        "serve-sched-ab.json",
+        "new_vs_old_steady",
+        fmt="{:.3f}",
+    ),
+    # Default settings on the Xeon at 9c854b3 (serve-xeon.json).
+    Fig(
+        "steady throughput {}x the reference's, 0.916x",
+        "serve-xeon.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "reference's, {}x both references' (95% interval 0.901x",
+        "serve-xeon.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval {}x to 0.927x); TTFT",
+        "serve-xeon.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.901x to {}x); TTFT",
+        "serve-xeon.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.927x); TTFT p50 {}x. The control",
+        "serve-xeon.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "The control ran at {}x the reference's. The goal",
+        "serve-xeon.json",
+        "noise_floor.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "saturated at {} requests/s), so",
+        "serve-xeon.json",
+        "warmup_saturated_req_s",
+        fmt="{:.2f}",
+    ),
+    Fig(
+        "and ran {}% of the time against",
+        "serve-xeon.json",
+        "bsr_io.saturated_sched.forward.run_s",
+        fmt="{:.1f}",
+        scale=0.01,
+    ),
+    Fig(
+        "of the time against {}%; the engine",
+        "serve-xeon.json",
+        "baseline.saturated_sched.forward.run_s",
+        fmt="{:.1f}",
+        scale=0.01,
+    ),
+    Fig(
+        "At the fixed rate: TTFT p50 {}x and throughput 1.001x",
+        "serve-xeon.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "1.015x and throughput {}x. All 364",
+        "serve-xeon.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "1.001x. All {} saves completed (",
+        "serve-xeon.json",
+        "bsr_io.save_outcomes.save:complete",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "saves completed ({} s p50).",
+        "serve-xeon.json",
+        "bsr_io.save_seconds.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "Restored requests: TTFT p50 {} s against 0.490",
+        "serve-xeon.json",
+        "restore_vs_recompute.ttft_restored_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.133 s against {} s recomputed.",
+        "serve-xeon.json",
+        "restore_vs_recompute.ttft_recomputed_s.p50",
+        fmt="{:.3f}",
+    ),
     # The run with the one-call publish (serve-publish.json).
     Fig(
         "against {} to 2.6)",
@@ -1732,6 +1886,37 @@ HEADLINE_FIGURES: list[Fig] = [
     ),
     Fig("| {} streams answered and", "soak-hour.json", "requests.full", fmt="{:,.0f}"),
     Fig("answered and {} closed early;", "soak-hour.json", "requests.aborted", fmt="{:,.0f}"),
+    # Default settings on a Xeon with AMX (serve-xeon.json).
+    Fig(
+        "AMX (6 rounds) | steady throughput {}x the reference's",
+        "serve-xeon.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the reference's, {}x both references' (95% interval 0.901x",
+        "serve-xeon.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval {}x to 0.927x); TTFT p50 1.297x: not met",
+        "serve-xeon.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval 0.901x to {}x); TTFT p50 1.297x: not met",
+        "serve-xeon.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "to 0.927x); TTFT p50 {}x: not met, and further",
+        "serve-xeon.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
     # Default settings (serve-default.json).
     Fig(
         "TTFT p50 {}x, output throughput",
