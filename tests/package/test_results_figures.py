@@ -829,6 +829,103 @@ VLLM_FIGURES: list[Fig] = [
         "restore_vs_recompute.ttft_recomputed_s.p50",
         fmt="{:.3f}",
     ),
+    # save_in_steps on the Xeon at 9c854b3 (serve-xeon-steps.json).
+    Fig(
+        "steady throughput {}x the reference's, 0.969x",
+        "serve-xeon-steps.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "reference's, {}x both references' (95% interval 0.944x",
+        "serve-xeon-steps.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval {}x to 0.993x); TTFT p50 1.025x. The",
+        "serve-xeon-steps.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.944x to {}x); TTFT p50 1.025x. The",
+        "serve-xeon-steps.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.993x); TTFT p50 {}x. The control",
+        "serve-xeon-steps.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "The control ran at {}x. TTFT",
+        "serve-xeon-steps.json",
+        "noise_floor.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "All {} step saves completed, none skipped (",
+        "serve-xeon-steps.json",
+        "bsr_io.save_outcomes.step_save:complete",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "none skipped ({} s p50). The forward",
+        "serve-xeon-steps.json",
+        "bsr_io.save_seconds.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "At the fixed rate: TTFT p50 {}x and throughput 0.999x",
+        "serve-xeon-steps.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.996x and throughput {}x. Restored",
+        "serve-xeon-steps.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 {} s against 0.515",
+        "serve-xeon-steps.json",
+        "restore_vs_recompute.ttft_restored_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.128 s against {} s recomputed.",
+        "serve-xeon-steps.json",
+        "restore_vs_recompute.ttft_recomputed_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(here {}x against 0.919x",
+        "serve-xeon-steps.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(here 0.972x against {}x, on the EPYC",
+        "serve-xeon.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "on the EPYC {}x against 0.947x)",
+        "serve-publish.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "on the EPYC 0.959x against {}x)",
+        "serve-default.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
     # The run with the one-call publish (serve-publish.json).
     Fig(
         "against {} to 2.6)",
@@ -1886,6 +1983,43 @@ HEADLINE_FIGURES: list[Fig] = [
     ),
     Fig("| {} streams answered and", "soak-hour.json", "requests.full", fmt="{:,.0f}"),
     Fig("answered and {} closed early;", "soak-hour.json", "requests.aborted", fmt="{:,.0f}"),
+    # save_in_steps on the same Xeon (serve-xeon-steps.json).
+    Fig(
+        "Xeon (6 rounds) | steady throughput {}x the reference's",
+        "serve-xeon-steps.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the reference's, {}x both references' (95% interval 0.944x",
+        "serve-xeon-steps.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval {}x to 0.993x); TTFT p50 1.025x; 2,016",
+        "serve-xeon-steps.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval 0.944x to {}x); TTFT p50 1.025x; 2,016",
+        "serve-xeon-steps.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "to 0.993x); TTFT p50 {}x; 2,016",
+        "serve-xeon-steps.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 1.025x; {} step saves, none skipped",
+        "serve-xeon-steps.json",
+        "bsr_io.save_outcomes.step_save:complete",
+        fmt="{:,.0f}",
+    ),
     # Default settings on a Xeon with AMX (serve-xeon.json).
     Fig(
         "AMX (6 rounds) | steady throughput {}x the reference's",
