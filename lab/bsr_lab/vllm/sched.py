@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+Counters = dict[str, dict[str, float]]  # role -> counter -> value
 # comm (the kernel's 15-character thread name) prefix -> role
 ROLES = {"VLLM::Worker": "forward", "VLLM::EngineCor": "engine_core"}
 _SCHED = {
@@ -46,10 +47,10 @@ def thread_counters(pid: int) -> dict[str, float] | None:
     return out if len(out) == len(_SCHED) + 2 else None
 
 
-def counters(pids: list[int]) -> dict[str, dict[str, float]]:
+def counters(pids: list[int]) -> Counters:
     """Per role (ROLES), the counters of its process's main thread, summed over the
     processes that play it."""
-    out: dict[str, dict[str, float]] = {}
+    out: Counters = {}
     for pid in pids:
         comm = (_read(f"/proc/{pid}/comm") or "").strip()
         role = next((r for prefix, r in ROLES.items() if comm.startswith(prefix)), None)
@@ -61,7 +62,7 @@ def counters(pids: list[int]) -> dict[str, dict[str, float]]:
     return out
 
 
-def delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> Any:
+def delta(before: Counters, after: Counters) -> Counters:
     """after - before, per role both hold (a role restarted between them is left out)."""
     return {
         role: {k: after[role][k] - v for k, v in before[role].items()}
@@ -70,11 +71,11 @@ def delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]
     }
 
 
-def rates(phases: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def rates(phases: list[dict[str, Any]]) -> Counters:
     """Per role, each counter over the phases' summed wall time (per second; `run_s` and
     `wait_s` then read as the share of the time)."""
     wall = sum(ph["wall_s"] for ph in phases if "sched" in ph)
-    out: dict[str, dict[str, float]] = {}
+    out: Counters = {}
     for ph in phases:
         for role, c in ph.get("sched", {}).items():
             have = out.setdefault(role, dict.fromkeys(c, 0.0))
