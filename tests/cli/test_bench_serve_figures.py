@@ -148,6 +148,9 @@ class Echo:
             self.prompts.append(len(prompt))
         yield {"id": "cmpl-x", "choices": [{"token_ids": prompt[-2:]}]}
 
+    def group_pids(self) -> list[int]:
+        return []  # no processes: no scheduling counters to read
+
 
 def test_a_round_runs_the_phases_it_is_given_and_only_those():
     args = SimpleNamespace(
@@ -157,6 +160,7 @@ def test_a_round_runs_the_phases_it_is_given_and_only_those():
     prompts = round_prompts(args, 0)
     everything = run_round(Echo(), args, prompts, 100.0)
     assert [len(everything[ph]["requests"]) for ph in ("saturated", "paced", "turns")] == [5, 3, 4]
+    assert everything["saturated"]["sched"] == {}  # no vLLM thread to count
     srv = Echo()
     turns = run_round(srv, args, prompts, 100.0, ("turns",))
     assert [len(turns[ph]["requests"]) for ph in ("saturated", "paced")] == [0, 0]
