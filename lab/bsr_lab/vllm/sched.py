@@ -34,7 +34,7 @@ def _read(path: str) -> str | None:
 
 def thread_counters(pid: int) -> dict[str, float] | None:
     """The counters of process `pid`'s main thread, or None where /proc lacks them."""
-    sched, stat = _read(f"/proc/{pid}/task/{pid}/sched"), _read(f"/proc/{pid}/schedstat")
+    sched, stat = _read(f"/proc/{pid}/task/{pid}/sched"), _read(f"/proc/{pid}/task/{pid}/schedstat")
     if sched is None or stat is None:
         return None
     out: dict[str, float] = {}
