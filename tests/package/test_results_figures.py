@@ -829,6 +829,37 @@ VLLM_FIGURES: list[Fig] = [
         "restore_vs_recompute.ttft_recomputed_s.p50",
         fmt="{:.3f}",
     ),
+    # save_in_steps under slot pressure, window 1 (serve-steps-window1.json).
+    Fig(
+        "Every one of the {} step saves completed",
+        "serve-steps-window1.json",
+        "bsr_io.save_outcomes.step_save:complete",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "none was skipped ({} s p50, 0.011",
+        "serve-steps-window1.json",
+        "bsr_io.save_seconds.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "s p50, {} s p99): a cut waits",
+        "serve-steps-window1.json",
+        "bsr_io.save_seconds.p99",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "Steady throughput {}x the reference's and TTFT p50 1.082x",
+        "serve-steps-window1.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "reference's and TTFT p50 {}x (two measured",
+        "serve-steps-window1.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
     # save_in_steps on the Xeon at 9c854b3 (serve-xeon-steps.json).
     Fig(
         "steady throughput {}x the reference's, 0.969x",

@@ -125,9 +125,11 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
     )
     p.add_argument(
         "--save-in-steps",
-        action="store_true",
-        help="the connector's save_in_steps: full records cut in the step that completes "
-        "them, so a finished request's blocks are freed at once",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the connector's save_in_steps (its default): full records cut in the step "
+        "that completes them, so a finished request's blocks are freed at once; "
+        "--no-save-in-steps: saved at the request's finish",
     )
     p.add_argument(
         "--set",

@@ -130,6 +130,7 @@ def run_lora(model: str, tp: int, work: str, connector: bool) -> dict[str, Any]:
     store = os.path.join(work, "store")
     events = h.Events(os.path.join(work, "events.jsonl"))
     cfg = {
+        **h.FINISH_SAVES,
         "store_dir": store,
         "window": h.WINDOW,
         "chunk_tokens": C,
@@ -304,6 +305,7 @@ def run_mm(model: str, tp: int, work: str, connector: bool) -> dict[str, Any]:
     store = os.path.join(work, "store")
     events = h.Events(os.path.join(work, "events.jsonl"))
     cfg = {
+        **h.FINISH_SAVES,
         "store_dir": store,
         "window": h.WINDOW,
         "chunk_tokens": C,

@@ -276,11 +276,12 @@ def reset(llm: Any, timeout: float = 60.0) -> None:
 def run(model: str, work: str, zero_group: int) -> dict[str, Any]:
     """Save A, restore its prefix under A2; save Z, zero `zero_group`'s records of it
     (a test double: well-formed records, valid checksums), restore Z."""
-    from bsr_lab.vllm.harness import Events, generate, groups_of, plant_foreign_kv
+    from bsr_lab.vllm.harness import FINISH_SAVES, Events, generate, groups_of, plant_foreign_kv
 
     store = os.path.join(work, "store")
     events = Events(os.path.join(work, "events.jsonl"))
     cfg = {
+        **FINISH_SAVES,
         "store_dir": store,
         # Six window groups cut a record each at every chunk boundary, in one step: a
         # window of 8 slots and a step budget that lets the writers free them (the

@@ -37,6 +37,11 @@ BLOCK_SIZE = 32
 # node 0 holds 13 of its 23 GiB (engines failed to start). A fixed size also gives every
 # host the same number of blocks.
 KV_CACHE_BYTES = 1 << 30
+# The scenarios below wait for each request's finish save (its "save" event, one per
+# rank) before the next phase reads the store: they run the connector with full records
+# saved at finish, not cut in steps (the default, whose records are `step_save` events
+# with no per-request end; the serve tests and the soak run the default).
+FINISH_SAVES = {"save_in_steps": False}
 # Set to "1" by the test suite: engines run eager (no torch.compile), which takes tens
 # of seconds off each engine start on a 2-core CPU. Benches leave it unset: they measure
 # the engine users run, compiled.
@@ -476,6 +481,7 @@ def run_suite(model: str, tp: int, work: str) -> dict[str, Any]:
     events = Events(os.path.join(work, "events.jsonl"))
     port = free_ports(tp)
     cfg = {
+        **FINISH_SAVES,
         "store_dir": store,
         "window": WINDOW,
         "chunk_tokens": CHUNK_TOKENS,
@@ -648,6 +654,7 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
     events = Events(os.path.join(work, "events.jsonl"))
     port = free_ports(tp)  # each rank's save counters
     cfg = {
+        **FINISH_SAVES,
         "store_dir": store,
         "window": WINDOW,
         "chunk_tokens": G_CHUNK,
@@ -760,6 +767,7 @@ def run_bench(
     store = os.path.join(work, "store")
     events = Events(os.path.join(work, "events.jsonl"))
     cfg = {
+        **FINISH_SAVES,
         "store_dir": store,
         "window": window,
         "chunk_tokens": chunk_tokens,

@@ -126,6 +126,7 @@ def run_phases(
     # x 64 x bf16, its KV heads split across the TP ranks.
     rec = HEADER_BYTES + 2 * 2 * C * (2 // tp) * 64 * 2
     cfg = {
+        **h.FINISH_SAVES,
         "store_dir": store,
         "window": h.WINDOW,
         "chunk_tokens": C,

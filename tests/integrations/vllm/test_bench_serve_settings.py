@@ -22,8 +22,11 @@ def test_settings_are_added_as_json_or_text(tmp_path: Path) -> None:
     got = serve.connector_settings(args, tmp_path / "store", tmp_path / "ev.jsonl")
     assert got["window"] == 2 and got["save_gate_s"] == 0 and got["io_cpus"] == "inherit"
     # The bench's own settings stay unless --set names them.
-    assert got["chunk_tokens"] == 256 and got["save_in_steps"] is False
+    assert got["chunk_tokens"] == 256 and got["save_in_steps"] is True
     assert got["store_dir"] == str(tmp_path / "store")
+    # The finish save, the connector's other save mode, is one flag away.
+    off = serve.connector_settings(_args("--no-save-in-steps"), tmp_path / "s", tmp_path / "e")
+    assert off["save_in_steps"] is False
 
 
 @pytest.mark.parametrize(

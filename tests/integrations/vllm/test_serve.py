@@ -90,12 +90,16 @@ def test_a_repeat_is_served_by_the_connector(served):
     chunk = cfg["chunk_tokens"]
     prompt = tokens(31, 5 * chunk + 40)
     first = srv.complete(prompt, max_tokens=16)
-    # The finished request's records are saved on the save lane: wait for them.
+    # By default (`save_in_steps`) each record is cut in the step that computed it and
+    # written by the workers' writers: wait for the five.
     deadline = time.monotonic() + 300
-    while not [e for e in events.all() if e.get("kind") == "save" and e["outcome"] == "complete"]:
-        assert time.monotonic() < deadline, f"no save event: {events.all()}"
+    while len([e for e in events.all() if e.get("kind") == "step_save"]) < 5:
+        assert time.monotonic() < deadline, f"records not cut in steps: {events.all()}"
         assert srv.alive(), srv.log_tail()
         time.sleep(0.2)
+    steps = [e for e in events.all() if e.get("kind") == "step_save"]
+    assert [e["outcome"] for e in steps] == ["complete"] * 5, steps
+    assert not [e for e in events.all() if e.get("kind") == "save"]  # no finish save
     srv.reset_prefix_cache()
     hits_before = external_hits(srv)
     second = srv.complete(prompt, max_tokens=16)
@@ -118,10 +122,10 @@ def errors(log: str) -> list[str]:
     ]
 
 
-def test_records_saved_in_steps_serve_a_repeat(vllm_root):
-    """`save_in_steps`: the records are cut in the steps that computed them, no finish
-    save is asked for (vLLM freed the blocks at once), and a repeat restores them."""
-    work = vllm_root / "serve-in-steps"
+def test_records_saved_at_finish_serve_a_repeat(vllm_root):
+    """`save_in_steps` false: no record is cut in a step; vLLM keeps the finished
+    request's blocks until the workers report its save, and a repeat restores it."""
+    work = vllm_root / "serve-at-finish"
     work.mkdir()
     chunk = 256
     events = Events(str(work / "events.jsonl"))
@@ -131,7 +135,7 @@ def test_records_saved_in_steps_serve_a_repeat(vllm_root):
             "store_dir": str(work / "store"),
             "chunk_tokens": chunk,
             "events_path": events.path,
-            "save_in_steps": True,
+            "save_in_steps": False,
         },
         log=work / "serve.log",
         max_model_len=4096,
@@ -143,12 +147,14 @@ def test_records_saved_in_steps_serve_a_repeat(vllm_root):
         prompt = tokens(32, 5 * chunk + 40)
         first = srv.complete(prompt, max_tokens=16)
         deadline = time.monotonic() + 120
-        while len([e for e in events.all() if e.get("kind") == "step_save"]) < 5:
-            assert time.monotonic() < deadline, f"records not cut in steps: {events.all()}"
+        done = [e for e in events.all() if e.get("kind") == "save"]
+        while not [e for e in done if e["outcome"] == "complete"]:
+            assert time.monotonic() < deadline, f"no finish save: {events.all()}"
             time.sleep(0.2)
-        steps = [e for e in events.all() if e.get("kind") == "step_save"]
-        assert [e["outcome"] for e in steps] == ["complete"] * 5, steps
-        assert not [e for e in events.all() if e.get("kind") == "save"]  # no finish save
+            done = [e for e in events.all() if e.get("kind") == "save"]
+        assert [e["outcome"] for e in done] == ["complete"], done
+        assert done[0]["written"] == 5, done
+        assert not [e for e in events.all() if e.get("kind") == "step_save"]
         srv.reset_prefix_cache()
         second = srv.complete(prompt, max_tokens=16)
         assert second.cached == 5 * chunk, (first, second)

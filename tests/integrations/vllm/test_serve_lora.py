@@ -49,15 +49,18 @@ def ask(srv: Server, prompt: list[int], model: str) -> tuple[list[int], Any, int
     return out.tokens, out.tops, out.cached
 
 
-def wait_saves(events: Events, n: int, timeout: float = 120.0) -> None:
-    """Until `n` finish saves have ended, each complete."""
+def wait_saves(events: Events, records: int, timeout: float = 120.0) -> None:
+    """Until `records` records have been written (cut in steps, by default, or in a
+    finish save), and no save failed or skipped one."""
     deadline = time.monotonic() + timeout
     while True:
-        saves = [e for e in events.all() if e.get("kind") == "save"]
-        assert all(e["outcome"] == "complete" for e in saves), saves
-        if len(saves) >= n:
+        steps = [e for e in events.all() if e.get("kind") == "step_save"]
+        finish = [e for e in events.all() if e.get("kind") == "save"]
+        assert all(e["outcome"] == "complete" for e in steps + finish), steps + finish
+        written = len(steps) + sum(e.get("written", 0) for e in finish)
+        if written >= records:
             return
-        assert time.monotonic() < deadline, f"{len(saves)} of {n} saves ended"
+        assert time.monotonic() < deadline, f"{written} of {records} records written"
         time.sleep(0.1)
 
 
@@ -118,7 +121,7 @@ def test_lora_requests_beside_plain_ones_never_share_kv(vllm_root: Path) -> None
                 toks, _, cached = ask(srv, p, ctx)
                 assert cached == 0, (name, ctx, cached)
                 ref[name, ctx] = toks
-                wait_saves(events, len(ref))  # saved before the next context asks
+                wait_saves(events, 4 * len(ref))  # saved before the next context asks
         # Control: the adapters change the output, so KV crossing contexts would show.
         for name in P:
             assert len({tuple(ref[name, ctx]) for ctx in contexts}) == 3, ref

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from bsr_lab.vllm.harness import CHUNK_TOKENS, Events, tokens, write_tiny_llama
+from bsr_lab.vllm.harness import CHUNK_TOKENS, FINISH_SAVES, Events, tokens, write_tiny_llama
 from bsr_lab.vllm.nodes import Cluster
 from bsr_lab.vllm.server import Completion
 
@@ -97,6 +97,7 @@ def _scenario(root: Path) -> dict[str, Any]:
         d.mkdir()
     events = Events(str(root / "events.jsonl"))
     cfg = {
+        **FINISH_SAVES,  # _settle waits for each request's finish save on both ranks
         "store_dir": str(store),  # the same path on both nodes, a different drive on each
         "window": 4,
         "chunk_tokens": CHUNK_TOKENS,

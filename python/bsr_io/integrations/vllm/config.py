@@ -62,7 +62,7 @@ KEYS = Table(
         Key("save_timeout_s", "float", 120.0, _POSITIVE, positive),
         Key("save", "bool", True, "true or false"),
         Key("step_save_budget_s", "float", 0.05, _POSITIVE, positive),
-        Key("save_in_steps", "bool", False, "true or false"),
+        Key("save_in_steps", "bool", True, "true or false"),
         Key("save_gate_s", "float", 0.05, "a number >= 0", at_least(0)),
         Key("rescan_s", "float", 5.0, _POSITIVE, positive),
         Key("report_batch", "int", 4096, _INT.format(1), at_least(1)),
@@ -103,7 +103,9 @@ class ConnectorConfig:
     # most this long for a free save slot, then skips the record (a future miss).
     step_save_budget_s: float = _D("step_save_budget_s")
     # Full-attention records cut in the step that completes them (as window records
-    # always are), not read at the request's finish while vLLM holds its blocks.
+    # always are), not read at the request's finish while vLLM holds its blocks: a
+    # finished request's blocks are free at once (false: the finish save, which holds
+    # them until the workers report it, and never skips a record).
     save_in_steps: bool = _D("save_in_steps")
     # On a CPU worker, how long a save's copy and its write wait for a forward to run
     # (gate.py); 0: they never wait.

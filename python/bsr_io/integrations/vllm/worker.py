@@ -23,8 +23,8 @@ Design (one path, two lanes, nothing unbounded):
 - Saves run on the save lane with an engine of their own, so neither lane waits behind
   the other. Records completed in a step are cut (cuts.py): window-group records in
   `wait_for_save` (their blocks are reused from the next step on), full-group ones,
-  with `save_in_steps`, by the writers while the request still holds its blocks.
-  Full-group records left for a finished request go through the core's
+  with `save_in_steps` (the default), by the writers while the request still holds its
+  blocks. Full-group records left for a finished request go through the core's
   `save_records`; vLLM keeps the blocks until the worker reports the request in
   `finished_sending`. On a CPU worker a save's copies and writes run while a forward
   does (gate.py).
