@@ -829,6 +829,67 @@ VLLM_FIGURES: list[Fig] = [
         "restore_vs_recompute.ttft_recomputed_s.p50",
         fmt="{:.3f}",
     ),
+    # The default (save_in_steps on) on the Xeon at 8b9cc38 (serve-xeon-default.json).
+    Fig(
+        "At saturation: steady throughput {}x the reference's (95% interval 0.948x",
+        "serve-xeon-default.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.966x the reference's (95% interval {}x to 0.984x)",
+        "serve-xeon-default.json",
+        "saturated_95.bsr_io_vs_baseline.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval 0.948x to {}x), TTFT p50 1.033x.",
+        "serve-xeon-default.json",
+        "saturated_95.bsr_io_vs_baseline.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.984x), TTFT p50 {}x. The control ran",
+        "serve-xeon-default.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "The control ran at {}x the reference's, and",
+        "serve-xeon-default.json",
+        "noise_floor.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "against it alone bsr-io ran {}x: against both",
+        "serve-xeon-default.json",
+        "saturated_95.bsr_io_vs_control.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "All {} step saves of this run completed",
+        "serve-xeon-default.json",
+        "bsr_io.save_outcomes.step_save:complete",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "of this run completed, none skipped ({} s p50)",
+        "serve-xeon-default.json",
+        "bsr_io.save_seconds.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "At the fixed rate: TTFT p50 {}x and throughput 0.999x.",
+        "serve-xeon-default.json",
+        "miss_penalty.paced.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 1.014x and throughput {}x.",
+        "serve-xeon-default.json",
+        "miss_penalty.paced.throughput_ratio",
+        fmt="{:.3f}",
+    ),
     # save_in_steps under slot pressure, window 1 (serve-steps-window1.json).
     Fig(
         "Every one of the {} step saves completed",
@@ -2014,6 +2075,61 @@ HEADLINE_FIGURES: list[Fig] = [
     ),
     Fig("| {} streams answered and", "soak-hour.json", "requests.full", fmt="{:,.0f}"),
     Fig("answered and {} closed early;", "soak-hour.json", "requests.aborted", fmt="{:,.0f}"),
+    # The default, save_in_steps on, on the Xeon at 8b9cc38 (serve-xeon-default.json).
+    Fig(
+        "misses at saturation, on the same Xeon (6 rounds) | steady throughput {}x the",
+        "serve-xeon-default.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.966x the reference's, {}x both references' (95%",
+        "serve-xeon-default.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.957x both references' (95% interval {}x to 0.970x)",
+        "serve-xeon-default.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval 0.943x to {}x); TTFT p50 1.033x",
+        "serve-xeon-default.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "to 0.970x); TTFT p50 {}x the reference's, 1.044x",
+        "serve-xeon-default.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "1.033x the reference's, {}x both (1.017x",
+        "serve-xeon-default.json",
+        "saturated_95.bsr_io_vs_references.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "1.044x both ({}x to 1.056x); the control",
+        "serve-xeon-default.json",
+        "saturated_95.bsr_io_vs_references.ttft_p50_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "1.044x both (1.017x to {}x); the control",
+        "serve-xeon-default.json",
+        "saturated_95.bsr_io_vs_references.ttft_p50_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "1.056x); the control ran at {}x. TTFT is within",
+        "serve-xeon-default.json",
+        "noise_floor.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
     # save_in_steps on the same Xeon (serve-xeon-steps.json).
     Fig(
         "Xeon (6 rounds) | steady throughput {}x the reference's",

@@ -42,6 +42,9 @@ KV_CACHE_BYTES = 1 << 30
 # saved at finish, not cut in steps (the default, whose records are `step_save` events
 # with no per-request end; the serve tests and the soak run the default).
 FINISH_SAVES = {"save_in_steps": False}
+# The end of a request's saves on a rank, in either mode: its finish save's event, or
+# with records cut in steps and no finish save, `step_saves_done`.
+SAVE_END = ("save", "step_saves_done")
 # Set to "1" by the test suite: engines run eager (no torch.compile), which takes tens
 # of seconds off each engine start on a 2-core CPU. Benches leave it unset: they measure
 # the engine users run, compiled.
@@ -237,17 +240,20 @@ class Events:
         with open(self.path) as f:
             return [json.loads(line) for line in f if line.strip()]
 
-    def of(self, request_id: str, kind: str | None = None) -> list[dict[str, Any]]:
+    def of(
+        self, request_id: str, kind: str | tuple[str, ...] | None = None
+    ) -> list[dict[str, Any]]:
+        kinds = (kind,) if isinstance(kind, str) else kind
         return [
             e
             for e in self.all()
             if e.get("request_id", "").startswith(request_id + "-")
             or e.get("request_id") == request_id
-            if kind is None or e["kind"] == kind
+            if kinds is None or e["kind"] in kinds
         ]
 
     def wait(
-        self, request_id: str, kind: str, ranks: int, timeout: float = 900.0
+        self, request_id: str, kind: str | tuple[str, ...], ranks: int, timeout: float = 900.0
     ) -> list[dict[str, Any]]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -259,13 +265,18 @@ class Events:
 
 
 def free_ports(n: int) -> int:
-    """A port p such that p .. p+n-1 are free on 127.0.0.1 (one per TP worker)."""
+    """A port p such that p .. p+n-1 are free on 127.0.0.1 (one per TP worker), below the
+    kernel's ephemeral range: vLLM, torch.distributed and ZMQ take ports from that range
+    while an engine starts, after this check and before the worker binds its own (a
+    worker's metrics bind once failed with EADDRINUSE)."""
+    import random
     import socket
 
+    low = 20000
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        high = int(f.read().split()[0])
     for _ in range(100):
-        with socket.socket() as s0:
-            s0.bind(("127.0.0.1", 0))
-            p: int = s0.getsockname()[1]
+        p: int = random.randrange(low, max(low + 1, high - n))
         try:
             socks = []
             for i in range(n):
@@ -654,7 +665,6 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
     events = Events(os.path.join(work, "events.jsonl"))
     port = free_ports(tp)  # each rank's save counters
     cfg = {
-        **FINISH_SAVES,
         "store_dir": store,
         "window": WINDOW,
         "chunk_tokens": G_CHUNK,
@@ -678,7 +688,7 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
             llm, P[name] if prompt is None else prompt, max_tokens=max_tokens
         )
         if save:
-            done = events.wait(rid, "save", tp)
+            done = events.wait(rid, SAVE_END, tp)
             bad = [e for e in done if e["outcome"] != "complete"]
             if bad:
                 raise RuntimeError(f"the save of {name} failed: {bad}")
@@ -686,7 +696,7 @@ def run_hybrid(model: str, tp: int, work: str) -> dict[str, Any]:
             "tokens": toks,
             "cached": cached,
             "loads": events.of(rid, "load"),
-            "saves": events.of(rid, "save"),
+            "saves": events.of(rid, SAVE_END),
             "seconds": dt,
         }
 

@@ -9,7 +9,9 @@ vLLM's own planner and allocator (the tiny Gemma 3's groups), real files.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from step_records import STEP, expected, fill, stored, wait_for
 
@@ -64,6 +66,76 @@ def test_a_released_request_is_never_cut_from_its_reused_blocks(tmp_path):
         worker.cuts.close()  # every queued cut has ended
         assert worker.metrics.snapshot().get(STEP % "saved") == 1
         assert stored(store) == [want]  # nothing of "gone", from old blocks or new
+    finally:
+        for slot in held:
+            slot.release()
+        worker.close()
+
+
+def _done(events: Path) -> dict[str, dict]:
+    """request -> its `step_saves_done` line (each request at most one)."""
+    lines = [json.loads(x) for x in events.read_text().splitlines()] if events.exists() else []
+    got = [e for e in lines if e["kind"] == "step_saves_done"]
+    assert len({e["request_id"] for e in got}) == len(got), got
+    return {e["request_id"]: e for e in got}
+
+
+def test_a_finished_request_says_when_its_cuts_have_all_ended(tmp_path):
+    """Records cut in steps have no finish save, so the request's save has no end of its
+    own: a `step_saves_done` line per rank says when its last cut ended and how."""
+    store, events = tmp_path / "store", tmp_path / "events.jsonl"
+    cfg = ConnectorConfig(
+        store_dir=str(store),
+        chunk_tokens=256,
+        step_save_budget_s=BUDGET_S,
+        events_path=str(events),
+    )
+    groups = group_layouts(kv_shapes.gemma3(), 256)
+    full = next(g for g in groups if g.kind == FULL)
+    worker = WorkerSide(cfg, groups, 24, rank=0, world_size=1, model="tiny")
+    held = []
+    try:
+        worker.register(kv_shapes.allocate(kv_shapes.gemma3()))
+        fill(worker, 1)
+
+        def order(rid: str, chunk: int, blocks: tuple[int, int]) -> Transfer:
+            return Transfer(rid, "tiny", (RecordOrder(full.index, chunk, 100 + chunk, blocks),))
+
+        # Written, but vLLM has not finished the request: nothing to say yet.
+        worker.save_step(BsrMetadata(step_saves=[order("a", 0, (1, 2)), order("b", 1, (3, 4))]))
+        wait_for(worker, "saved", 2)
+        worker.submit(BsrMetadata())
+        worker.results(set())
+        assert _done(events) == {}
+        # "a" finished with no finish save: its line, every cut written. "b" finished
+        # with one in the same step: that save's own event is its end, not this line.
+        worker.submit(BsrMetadata(released={"a", "b"}, finish_saves=[Transfer("b", "tiny", ())]))
+        worker.results({"a", "b"})
+        got = _done(events)
+        assert set(got) == {"a"}, got
+        assert got["a"]["outcome"] == "complete" and got["a"]["written"] == 1, got
+
+        # "c"'s cut waits for a slot when vLLM finishes it: its line waits for the cut.
+        while True:
+            try:
+                held.append(worker.save_engine.lease())
+            except NoFreeSlot:
+                break
+        worker.save_step(BsrMetadata(step_saves=[order("c", 2, (5, 6))]))
+        worker.submit(BsrMetadata(released={"c"}))  # its blocks are no longer its own
+        worker.results({"c"})
+        assert "c" not in _done(events)  # still queued: not ended
+        for slot in held:
+            slot.release()
+        held.clear()
+        wait_for(worker, "skipped", 1)
+        deadline = time.monotonic() + 10
+        while "c" not in _done(events):
+            assert time.monotonic() < deadline, events.read_text()
+            time.sleep(0.02)
+        c = _done(events)["c"]
+        assert (c["outcome"], c["written"], c["skipped"]) == ("zero", 0, 1), c
+        assert "1 skipped" in c["reason"], c
     finally:
         for slot in held:
             slot.release()

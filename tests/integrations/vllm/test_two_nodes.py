@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from bsr_lab.vllm.harness import CHUNK_TOKENS, FINISH_SAVES, Events, tokens, write_tiny_llama
+from bsr_lab.vllm.harness import CHUNK_TOKENS, SAVE_END, Events, tokens, write_tiny_llama
 from bsr_lab.vllm.nodes import Cluster
 from bsr_lab.vllm.server import Completion
 
@@ -55,7 +55,7 @@ def _records(disk: Path) -> set[Path]:
 def _settle(events: Events, reply: Completion, ranks: int = 2) -> None:
     """Wait until every rank has stored the request's chunks (its saves end after the
     response), and fail if any rank's save did not complete."""
-    done = events.wait(reply.request_id, "save", ranks, timeout=300)
+    done = events.wait(reply.request_id, SAVE_END, ranks, timeout=300)
     bad = [e for e in done if e["outcome"] != "complete"]
     assert not bad, bad
 
@@ -97,7 +97,6 @@ def _scenario(root: Path) -> dict[str, Any]:
         d.mkdir()
     events = Events(str(root / "events.jsonl"))
     cfg = {
-        **FINISH_SAVES,  # _settle waits for each request's finish save on both ranks
         "store_dir": str(store),  # the same path on both nodes, a different drive on each
         "window": 4,
         "chunk_tokens": CHUNK_TOKENS,

@@ -16,6 +16,10 @@ Two kinds, by how long their blocks stay theirs:
 A cut record goes to one of W writers, which write it crash-safe and checksummed
 through the save tier; a finished request's save waits for its cuts' writes first. On a
 CPU worker the writers copy and write while a forward runs (gate.py).
+
+A request vLLM finished with no finish save gets one `step_saves_done` event per rank
+once each of its cuts has ended (written, skipped or failed), with their counts: the
+request-level end of its saves that a finish save's own event gives otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bsr_io._core import Slot
@@ -34,13 +39,24 @@ from bsr_io.integrations.vllm.blocks import Abandoned, Guard
 from bsr_io.integrations.vllm.layout import FULL
 from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
 from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED
-from bsr_io.load.records import COMPLETE
+from bsr_io.load.records import COMPLETE, ZERO
 from bsr_io.save.records import PhaseClock, extract_record
 
 if TYPE_CHECKING:
     from bsr_io.integrations.vllm.worker import WorkerSide
 
 log = logging.getLogger("bsr_io.vllm")
+
+
+@dataclass
+class _Tally:
+    """One request's cuts on this rank, until its `step_saves_done` event."""
+
+    pending: int = 0  # cuts queued or being written
+    written: int = 0
+    skipped: int = 0
+    failed: int = 0
+    finished: bool = False  # vLLM finished the request: report once nothing is pending
 
 
 class StepCuts:
@@ -55,6 +71,7 @@ class StepCuts:
         self._writing: dict[str, list[Future[None]]] = {}  # request -> its cuts' writes
         self._guards: dict[str, Guard] = {}  # request -> guard of its queued full cuts
         self._copied: dict[str, list[threading.Event]] = {}  # request -> its cuts' copies
+        self._tallies: dict[str, _Tally] = {}  # request -> its cuts' outcomes so far
 
     # -- on the forward thread ---------------------------------------------------------
     def cut(self, meta: BsrMetadata) -> None:
@@ -63,6 +80,8 @@ class StepCuts:
             return
         budget_end = time.monotonic() + self.cfg.step_save_budget_s
         for t in meta.step_saves:
+            with self._lock:  # every rank tallies the request, records of its own or not
+                self._tallies.setdefault(t.request_id, _Tally())
             for r in t.records:
                 if not self.w.mine(r):
                     continue
@@ -113,6 +132,8 @@ class StepCuts:
     def _track(self, request_id: str, fut: Future[None]) -> None:
         with self._lock:
             self._writing.setdefault(request_id, []).append(fut)
+            self._tallies.setdefault(request_id, _Tally()).pending += 1
+        fut.add_done_callback(lambda _: self._settled(request_id))
 
     # -- on a writer thread ------------------------------------------------------------
     def _cut_later(
@@ -177,6 +198,54 @@ class StepCuts:
             self._skipped += 1
         self._outcome(request_id, outcome, None, why)
 
+    def finished(self, request_ids: Iterable[str], with_finish_save: set[str]) -> None:
+        """vLLM finished these requests (on the forward thread, after the step). One
+        with a finish save has that save's event, which waits for its cuts; another's
+        `step_saves_done` comes when its last cut ends."""
+        done = []
+        with self._lock:
+            for rid in request_ids:
+                tally = self._tallies.get(rid)
+                if tally is None:
+                    continue
+                if rid in with_finish_save:
+                    del self._tallies[rid]
+                    continue
+                tally.finished = True
+                if tally.pending == 0:
+                    done.append((rid, self._tallies.pop(rid)))
+        for rid, tally in done:
+            self._report(rid, tally)
+
+    def _settled(self, request_id: str) -> None:
+        """A cut's future ended (its outcome already tallied)."""
+        with self._lock:
+            tally = self._tallies.get(request_id)
+            if tally is None:
+                return
+            tally.pending -= 1
+            if not (tally.finished and tally.pending == 0):
+                return
+            del self._tallies[request_id]
+        self._report(request_id, tally)
+
+    def _report(self, request_id: str, t: _Tally) -> None:
+        lost = t.skipped + t.failed
+        why = f"{t.skipped} skipped, {t.failed} failed" if lost else ""
+        self.w.event(
+            None,
+            {
+                "kind": "step_saves_done",
+                "request_id": request_id,
+                "outcome": ZERO if lost else COMPLETE,
+                "reason": why,
+                "records": t.written + lost,
+                "written": t.written,
+                "skipped": t.skipped,
+                "failed": t.failed,
+            },
+        )
+
     def _outcome(
         self,
         request_id: str,
@@ -189,6 +258,11 @@ class StepCuts:
         or failed one says where its time went (`phases`, seconds): waits for a forward
         (`pace`), for a slot, the copy out of its blocks, the tier's write."""
         self.w.save_metrics.step(outcome, seconds)
+        with self._lock:
+            tally = self._tallies.get(request_id)
+            if tally is not None:
+                field = {SAVED: "written", SKIPPED: "skipped"}.get(outcome, "failed")
+                setattr(tally, field, getattr(tally, field) + 1)
         fields: dict[str, Any] = {"kind": "step_save", "request_id": request_id}
         fields |= {"outcome": COMPLETE if outcome == SAVED else outcome, "reason": why}
         if seconds is not None:

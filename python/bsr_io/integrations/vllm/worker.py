@@ -223,6 +223,7 @@ class WorkerSide:
         self.pages: KVPages | None = None
         self.gate = ForwardGate()  # set up in register, where the KV caches' device shows
         self.cuts = StepCuts(self, pinner(self.cpus))
+        self._finish_saves: set[str] = set()  # requests given a finish save this step
         # A request's records are written by kept threads, not by threads started and
         # joined per save (records.py `_each`).
         self.writers = ThreadPoolExecutor(
@@ -288,6 +289,8 @@ class WorkerSide:
             self.jobs.submit("load", t, self.cfg.load_timeout_s)
         for t in meta.finish_saves:
             self.jobs.submit("save", t, self.cfg.save_timeout_s)
+        # vLLM names these requests finished in this same step (`results`).
+        self._finish_saves = {t.request_id for t in meta.finish_saves}
 
     def save_step(self, meta: BsrMetadata) -> None:
         """Cut the records this step completed (wait_for_save): cuts.py."""
@@ -304,6 +307,8 @@ class WorkerSide:
         them (an abort) is stopped."""
         if finished:
             self.jobs.abort(finished, "load")
+            self.cuts.finished(finished, self._finish_saves)
+        self._finish_saves = set()
         self.cuts.reap()
         return self.jobs.poll()
 
