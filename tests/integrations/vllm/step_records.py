@@ -1,5 +1,6 @@
-"""The worker side's step cuts as tests see them: the cache's pages filled, a record's
-expected bytes, the records stored, and waiting for save outcomes."""
+"""The worker side's step cuts as tests see them: a real worker over the tiny Gemma 3's
+groups, the cache's pages filled, a record's expected bytes, the records stored, and
+waiting for save outcomes."""
 
 from __future__ import annotations
 
@@ -8,12 +9,33 @@ from pathlib import Path
 
 import torch
 
+from bsr_io.integrations.vllm import kv_shapes
 from bsr_io.integrations.vllm.blocks import Guard
+from bsr_io.integrations.vllm.config import ConnectorConfig
+from bsr_io.integrations.vllm.layout import GroupLayout, group_layouts
 from bsr_io.integrations.vllm.metadata import Transfer
 from bsr_io.integrations.vllm.worker import WorkerSide
 from bsr_io.model.record import HEADER_BYTES
 
 STEP = "bsr_io_vllm_save_records_total{kind=step,outcome=%s}"
+
+
+def gemma_worker(cfg: ConnectorConfig) -> WorkerSide:
+    """The real worker side (TP=1, 24 blocks) over the tiny Gemma 3's groups from vLLM's
+    own planner, its KV cache allocated and registered."""
+    groups = group_layouts(kv_shapes.gemma3(), cfg.chunk_tokens)
+    worker = WorkerSide(cfg, groups, 24, rank=0, world_size=1, model="tiny")
+    try:
+        worker.register(kv_shapes.allocate(kv_shapes.gemma3()))
+    except BaseException:
+        worker.close()
+        raise
+    return worker
+
+
+def group_of(worker: WorkerSide, kind: str) -> GroupLayout:
+    """The worker's first group of `kind` (FULL or WINDOW)."""
+    return next(g for g in worker.groups.values() if g.kind == kind)
 
 
 def fill(worker: WorkerSide, seed: int) -> None:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import time
 
-from bsr_io._core import NoFreeSlot
-from bsr_io.integrations.vllm import kv_shapes
-from bsr_io.integrations.vllm.config import ConnectorConfig
-from bsr_io.integrations.vllm.layout import WINDOW, group_layouts
-from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
-from bsr_io.integrations.vllm.worker import WorkerSide
+from step_records import STEP, gemma_worker, group_of
 
-STEP = "bsr_io_vllm_save_records_total{kind=step,outcome=%s}"
+from bsr_io._core import NoFreeSlot
+from bsr_io.integrations.vllm.config import ConnectorConfig
+from bsr_io.integrations.vllm.layout import WINDOW
+from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
 
 
 def step_saves(group: int, request: str, hashes: range) -> BsrMetadata:
@@ -34,12 +32,10 @@ def test_step_saves_are_counted_timed_and_logged_saved_or_skipped(tmp_path):
         events_path=str(events),
         step_save_budget_s=0.05,
     )
-    groups = group_layouts(kv_shapes.gemma3(), 256)
-    window = next(g for g in groups if g.kind == WINDOW)
-    worker = WorkerSide(cfg, groups, 24, rank=0, world_size=1, model="tiny")
+    worker = gemma_worker(cfg)
+    window = group_of(worker, WINDOW)
     held = []
     try:
-        worker.register(kv_shapes.allocate(kv_shapes.gemma3()))
         worker.save_step(step_saves(window.index, "saved-1", range(100, 103)))
         deadline = time.monotonic() + 30
         while worker.metrics.snapshot().get(STEP % "saved", 0) < 3:

@@ -13,14 +13,12 @@ import json
 import time
 from pathlib import Path
 
-from step_records import STEP, expected, fill, stored, wait_for
+from step_records import STEP, expected, fill, gemma_worker, group_of, stored, wait_for
 
 from bsr_io._core import NoFreeSlot
-from bsr_io.integrations.vllm import kv_shapes
 from bsr_io.integrations.vllm.config import ConnectorConfig
-from bsr_io.integrations.vllm.layout import FULL, group_layouts
+from bsr_io.integrations.vllm.layout import FULL
 from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
-from bsr_io.integrations.vllm.worker import WorkerSide
 
 BUDGET_S = 0.2
 
@@ -28,12 +26,10 @@ BUDGET_S = 0.2
 def test_a_released_request_is_never_cut_from_its_reused_blocks(tmp_path):
     store = tmp_path / "store"
     cfg = ConnectorConfig(store_dir=str(store), chunk_tokens=256, step_save_budget_s=BUDGET_S)
-    groups = group_layouts(kv_shapes.gemma3(), 256)
-    full = next(g for g in groups if g.kind == FULL)
-    worker = WorkerSide(cfg, groups, 24, rank=0, world_size=1, model="tiny")
+    worker = gemma_worker(cfg)
+    full = group_of(worker, FULL)
     held = []
     try:
-        worker.register(kv_shapes.allocate(kv_shapes.gemma3()))
         fill(worker, 1)
 
         # The control: a running request's record, cut by a writer, holds its blocks'
@@ -90,12 +86,10 @@ def test_a_finished_request_says_when_its_cuts_have_all_ended(tmp_path):
         step_save_budget_s=BUDGET_S,
         events_path=str(events),
     )
-    groups = group_layouts(kv_shapes.gemma3(), 256)
-    full = next(g for g in groups if g.kind == FULL)
-    worker = WorkerSide(cfg, groups, 24, rank=0, world_size=1, model="tiny")
+    worker = gemma_worker(cfg)
+    full = group_of(worker, FULL)
     held = []
     try:
-        worker.register(kv_shapes.allocate(kv_shapes.gemma3()))
         fill(worker, 1)
 
         def order(rid: str, chunk: int, blocks: tuple[int, int]) -> Transfer:
