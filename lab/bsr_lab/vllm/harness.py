@@ -37,11 +37,9 @@ BLOCK_SIZE = 32
 # node 0 holds 13 of its 23 GiB (engines failed to start). A fixed size also gives every
 # host the same number of blocks.
 KV_CACHE_BYTES = 1 << 30
-# Scenarios that read the store right after a request's save, on an engine that may be
-# idle, save at finish: a record cut in a step (the default) whose write ends after its
-# request's last step reaches the scheduler only with the next step's report, while a
-# finish save is reported in the step that ends it. The hybrid scenario, the serve
-# tests and the soak run the default.
+# Scenarios that read a request's finish save as one event per rank (its records, bytes
+# and phases) ask for it. The hybrid scenario, the two-node tests, the serve tests and
+# the soak run the default, records cut in steps.
 FINISH_SAVES = {"save_in_steps": False}
 # The end of a request's saves on a rank, in either mode: its finish save's event, or
 # with records cut in steps and no finish save, `step_saves_done`.

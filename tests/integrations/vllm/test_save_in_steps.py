@@ -10,14 +10,18 @@ from vLLM's own planner.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from bsr_io.integrations.vllm import kv_shapes
+from bsr_io.integrations.vllm import kv_shapes, scheduler
 from bsr_io.integrations.vllm.config import ConnectorConfig
+from bsr_io.integrations.vllm.identity import key_model
 from bsr_io.integrations.vllm.layout import FULL, group_layouts
+from bsr_io.integrations.vllm.metadata import BsrWorkerMeta, Inventory
 from bsr_io.integrations.vllm.scheduler import SchedulerSide
+from bsr_io.model.keys import prefix_hashes
 from bsr_lab.vllm.harness import scheduler_request, tokens
 
 CHUNK = 256
@@ -71,3 +75,68 @@ def test_finished_and_preempted_requests_are_named_to_the_workers(tmp_path):
     assert side.build_connector_meta(step).released == {"a", "b"}
     step.finished_req_ids, step.preempted_req_ids = set(), None  # vLLM's default
     assert side.build_connector_meta(step).released == set()
+
+
+def _report(side: SchedulerSide, added=(), lost=()) -> None:
+    """One step's worker report, as vLLM hands it over: records written (group, chunk
+    hash) and cuts that ended unwritten (key model, group, chunk hash)."""
+    km = key_model("m")
+    inv = Inventory(1)
+    for gi, h in added:
+        for ns in side.dirs(km, side.groups_by_index[gi]):
+            inv.added.setdefault(ns, []).append(h)
+    meta = BsrWorkerMeta({0: inv}, ranks={0}, lost_cuts=list(lost))
+    side.update_connector_output(
+        SimpleNamespace(kv_connector_worker_meta=meta, finished_recving=None, failed_recving=set())
+    )
+
+
+def test_a_lookup_waits_for_cuts_in_flight_not_for_their_next_step(tmp_path, monkeypatch):
+    """A record cut in a step is known here only from the workers' report after its write,
+    which on an idle engine comes with the next request's first step: that request waits
+    ("ask again", vLLM steps meanwhile) rather than restore a prefix cut short. Found by
+    the two-node test: a repeat right after the saves restored 8 of its 10 chunks."""
+    groups = group_layouts(kv_shapes.gemma3(), CHUNK)
+    cfg = ConnectorConfig(store_dir=str(tmp_path), chunk_tokens=CHUNK, save_in_steps=True)
+    side = SchedulerSide(cfg, groups, "m", 1)
+    toks = tokens(3, 3 * CHUNK + 10)
+    hashes = prefix_hashes(toks, CHUNK)
+    blocks = tuple(list(range(100 * (g.index + 1), 100 * (g.index + 1) + 8)) for g in groups)
+    assert side.get_num_new_matched_tokens(scheduler_request("a", toks), 0) == (0, False)
+    side.build_connector_meta(prefill_step("a", len(toks), blocks))  # cuts chunks 0-2
+
+    # The control: a prompt that shares nothing with the cuts does not wait.
+    other = scheduler_request("c", tokens(4, 3 * CHUNK + 10))
+    assert side.get_num_new_matched_tokens(other, 0) == (0, False)
+    # The repeat waits while the cuts are in flight...
+    repeat = scheduler_request("b", toks)
+    assert side.get_num_new_matched_tokens(repeat, 0) == (None, False)
+    _report(side, added=[(g.index, h) for g in groups for h in hashes[:2]])
+    assert side.get_num_new_matched_tokens(repeat, 0) == (None, False)  # chunk 2 still cut
+    # ...and is served all three chunks once the last one is reported.
+    _report(side, added=[(g.index, hashes[2]) for g in groups])
+    assert side.get_num_new_matched_tokens(repeat, 0) == (3 * CHUNK, True)
+
+    # A cut reported lost ends the wait at once: the hit stops before it.
+    toks = tokens(5, 3 * CHUNK + 10)
+    hashes = prefix_hashes(toks, CHUNK)
+    side.get_num_new_matched_tokens(scheduler_request("d", toks), 0)
+    side.build_connector_meta(prefill_step("d", len(toks), blocks))
+    full = next(g for g in groups if g.kind == FULL)
+    _report(
+        side,
+        added=[(g.index, hashes[0]) for g in groups],
+        lost=[(key_model("m"), full.index, hashes[1])],
+    )
+    repeat = scheduler_request("e", toks)
+    assert side.get_num_new_matched_tokens(repeat, 0) == (CHUNK, True)
+
+    # A cut whose report never comes (a worker gone): the wait is bounded.
+    monkeypatch.setattr(scheduler, "_CUT_WAIT_S", 0.05)
+    toks = tokens(6, 3 * CHUNK + 10)
+    side.get_num_new_matched_tokens(scheduler_request("f", toks), 0)
+    side.build_connector_meta(prefill_step("f", len(toks), blocks))
+    repeat = scheduler_request("g", toks)
+    assert side.get_num_new_matched_tokens(repeat, 0) == (None, False)
+    time.sleep(0.06)
+    assert side.get_num_new_matched_tokens(repeat, 0) == (0, False)

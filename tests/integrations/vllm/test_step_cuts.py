@@ -59,6 +59,9 @@ def test_a_released_request_is_never_cut_from_its_reused_blocks(tmp_path):
             slot.release()
         held.clear()
         wait_for(worker, "skipped", 1)
+        # The scheduler side hears that this cut ended unwritten (and not the written
+        # one's): a lookup waiting for it stops waiting (scheduler.py).
+        assert worker.worker_meta().lost_cuts == [("tiny", full.index, 101)]
         worker.cuts.close()  # every queued cut has ended
         assert worker.metrics.snapshot().get(STEP % "saved") == 1
         assert stored(store) == [want]  # nothing of "gone", from old blocks or new

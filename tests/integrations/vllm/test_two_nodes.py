@@ -26,7 +26,6 @@ import pytest
 
 from bsr_lab.vllm.harness import (
     CHUNK_TOKENS,
-    FINISH_SAVES,
     SAVE_END,
     Events,
     tokens,
@@ -104,10 +103,6 @@ def _scenario(root: Path) -> dict[str, Any]:
         d.mkdir()
     events = Events(str(root / "events.jsonl"))
     cfg = {
-        # Saved at finish: a record cut in a step (the default) whose write ends after the
-        # request's last step reaches the scheduler with the next step's report, and these
-        # cases restore right after the save, on an idle engine (docs/vllm.md).
-        **FINISH_SAVES,
         "store_dir": str(store),  # the same path on both nodes, a different drive on each
         "window": 4,
         "chunk_tokens": CHUNK_TOKENS,

@@ -65,6 +65,7 @@ class StepCuts:
         self.cfg = worker.cfg
         self._lock = threading.Lock()
         self._skipped = 0  # records not saved (no slot in budget, released first, an error)
+        self._lost_cuts: list[tuple[str, int, int]] = []  # cuts ended with no record
         self._writers = ThreadPoolExecutor(
             self.cfg.window, thread_name_prefix=f"bsr-w{worker.rank}", initializer=initializer
         )
@@ -94,7 +95,7 @@ class StepCuts:
                     # A save that fails here must not fail vLLM's forward: the record
                     # is a future miss, counted and logged.
                     log.warning("bsr-io: rank %d: step save failed: %s", self.w.rank, exc)
-                    self._lost(t.request_id, FAILED, str(exc))
+                    self._lost(t, r, FAILED, str(exc))
 
     def release(self, request_ids: Iterable[str]) -> None:
         """Before a step's forward (start_load_kv): vLLM may hand these requests' blocks
@@ -116,7 +117,7 @@ class StepCuts:
             with clock("slot"):
                 slot = lease(self.w.save_engine, budget_end)
         except EngineBusy:
-            self._lost(t.request_id, SKIPPED, "no save slot within the step budget")
+            self._lost(t, r, SKIPPED, "no save slot within the step budget")
             return
         with clock("copy"):
             self._extract(t, r, slot, Guard())
@@ -147,17 +148,17 @@ class StepCuts:
                 with clock("slot"):
                     slot = lease(self.w.save_engine, time.monotonic() + self.cfg.save_timeout_s)
             except EngineBusy:
-                self._lost(t.request_id, SKIPPED, "no save slot within save_timeout_s")
+                self._lost(t, r, SKIPPED, "no save slot within save_timeout_s")
                 return
             try:
                 with clock("copy"):
                     self._extract(t, r, slot, guard)
             except Abandoned:
-                self._lost(t.request_id, SKIPPED, "its blocks were released before its cut")
+                self._lost(t, r, SKIPPED, "its blocks were released before its cut")
                 return
             except Exception as exc:  # noqa: BLE001 - a failed cut is a future miss
                 log.warning("bsr-io: rank %d: step save failed: %s", self.w.rank, exc)
-                self._lost(t.request_id, FAILED, str(exc))
+                self._lost(t, r, FAILED, str(exc))
                 return
         finally:
             copied.set()
@@ -190,13 +191,16 @@ class StepCuts:
             self._outcome(t.request_id, SAVED, seconds, "", clock.phases)
         else:
             log.warning("bsr-io: save of %s failed: %s", key.short(), error)
+            with self._lock:
+                self._lost_cuts.append((t.key_model, r.group, r.chunk_hash))
             self._outcome(t.request_id, FAILED, seconds, str(error), clock.phases)
 
     # -- bookkeeping ---------------------------------------------------------------------
-    def _lost(self, request_id: str, outcome: str, why: str) -> None:
+    def _lost(self, t: Transfer, r: RecordOrder, outcome: str, why: str) -> None:
         with self._lock:
             self._skipped += 1
-        self._outcome(request_id, outcome, None, why)
+            self._lost_cuts.append((t.key_model, r.group, r.chunk_hash))
+        self._outcome(t.request_id, outcome, None, why)
 
     def finished(self, request_ids: Iterable[str], with_finish_save: set[str]) -> None:
         """vLLM finished these requests (on the forward thread, after the step). One
@@ -281,10 +285,12 @@ class StepCuts:
             for rid in [r for r, fs in self._writing.items() if all(f.done() for f in fs)]:
                 del self._writing[rid]  # written, and no finished-request save waits on them
 
-    def take_skipped(self) -> int:
+    def take_lost(self) -> tuple[int, list[tuple[str, int, int]]]:
+        """Records skipped since the last report, and the cuts that ended unwritten."""
         with self._lock:
             skipped, self._skipped = self._skipped, 0
-        return skipped
+            lost, self._lost_cuts = self._lost_cuts, []
+        return skipped, lost
 
     def close(self) -> None:
         with self._lock:

@@ -90,6 +90,9 @@ class BsrWorkerMeta(KVConnectorWorkerMetadata):
     unhealthy: dict[int, str] = field(default_factory=dict)  # rank -> why its I/O is stuck
     ranks: set[int] = field(default_factory=set)  # ranks that reported
     skipped_saves: int = 0  # window records dropped for want of a slot (future misses)
+    # Step cuts that ended without a record (skipped or failed), as (key model, group,
+    # chunk hash): the scheduler side stops waiting for them (scheduler.py, `_cutting`).
+    lost_cuts: list[tuple[str, int, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> BsrWorkerMeta:
         if not isinstance(other, BsrWorkerMeta):
@@ -99,4 +102,5 @@ class BsrWorkerMeta(KVConnectorWorkerMetadata):
             {**self.unhealthy, **other.unhealthy},
             self.ranks | other.ranks,
             self.skipped_saves + other.skipped_saves,
+            self.lost_cuts + other.lost_cuts,
         )

@@ -15,11 +15,19 @@ before vLLM advances them) become window-group save orders, cut by the workers i
 `wait_for_save` while the blocks still hold them. When a request finishes, every whole
 chunk it computed (generated tokens included) that the catalog lacks is saved for the
 full groups; vLLM keeps its blocks until every worker reports the save done.
+
+A record cut in a step is known here only once a worker's report says it was written,
+which comes with the step after its write ends; on an idle engine that is the next
+request's first step. So a lookup whose hit a cut still in flight would lengthen answers
+"ask again" (None, as while a long prompt is hashed), for at most `_CUT_WAIT_S` per
+request, until the report lands or the cut is reported lost: vLLM steps meanwhile,
+and each step carries the workers' reports.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +47,10 @@ from bsr_io.model.keys import extend_prefix_hashes, model_digest
 
 log = logging.getLogger("bsr_io.vllm")
 _SILENT_STEPS = 3  # steps in a row a worker may miss before its rank holds nothing
+# How long one request may wait for cuts in flight: a cut's write takes milliseconds, so
+# this is reached only behind a slow drive or while chasing another request's prefill.
+_CUT_WAIT_S = 1.0
+Cut = tuple[str, int, int]  # (key model, group, chunk hash) of a record cut in a step
 
 
 @dataclass
@@ -56,6 +68,7 @@ class _Request:
     touched: bool = False  # its chunks' recency sent to the workers once
     hashing: Future[list[int]] | None = None  # a long prompt being hashed off this thread
     step_saved: set[int] = field(default_factory=set)  # full-group chunks cut in a step
+    cut_wait_end: float | None = None  # when it stops waiting for cuts in flight
 
 
 class SchedulerSide:
@@ -86,6 +99,7 @@ class SchedulerSide:
         self._recheck: dict[str, list[int]] = {}  # dropped after a failed load
         self._resync: set[int] = set()
         self._silent: dict[int, int] = {}  # worker rank -> steps in a row without its report
+        self._cutting: dict[Cut, float] = {}  # cuts ordered, not yet reported -> when
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bsr-io-hash")
 
     def start(self) -> None:
@@ -164,17 +178,43 @@ class SchedulerSide:
         return self._hashes_ready(st, upto_tokens)
 
     # -- discovery ------------------------------------------------------------------------
-    def hit_chunks(self, key_model: str, hashes: list[int], first: int) -> int:
+    def hit_chunks(
+        self, key_model: str, hashes: list[int], first: int, cutting: dict[Cut, float] | None = None
+    ) -> int:
         """Largest n <= len(hashes) such that every full group holds [first, n) and
-        every window group its record at n - 1, on every rank; `first` if none."""
+        every window group its record at n - 1, on every rank; `first` if none. With
+        `cutting`, a record cut in flight counts as held."""
+        cutting = cutting or {}
         n = len(hashes)
         for g in self.full:
-            n = self.catalog.leading(self.dirs(key_model, g), hashes, first, n)
+            dirs = self.dirs(key_model, g)
+            m = self.catalog.leading(dirs, hashes, first, n)
+            while m < n and (key_model, g.index, hashes[m]) in cutting:
+                m = self.catalog.leading(dirs, hashes, m + 1, n)
+            n = m
+
+        def held(g: GroupLayout, h: int) -> bool:
+            return (key_model, g.index, h) in cutting or self.catalog.holds(
+                self.dirs(key_model, g), h
+            )
+
         while n > first:
-            if all(self.catalog.holds(self.dirs(key_model, g), hashes[n - 1]) for g in self.window):
+            if all(held(g, hashes[n - 1]) for g in self.window):
                 return n
             n -= 1
         return first
+
+    def _awaits_cuts(self, st: _Request, first: int, limit: int, n: int) -> bool:
+        """Whether cuts in flight would lengthen the hit of `n` chunks: the request waits
+        for their reports, at most `_CUT_WAIT_S`."""
+        if n >= limit or not self._cutting or st.key_model is None:
+            return False
+        if self.hit_chunks(st.key_model, st.hashes[:limit], first, self._cutting) <= n:
+            return False
+        now = time.monotonic()
+        if st.cut_wait_end is None:
+            st.cut_wait_end = now + _CUT_WAIT_S
+        return now < st.cut_wait_end
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -203,6 +243,8 @@ class SchedulerSide:
                 return None, False  # still hashing: vLLM asks again in its next pass
             n = self.hit_chunks(st.key_model, hashes, first)
             st.memo = (version, first, limit, n)
+        if self._awaits_cuts(st, first, limit, n):
+            return None, False  # vLLM steps meanwhile, and the steps bring the reports
         ext = n * self.chunk - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -297,6 +339,7 @@ class SchedulerSide:
             return []
         state = getattr(so, "kv_connector_block_state", None)
         saves = []
+        now = time.monotonic()
         for rid, computed in self._scheduled(so):
             st = self._reqs.get(rid)
             if st is None or st.key_model is None or st.loading:
@@ -324,6 +367,7 @@ class SchedulerSide:
                     if len([b for b in order.ids if b > 0]) != len(live):
                         continue  # a page of it is gone already: never save a partial record
                     records.append(order)
+                    self._cutting[(st.key_model, g.index, hashes[c])] = now
             if records:
                 saves.append(Transfer(rid, st.key_model, tuple(records)))
         return saves
@@ -344,6 +388,7 @@ class SchedulerSide:
                     log.warning("bsr-io: worker %d sent no report; it holds nothing now", rank)
                     self.catalog.forget(rank)
                     self._resync.add(rank)
+                    self._cutting.clear()  # its cuts' reports may never come
             for rank in meta.ranks:
                 why = meta.unhealthy.get(rank)
                 if why and rank not in self.unhealthy:
@@ -358,6 +403,9 @@ class SchedulerSide:
                 else:
                     self.unhealthy.pop(rank, None)
             self.skipped_saves += meta.skipped_saves
+            for cut in meta.lost_cuts:
+                self._cutting.pop(cut, None)
+            self._settle_cuts()
         for rid in output.finished_recving or ():
             st = self._reqs.get(rid)
             if st is not None:
@@ -376,6 +424,18 @@ class SchedulerSide:
                         self.catalog.drop(ns, [st.hashes[c]])
                         self._recheck.setdefault(ns, []).append(st.hashes[c])
             log.warning("bsr-io: load of request %s failed on a rank; recomputing", rid)
+
+    def _settle_cuts(self) -> None:
+        """Forget cuts now held on every rank, and any ordered longer ago than a worker
+        may take to end one (`save_timeout_s` for a slot, then its write)."""
+        if not self._cutting:
+            return
+        old = time.monotonic() - 2 * self.cfg.save_timeout_s
+        groups = self.groups_by_index
+        for cut, since in list(self._cutting.items()):
+            km, gi, h = cut
+            if since < old or self.catalog.holds(self.dirs(km, groups[gi]), h):
+                del self._cutting[cut]
 
     @property
     def groups_by_index(self) -> dict[int, GroupLayout]:

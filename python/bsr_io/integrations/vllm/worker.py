@@ -337,10 +337,11 @@ class WorkerSide:
             )
 
     def worker_meta(self) -> BsrWorkerMeta:
-        skipped = self.cuts.take_skipped()
+        skipped, lost = self.cuts.take_lost()
         why = self.health()
         report = {self.rank: self.inventory.take(self.cfg.report_batch)}
-        return BsrWorkerMeta(report, {self.rank: why} if why else {}, {self.rank}, skipped)
+        unhealthy = {self.rank: why} if why else {}
+        return BsrWorkerMeta(report, unhealthy, {self.rank}, skipped, lost)
 
     def handshake(self) -> BsrHandshake:
         """Before serving: this worker's rank and its inventory's first batch."""
