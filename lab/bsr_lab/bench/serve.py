@@ -686,6 +686,7 @@ def run(args: argparse.Namespace) -> int:
                 classify(rd[ph]["requests"], events if side == "bsr_io" else [], args.chunk)
     doc = summarize(args, rounds, events, rate, sat, load, rss)
     grown = store_bytes(store)
+    doc["bsr_io"]["store_fs"] = file_system(store)  # the drive's, or RAM's (tmpfs)
     doc["bsr_io"]["store_bytes"] = grown
     doc["bsr_io"]["save_bytes_per_s"] = grown / active_s  # over its server's busy time
     shown = ("miss_penalty", "noise_floor", "saturated_95", "restore_vs_recompute")
@@ -696,6 +697,19 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         plot(doc, args.plot)
     return 0
+
+
+def file_system(path: Path) -> str:
+    """The type of the file system that holds `path`, from /proc/mounts: whether the
+    store's records went to a drive (ext4, xfs) or to memory (tmpfs)."""
+    real, best, kind = os.path.realpath(path), "", "unknown"
+    with open("/proc/mounts") as f:
+        for line in f:
+            _, mnt, fs, *_ = line.split()
+            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) > len(best):
+                best, kind = mnt, fs
+    return kind
 
 
 def summarize(

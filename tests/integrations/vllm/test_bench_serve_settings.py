@@ -49,3 +49,10 @@ def test_run_refuses_a_bad_setting_before_any_server(tmp_path: Path, capsys) -> 
     assert serve.run(args) == 2
     assert "windw" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # no model written, no server started
+
+
+def test_the_store_file_system_is_named() -> None:
+    """A run says where its records went (a drive, or RAM with `--dir /dev/shm/...`):
+    the disk's I/O path is part of what a saturated server pays for the saves."""
+    assert serve.file_system(Path("/dev/shm/bench/store")) == "tmpfs"
+    assert serve.file_system(Path("/proc/self")) == "proc"  # the deepest mount wins
