@@ -339,6 +339,7 @@ class Engine:
         *,
         root: str | os.PathLike[str] | None = None,
         release: bool = False,
+        durable: bool = True,
         timeout: float | None = None,
     ) -> tuple[int, int, int, int]:
         """Publish a record in one call, the GIL released once: `head` then the slot's
@@ -349,7 +350,9 @@ class Engine:
         seconds WaitTimeoutError, whose `step` names the step under way; nothing is
         published unless a rename already under way completes (the record whole and
         durable). OSError (errno, the step in its text) when a step fails; no temp file
-        is left. `release`: the slot goes back to the ring once its bytes are written."""
+        is left. `release`: the slot goes back to the ring once its bytes are written.
+        `durable` False: no fdatasync and no directory fsync (a power loss may tear or
+        unname the record; a reader's checksum catches it)."""
     def sync(self, file: File, timeout: float | None = None) -> None:
         """fdatasync `file` on the engine's I/O thread, waiting at most `timeout` seconds
         (GIL released): WaitTimeoutError then, while the sync goes on without a waiter."""

@@ -60,7 +60,9 @@ class SSDTier(FileTier):
     A record is published in one native call (the engine's `publish`: creation, header
     and payload, fdatasync, rename, directory fsync), waited for `write_timeout_s` at
     most: a stalled drive fails the save (ChunkWriteError, nothing published) instead of
-    holding the caller.
+    holding the caller. `durable=False` leaves out the fdatasync and the directory's
+    fsync, each a device flush: a power loss may then tear or unname a record, which
+    the checksum every read verifies turns into a miss.
     """
 
     def __init__(
@@ -73,11 +75,13 @@ class SSDTier(FileTier):
         evict_to: FileTier | None = None,
         name: str = "L2",
         write_timeout_s: float = 30.0,
+        durable: bool = True,
     ) -> None:
         if not write_timeout_s > 0:
             raise ValueError(f"write_timeout_s must be > 0 seconds, got {write_timeout_s}")
         self.engine = engine
         self.write_timeout_s = write_timeout_s
+        self.durable = durable  # False: records published without their two flushes
         super().__init__(root, capacity_bytes, name=name, layout=layout, evict_to=evict_to)
 
     def _stage(self, payload: Payload, layout: KVLayout) -> tuple[Slot, bool]:
@@ -119,6 +123,7 @@ class SSDTier(FileTier):
                 root=self.root,
                 # A slot the tier leased goes back to the ring once its bytes are written.
                 release=leased,
+                durable=self.durable,
                 timeout=self.write_timeout_s,
             )
         except WaitTimeoutError as exc:

@@ -294,8 +294,9 @@ impl PyEngine {
     /// into the new temp file `tmp`, made durable and renamed to `dest` (its directory
     /// fsynced), within `timeout` seconds; (st_dev, st_ino, st_mtime_ns, st_size) of the
     /// record. WaitTimeoutError (with `.step`) past the deadline, nothing published but
-    /// by a rename already under way; OSError naming the failed step.
-    #[pyo3(signature = (slot, tmp, dest, head, length, *, root = None, release = false, timeout = None))]
+    /// by a rename already under way; OSError naming the failed step. `durable` false:
+    /// neither the fdatasync nor the directory's fsync.
+    #[pyo3(signature = (slot, tmp, dest, head, length, *, root = None, release = false, durable = true, timeout = None))]
     #[allow(clippy::too_many_arguments)]
     fn publish(
         &self,
@@ -307,6 +308,7 @@ impl PyEngine {
         length: i64,
         root: Option<PathBuf>,
         release: bool,
+        durable: bool,
         timeout: Option<f64>,
     ) -> PyResult<(u64, u64, i64, u64)> {
         let timeout = timeout_arg(timeout)?;
@@ -317,6 +319,7 @@ impl PyEngine {
             head: head.to_vec(),
             length: positive("length", length)?,
             release_slot: release,
+            durable,
         };
         // The chain reads the slot until its bytes are written: no writable view may
         // outlive the call.

@@ -63,6 +63,7 @@ KEYS = Table(
         Key("save", "bool", True, "true or false"),
         Key("step_save_budget_s", "float", 0.05, _POSITIVE, positive),
         Key("save_in_steps", "bool", True, "true or false"),
+        Key("durable_saves", "bool", True, "true or false"),
         Key("save_gate_s", "float", 0.05, "a number >= 0", at_least(0)),
         Key("rescan_s", "float", 5.0, _POSITIVE, positive),
         Key("report_batch", "int", 4096, _INT.format(1), at_least(1)),
@@ -107,6 +108,10 @@ class ConnectorConfig:
     # finished request's blocks are free at once (false: the finish save, which holds
     # them until the workers report it, and never skips a record).
     save_in_steps: bool = _D("save_in_steps")
+    # Each record flushed to the drive before it is named and its directory after
+    # (false: neither; a power loss may tear or unname a record, which its checksum
+    # catches on read: a miss, never wrong bytes).
+    durable_saves: bool = _D("durable_saves")
     # On a CPU worker, how long a save's copy and its write wait for a forward to run
     # (gate.py); 0: they never wait.
     save_gate_s: float = _D("save_gate_s")

@@ -33,10 +33,11 @@ class RankTier(SSDTier):
         world_size: int,
         ranks: Iterable[int],
         evict_to: FileTier | None = None,
+        durable: bool = True,
     ) -> None:
         # The key ranks this worker writes (its own; rank 0 also the shared groups' 0).
         self._owned = frozenset(f"-w{world_size}r{r}" for r in ranks)
-        super().__init__(root, capacity_bytes, engine, evict_to=evict_to)
+        super().__init__(root, capacity_bytes, engine, evict_to=evict_to, durable=durable)
 
     def owns(self, key: ChunkKey) -> bool:
         return f"-w{key.world_size}r{key.rank}" in self._owned

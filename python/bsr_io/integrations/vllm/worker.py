@@ -185,6 +185,7 @@ class WorkerSide:
             world_size=world_size,
             ranks=owned,
             evict_to=lower,
+            durable=cfg.durable_saves,
         )
         self.save_tier: Any = self.ssd
         self.pool: Any = None

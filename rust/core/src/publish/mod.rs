@@ -46,6 +46,10 @@ pub struct Spec {
     /// Give the slot back to the ring as soon as its bytes are written, not after the
     /// fdatasync, rename and directory fsync.
     pub release_slot: bool,
+    /// fdatasync the temp file before the rename and fsync the directory after it. Off,
+    /// a record outlives a process crash (the page cache keeps it) but a power loss may
+    /// leave it torn or unnamed: readers verify every record, so that costs a miss.
+    pub durable: bool,
 }
 
 /// The published file, as the index keeps it.
@@ -226,10 +230,12 @@ fn chain(spec: &Spec, hold: WriteHold, job: &Job) -> Result<Published> {
     enter(job, Step::Write, &spec.tmp)?;
     write_all(fd.as_raw_fd(), spec, &hold.lease, &spec.tmp)?;
     drop(hold); // its bytes are in the file: the slot may go back to the ring
-    enter(job, Step::Sync, &spec.tmp)?;
-    // SAFETY: `fd` is open and ours.
-    if unsafe { libc::fdatasync(fd.as_raw_fd()) } != 0 {
-        return Err(Error::last_os("fdatasync", Some(&spec.tmp)));
+    if spec.durable {
+        enter(job, Step::Sync, &spec.tmp)?;
+        // SAFETY: `fd` is open and ours.
+        if unsafe { libc::fdatasync(fd.as_raw_fd()) } != 0 {
+            return Err(Error::last_os("fdatasync", Some(&spec.tmp)));
+        }
     }
     let published = stat(fd.as_raw_fd(), &spec.tmp)?;
     drop(fd);
@@ -239,6 +245,9 @@ fn chain(spec: &Spec, hold: WriteHold, job: &Job) -> Result<Published> {
         return Err(Error::last_os("rename", Some(&spec.dest)));
     }
     temp.armed = false;
+    if !spec.durable {
+        return Ok(published);
+    }
     enter(job, Step::DirSync, &spec.tmp)?;
     let dir = Path::new(&spec.dest)
         .parent()

@@ -26,6 +26,7 @@ fn spec(dir: &Path, name: &str) -> Spec {
         head: vec![7u8; 4096],
         length: LEN as u64,
         release_slot: false,
+        durable: true,
     }
 }
 
@@ -228,4 +229,36 @@ fn publications_run_side_by_side_while_one_is_stalled() {
     publish(&slot, spec(dir.path(), "j"), Some(Duration::from_secs(5))).unwrap();
     stall.release();
     waiter.join().unwrap().unwrap();
+}
+
+#[test]
+fn a_record_not_durable_skips_both_flushes() {
+    let dir = tempfile::tempdir().unwrap();
+    let under = dir.path().to_str().unwrap().to_owned();
+    let arena = Arena::new(1, LEN).unwrap();
+    let slot = filled(&arena, 5);
+    // Both flushes held as a stalled drive holds them: a publication that reached
+    // either would wait for the release, past its deadline.
+    let held = [
+        stall::arm(Step::Sync, &under),
+        stall::arm(Step::DirSync, &under),
+    ];
+    let mut s = spec(dir.path(), "f");
+    s.durable = false;
+    let got = publish(&slot, s.clone(), Some(Duration::from_secs(5)));
+    // The control: a durable one is held at its fdatasync and gives up.
+    let control = publish(
+        &slot,
+        spec(dir.path(), "g"),
+        Some(Duration::from_millis(300)),
+    );
+    let hits: Vec<usize> = held.iter().map(|h| h.hits()).collect();
+    held.iter().for_each(|h| h.release());
+    got.unwrap();
+    assert!(control.is_err(), "{control:?}");
+    assert_eq!(hits, [1, 0]); // the control's fdatasync alone
+    let bytes = std::fs::read(&s.dest).unwrap();
+    assert!(bytes.len() == 4096 + LEN && bytes[4096..].iter().all(|&b| b == 5));
+    until_no_temp_file(dir.path());
+    slot.release().unwrap();
 }
