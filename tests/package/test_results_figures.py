@@ -1066,6 +1066,85 @@ VLLM_FIGURES: list[Fig] = [
         "saturated_95.bsr_io_vs_references.ttft_p50_ratio",
         fmt="{:.3f}",
     ),
+    # durable_saves false at 1ca9d77 (serve-xeon-nodurable.json).
+    Fig(
+        "steady throughput {}x the reference's (95% interval 0.961x",
+        "serve-xeon-nodurable.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.978x the reference's (95% interval {}x to 0.997x)",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_baseline.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval 0.961x to {}x), 0.990x the control's",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_baseline.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "to 0.997x), {}x the control's, 0.984x both",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_control.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.990x the control's, {}x both references' (0.968x",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.984x both references' ({}x to 1.001x);",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.984x both references' (0.968x to {}x);",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "to 1.001x); TTFT p50 {}x the reference's and both. The control",
+        "serve-xeon-nodurable.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "and both. The control ran at {}x. Both are",
+        "serve-xeon-nodurable.json",
+        "noise_floor.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "- {} step saves, all complete (0.008 s p50). Restored requests: TTFT p50 0.142",
+        "serve-xeon-nodurable.json",
+        "bsr_io.save_outcomes.step_save:complete",
+        fmt="{:,.0f}",
+    ),
+    Fig(
+        "all complete ({} s p50). Restored requests: TTFT p50 0.142",
+        "serve-xeon-nodurable.json",
+        "bsr_io.save_seconds.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "Restored requests: TTFT p50 {} s against 0.557 s",
+        "serve-xeon-nodurable.json",
+        "restore_vs_recompute.ttft_restored_s.p50",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.142 s against {} s recomputed",
+        "serve-xeon-nodurable.json",
+        "restore_vs_recompute.ttft_recomputed_s.p50",
+        fmt="{:.3f}",
+    ),
     # save_in_steps under slot pressure, window 1 (serve-steps-window1.json).
     Fig(
         "Every one of the {} step saves completed",
@@ -2396,6 +2475,37 @@ HEADLINE_FIGURES: list[Fig] = [
         "to 1.020x), TTFT p50 {}x: the flushes",
         "serve-xeon-nosync.json",
         "saturated_95.bsr_io_vs_references.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    # durable_saves false at 1ca9d77, the default since (serve-xeon-nodurable.json).
+    Fig(
+        "the default since) | steady throughput {}x the reference's",
+        "serve-xeon-nodurable.json",
+        "miss_penalty.saturated.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "0.978x the reference's, {}x both references' (95% interval 0.968x",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "both references' (95% interval {}x to 1.001x)",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "(95% interval 0.968x to {}x); TTFT p50 1.025x",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "to 1.001x); TTFT p50 {}x the reference's and both",
+        "serve-xeon-nodurable.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
         fmt="{:.3f}",
     ),
     # save_in_steps on the same Xeon (serve-xeon-steps.json).
