@@ -37,7 +37,7 @@ from bsr_io.engine import give_back, lease
 from bsr_io.errors import EngineBusy
 from bsr_io.integrations.vllm.blocks import Abandoned, Guard
 from bsr_io.integrations.vllm.layout import FULL
-from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
+from bsr_io.integrations.vllm.metadata import BsrMetadata, Cut, RecordOrder, Transfer
 from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED
 from bsr_io.load.records import COMPLETE, ZERO
 from bsr_io.save.records import PhaseClock, extract_record
@@ -65,7 +65,7 @@ class StepCuts:
         self.cfg = worker.cfg
         self._lock = threading.Lock()
         self._skipped = 0  # records not saved (no slot in budget, released first, an error)
-        self._lost_cuts: list[tuple[str, int, int]] = []  # cuts ended with no record
+        self._lost_cuts: list[Cut] = []  # cuts ended with no record
         self._writers = ThreadPoolExecutor(
             self.cfg.window, thread_name_prefix=f"bsr-w{worker.rank}", initializer=initializer
         )
@@ -285,7 +285,7 @@ class StepCuts:
             for rid in [r for r, fs in self._writing.items() if all(f.done() for f in fs)]:
                 del self._writing[rid]  # written, and no finished-request save waits on them
 
-    def take_lost(self) -> tuple[int, list[tuple[str, int, int]]]:
+    def take_lost(self) -> tuple[int, list[Cut]]:
         """Records skipped since the last report, and the cuts that ended unwritten."""
         with self._lock:
             skipped, self._skipped = self._skipped, 0

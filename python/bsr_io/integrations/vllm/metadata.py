@@ -10,6 +10,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+Cut = tuple[str, int, int]  # a record cut in a step: (key model, group, chunk hash)
+
 
 @dataclass(frozen=True)
 class RecordOrder:
@@ -92,7 +94,7 @@ class BsrWorkerMeta(KVConnectorWorkerMetadata):
     skipped_saves: int = 0  # window records dropped for want of a slot (future misses)
     # Step cuts that ended without a record (skipped or failed), as (key model, group,
     # chunk hash): the scheduler side stops waiting for them (scheduler.py, `_cutting`).
-    lost_cuts: list[tuple[str, int, int]] = field(default_factory=list)
+    lost_cuts: list[Cut] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> BsrWorkerMeta:
         if not isinstance(other, BsrWorkerMeta):

@@ -40,6 +40,7 @@ from bsr_io.integrations.vllm.metadata import (
     BsrHandshake,
     BsrMetadata,
     BsrWorkerMeta,
+    Cut,
     RecordOrder,
     Transfer,
 )
@@ -50,7 +51,6 @@ _SILENT_STEPS = 3  # steps in a row a worker may miss before its rank holds noth
 # How long one request may wait for cuts in flight: a cut's write takes milliseconds, so
 # this is reached only behind a slow drive or while chasing another request's prefill.
 _CUT_WAIT_S = 1.0
-Cut = tuple[str, int, int]  # (key model, group, chunk hash) of a record cut in a step
 
 
 @dataclass
