@@ -110,8 +110,9 @@ class ConnectorConfig:
     save_in_steps: bool = _D("save_in_steps")
     # Each record flushed to the drive before it is named and its directory after
     # (false, the default: neither; a power loss may tear or unname a record, which its
-    # checksum catches on read: a miss, never wrong bytes; the flushes cost a saturated
-    # server about 3% of its throughput on a VM, docs/results/serve-xeon-nodurable.json).
+    # checksum catches on read: a miss, never wrong bytes; on the Xeon VM a saturated
+    # server ran 0.958x both references' throughput with them, 0.984x without:
+    # docs/results/serve-xeon-wait.json and serve-xeon-nodurable.json).
     durable_saves: bool = _D("durable_saves")
     # On a CPU worker, how long a save's copy and its write wait for a forward to run
     # (gate.py); 0: they never wait.

@@ -37,7 +37,7 @@ from bsr_io.engine import give_back, lease
 from bsr_io.errors import EngineBusy
 from bsr_io.integrations.vllm.blocks import Abandoned, Guard
 from bsr_io.integrations.vllm.layout import FULL
-from bsr_io.integrations.vllm.metadata import BsrMetadata, Cut, RecordOrder, Transfer
+from bsr_io.integrations.vllm.metadata import BsrMetadata, Cut, RecordOrder, Transfer, cut_of
 from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED
 from bsr_io.load.records import COMPLETE, ZERO
 from bsr_io.save.records import PhaseClock, extract_record
@@ -192,14 +192,14 @@ class StepCuts:
         else:
             log.warning("bsr-io: save of %s failed: %s", key.short(), error)
             with self._lock:
-                self._lost_cuts.append((t.key_model, r.group, r.chunk_hash))
+                self._lost_cuts.append(cut_of(t.key_model, r))
             self._outcome(t.request_id, FAILED, seconds, str(error), clock.phases)
 
     # -- bookkeeping ---------------------------------------------------------------------
     def _lost(self, t: Transfer, r: RecordOrder, outcome: str, why: str) -> None:
         with self._lock:
             self._skipped += 1
-            self._lost_cuts.append((t.key_model, r.group, r.chunk_hash))
+            self._lost_cuts.append(cut_of(t.key_model, r))
         self._outcome(t.request_id, outcome, None, why)
 
     def finished(self, request_ids: Iterable[str], with_finish_save: set[str]) -> None:

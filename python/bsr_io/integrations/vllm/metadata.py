@@ -34,6 +34,11 @@ class Transfer:
     committed_tokens: int = 0  # loads: what the request has computed once it completes
 
 
+def cut_of(key_model: str, r: RecordOrder) -> Cut:
+    """The cut of record `r` of a request keyed under `key_model`."""
+    return (key_model, r.group, r.chunk_hash)
+
+
 @dataclass
 class BsrMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)

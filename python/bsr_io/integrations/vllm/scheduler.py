@@ -43,6 +43,7 @@ from bsr_io.integrations.vllm.metadata import (
     Cut,
     RecordOrder,
     Transfer,
+    cut_of,
 )
 from bsr_io.model.keys import extend_prefix_hashes, model_digest
 
@@ -367,7 +368,7 @@ class SchedulerSide:
                     if len([b for b in order.ids if b > 0]) != len(live):
                         continue  # a page of it is gone already: never save a partial record
                     records.append(order)
-                    self._cutting[(st.key_model, g.index, hashes[c])] = now
+                    self._cutting[cut_of(st.key_model, order)] = now
             if records:
                 saves.append(Transfer(rid, st.key_model, tuple(records)))
         return saves
