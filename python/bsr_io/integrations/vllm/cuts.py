@@ -58,6 +58,14 @@ class _Tally:
     failed: int = 0
     finished: bool = False  # vLLM finished the request: report once nothing is pending
 
+    def count(self, outcome: str) -> None:
+        if outcome == SAVED:
+            self.written += 1
+        elif outcome == SKIPPED:
+            self.skipped += 1
+        else:
+            self.failed += 1
+
 
 class StepCuts:
     def __init__(self, worker: WorkerSide, initializer: Callable[[], None] | None) -> None:
@@ -265,8 +273,7 @@ class StepCuts:
         with self._lock:
             tally = self._tallies.get(request_id)
             if tally is not None:
-                field = {SAVED: "written", SKIPPED: "skipped"}.get(outcome, "failed")
-                setattr(tally, field, getattr(tally, field) + 1)
+                tally.count(outcome)
         fields: dict[str, Any] = {"kind": "step_save", "request_id": request_id}
         fields |= {"outcome": COMPLETE if outcome == SAVED else outcome, "reason": why}
         if seconds is not None:

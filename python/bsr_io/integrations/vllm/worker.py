@@ -226,7 +226,8 @@ class WorkerSide:
         self.cuts = StepCuts(self, pinner(self.cpus))
         self._finish_saves: set[str] = set()  # requests given a finish save this step
         # A request's records are written by kept threads, not by threads started and
-        # joined per save (records.py `_each`).
+        # joined per save (records.py `_each`); apart from the cuts' writers so that a
+        # finish save's records never queue behind other requests' cuts.
         self.writers = ThreadPoolExecutor(
             max(1, cfg.window // 2), thread_name_prefix="bsr-save", initializer=pinner(self.cpus)
         )
