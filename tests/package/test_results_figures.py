@@ -1145,6 +1145,31 @@ VLLM_FIGURES: list[Fig] = [
         "restore_vs_recompute.ttft_recomputed_s.p50",
         fmt="{:.3f}",
     ),
+    # Where it stands: the two runs of the default (serve-xeon-nodurable*.json).
+    Fig(
+        "steady throughput {}x and 1.008x both references'",
+        "serve-xeon-nodurable.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "steady throughput 0.984x and {}x both references'",
+        "serve-xeon-nodurable-2.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 {}x and 0.996x (",
+        "serve-xeon-nodurable.json",
+        "miss_penalty.saturated.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "TTFT p50 1.025x and {}x (",
+        "serve-xeon-nodurable-2.json",
+        "saturated_95.bsr_io_vs_references.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
     # The default again at adce8cd, a second run (serve-xeon-nodurable-2.json).
     Fig(
         "- At saturation: steady throughput {}x both references' (95% interval 0.976x",
