@@ -381,6 +381,31 @@ def test_a_restarted_worker_reports_afresh_and_a_silent_one_holds_nothing(setup)
     assert side.get_num_new_matched_tokens(_request("d", toks), 0)[0] == 5 * CHUNK
 
 
+def test_idle_steps_leave_a_waiting_requests_answer_standing(setup):
+    """vLLM asks for a waiting request in every scheduling pass; most steps' reports
+    carry nothing. The answer is memoized until the catalog changes: an empty report
+    must not count as a change, a removal must."""
+    groups, cfg, toks, store = setup
+    invs = _inventories(groups, cfg.store_dir)
+    side = _side(cfg, groups, invs)
+    _step(side, invs, batch=10**6)  # the rest of the listing: nothing left to report
+    req = _request("a", toks)
+    assert side.get_num_new_matched_tokens(req, 0)[0] == 10 * CHUNK
+    version, memo = side.catalog.version, side._state(req).memo
+    for _ in range(3):
+        _step(side, invs)
+    assert side.catalog.version == version
+    assert side.get_num_new_matched_tokens(req, 0)[0] == 10 * CHUNK
+    assert side._state(req).memo is memo  # not looked up again
+    # Control: a record that left rank 1's store is reported, and the answer follows.
+    for g in range(len(groups)):
+        store.path(g, 1, 6).unlink()
+    invs[1].relist()
+    _step(side, invs)
+    assert side.catalog.version != version
+    assert side.get_num_new_matched_tokens(req, 0)[0] == 6 * CHUNK
+
+
 def test_pool_records_survive_relisting_until_a_failed_load(tmp_path):
     """Records written through to a pool are on no drive: the worker keeps them (pinned)
     across re-listings; a recheck after a failed load that finds neither file nor pin

@@ -93,15 +93,20 @@ class RecordCatalog:
         reports afresh) its rank's records are dropped first."""
         with self._lock:
             known = self._epochs.get(worker)
+            changed = bool(inv.added or inv.removed)
             if known != inv.epoch:
                 if known is not None:
                     self._clear(1 << worker)
+                    changed = True
                 self._epochs[worker] = inv.epoch
             for ns, hashes in inv.removed.items():
                 _apply(self._masks, False, ns, frozenset(hashes))
             for ns, hashes in inv.added.items():
                 _apply(self._masks, True, ns, frozenset(hashes))
-            self.version += 1
+            # Most steps' reports are empty: they leave the scheduler's memoized answers
+            # standing, so a waiting request is not looked up again in every pass.
+            if changed:
+                self.version += 1
 
     def forget(self, worker: int) -> None:
         """Worker `worker` stopped reporting: its rank holds nothing until it reports
