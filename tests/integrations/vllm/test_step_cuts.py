@@ -137,3 +137,115 @@ def test_a_finished_request_says_when_its_cuts_have_all_ended(tmp_path):
         for slot in held:
             slot.release()
         worker.close()
+
+
+def _sending(worker, rid: str, within: float) -> float:
+    """Seconds until a step's results name `rid` in finished_sending (vLLM frees its
+    blocks then), stepping as an idle engine with a request awaiting that does."""
+    t0 = time.monotonic()
+    while True:
+        worker.submit(BsrMetadata())
+        if rid in worker.results(set())[0]:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < within, f"{rid} never named"
+        time.sleep(0.02)
+
+
+def _all_slots(worker) -> list:
+    held = []
+    while True:
+        try:
+            held.append(worker.save_engine.lease())
+        except NoFreeSlot:
+            return held
+
+
+def test_a_held_request_keeps_its_blocks_until_its_cut_has_copied(tmp_path):
+    """vLLM finished the request while its cut still waited for a save slot (a writer
+    held up behind a stalled write: in one CI run a 0.64 s write cost 5 of 24 records
+    at TP=2). The scheduler side held its blocks (`held`), so the cut is written long
+    past the step budget, and the request is named in finished_sending only once the
+    cut has its bytes. The control is the first test's released request: the same wait
+    ends skipped."""
+    store, events = tmp_path / "store", tmp_path / "events.jsonl"
+    cfg = ConnectorConfig(
+        store_dir=str(store),
+        chunk_tokens=256,
+        step_save_budget_s=BUDGET_S,
+        events_path=str(events),
+    )
+    worker = gemma_worker(cfg)
+    full = group_of(worker, FULL)
+    held = []
+    try:
+        fill(worker, 1)
+        t = Transfer("h", "tiny", (RecordOrder(full.index, 0, 100, (1, 2)),))
+        want = expected(worker, t)
+        held = _all_slots(worker)
+        worker.save_step(BsrMetadata(step_saves=[t]))
+        worker.submit(BsrMetadata(held={"h"}))
+        assert "h" not in worker.results({"h"})[0]  # not copied: vLLM keeps the blocks
+        time.sleep(2 * BUDGET_S)  # a released request's cut would be skipped by now
+        worker.submit(BsrMetadata())
+        assert "h" not in worker.results(set())[0]
+        for slot in held:
+            slot.release()
+        held.clear()
+        _sending(worker, "h", 10)
+        fill(worker, 2)  # only now may vLLM hand the blocks to another request
+        wait_for(worker, "saved", 1)
+        assert stored(store) == [want]
+        h = _done(events)["h"]
+        assert (h["outcome"], h["written"], h["skipped"]) == ("complete", 1, 0), h
+        assert worker.metrics.snapshot().get(STEP % "skipped", 0) == 0
+        # A request with no cut on this rank (or all copied) is named at once.
+        worker.submit(BsrMetadata(held={"none"}))
+        assert "none" in worker.results({"none"})[0]
+    finally:
+        for slot in held:
+            slot.release()
+        worker.close()
+
+
+def test_a_hold_ends_at_save_timeout(tmp_path):
+    """No slot frees within `save_timeout_s` of the hold: the request is named then, not
+    after each of its queued cuts has waited that long in turn (vLLM must get its blocks
+    back), and its cuts end skipped, never read from them after."""
+    store, events = tmp_path / "store", tmp_path / "events.jsonl"
+    timeout, window = 1.0, 2
+    cfg = ConnectorConfig(
+        store_dir=str(store),
+        chunk_tokens=256,
+        window=window,
+        step_save_budget_s=BUDGET_S,
+        save_timeout_s=timeout,
+        events_path=str(events),
+    )
+    worker = gemma_worker(cfg)
+    full = group_of(worker, FULL)
+    held = []
+    n = 4 * window  # four writers' turns, each waiting out a slot's timeout
+    try:
+        fill(worker, 1)
+        held = _all_slots(worker)
+        records = tuple(
+            RecordOrder(full.index, c, 100 + c, (2 * c + 1, 2 * c + 2)) for c in range(n)
+        )
+        worker.save_step(BsrMetadata(step_saves=[Transfer("h", "tiny", records)]))
+        worker.submit(BsrMetadata(held={"h"}))
+        assert "h" not in worker.results({"h"})[0]
+        waited = _sending(worker, "h", 10 * timeout)
+        assert timeout * 0.8 <= waited < 2.5 * timeout, waited  # not n / window timeouts
+        fill(worker, 2)  # the blocks are another request's now
+        for slot in held:
+            slot.release()
+        held.clear()
+        wait_for(worker, "skipped", n)
+        worker.cuts.close()
+        assert stored(store) == []
+        h = _done(events)["h"]
+        assert (h["outcome"], h["skipped"]) == ("zero", n), h
+    finally:
+        for slot in held:
+            slot.release()
+        worker.close()

@@ -62,8 +62,8 @@ def _settle(events: Events, reply: Completion, ranks: int = 2) -> None:
     """Wait until every rank has stored the request's chunks (its saves end after the
     response), and fail if any rank's save did not complete."""
     done = events.wait(reply.request_id, SAVE_END, ranks, timeout=300)
-    bad = [e for e in done if e["outcome"] != "complete"]
-    assert not bad, bad
+    said = [f"rank {e['rank']}: {e['outcome']} ({e.get('reason')})" for e in done]
+    assert all(e["outcome"] == "complete" for e in done), said
 
 
 def _loads(events: Events, reply: Completion) -> dict[int, str]:

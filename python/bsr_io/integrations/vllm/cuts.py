@@ -11,7 +11,11 @@ Two kinds, by how long their blocks stay theirs:
   since the last step (`BsrMetadata.released`), and `release` runs before that step's
   forward can reuse them: it waits, within the step budget, for the request's queued
   cuts to copy their bytes, then closes the request's `Guard`. A cut still waiting
-  after that is skipped, never read from blocks another request now owns.
+  after that is skipped, never read from blocks another request now owns. A request
+  vLLM finished while a cut of it was still unreported is `held` instead: vLLM keeps
+  its blocks until this rank names it in finished_sending, once its cuts have copied
+  (or `save_timeout_s` passed), so a writer held up behind a stalled write loses no
+  record. Preemption has no such hold in vLLM: a preempted request is released.
 
 A cut record goes to one of W writers, which write it crash-safe and checksummed
 through the save tier; a finished request's save waits for its cuts' writes first. On a
@@ -81,6 +85,7 @@ class StepCuts:
         self._guards: dict[str, Guard] = {}  # request -> guard of its queued full cuts
         self._copied: dict[str, list[threading.Event]] = {}  # request -> its cuts' copies
         self._tallies: dict[str, _Tally] = {}  # request -> its cuts' outcomes so far
+        self._holding: dict[str, float] = {}  # held request -> when its hold ends
 
     # -- on the forward thread ---------------------------------------------------------
     def cut(self, meta: BsrMetadata) -> None:
@@ -118,6 +123,30 @@ class StepCuts:
             for ev in copied:
                 ev.wait(max(0.0, deadline - time.monotonic()))
             guard.close()  # waits for a copy in progress; a later one is Abandoned
+
+    def hold(self, request_ids: Iterable[str], deadline: float) -> None:
+        """vLLM keeps these finished requests' blocks until `held_done` names them."""
+        with self._lock:
+            for rid in request_ids:
+                self._holding[rid] = deadline
+
+    def held_done(self) -> set[str]:
+        """Held requests none of whose cuts needs their blocks any more: every one has
+        copied its bytes or ended, or the hold's deadline passed (the rest end skipped).
+        Their guards are closed: vLLM may free the blocks."""
+        now = time.monotonic()
+        done: list[tuple[str, Guard | None]] = []
+        with self._lock:
+            for rid, deadline in list(self._holding.items()):
+                if now < deadline and not all(e.is_set() for e in self._copied.get(rid, ())):
+                    continue
+                del self._holding[rid]
+                self._copied.pop(rid, None)
+                done.append((rid, self._guards.pop(rid, None)))
+        for _, guard in done:
+            if guard is not None:
+                guard.close()  # waits for a copy in progress; a later one is Abandoned
+        return {rid for rid, _ in done}
 
     def _cut_now(self, t: Transfer, r: RecordOrder, budget_end: float) -> None:
         clock = PhaseClock({})
@@ -304,6 +333,7 @@ class StepCuts:
             guards = list(self._guards.values())
             self._guards.clear()
             self._copied.clear()
+            self._holding.clear()
         for guard in guards:
             guard.close()  # queued cuts end Abandoned: nothing reads blocks past close
         self._writers.shutdown(wait=True)

@@ -60,6 +60,10 @@ class BsrMetadata(KVConnectorMetadata):
     # Requests finished or preempted since the last step: vLLM may hand their blocks to
     # others in this step, so no record of theirs is cut from them any more (cuts.py).
     released: set[str] = field(default_factory=set)
+    # Requests finished since the last step whose blocks vLLM keeps (no finish save) until
+    # every worker reports them in finished_sending: a cut of theirs may not have copied
+    # its bytes yet (cuts.py `hold`).
+    held: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -101,6 +101,7 @@ class SchedulerSide:
         self._resync: set[int] = set()
         self._silent: dict[int, int] = {}  # worker rank -> steps in a row without its report
         self._cutting: dict[Cut, float] = {}  # cuts ordered, not yet reported -> when
+        self._held: set[str] = set()  # finished, blocks kept for cuts in flight
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bsr-io-hash")
 
     def start(self) -> None:
@@ -309,15 +310,17 @@ class SchedulerSide:
             touches=self._touches,
             recheck=self._recheck,
             resync=self._resync,
-            released=self._released(scheduler_output),
+            released=self._released(scheduler_output) - self._held,
+            held=self._held,
         )
         self._loads, self._finish, self._touches = [], [], {}
-        self._recheck, self._resync = {}, set()
+        self._recheck, self._resync, self._held = {}, set(), set()
         return meta
 
     @staticmethod
     def _released(so: Any) -> set[str]:
-        """Requests whose blocks vLLM freed since the last step: finished or preempted."""
+        """Requests finished or preempted since the last step (vLLM freed their blocks,
+        but for those it keeps: finish saves and `held`)."""
         return set(getattr(so, "finished_req_ids", None) or ()) | set(
             getattr(so, "preempted_req_ids", None) or ()
         )
@@ -334,7 +337,8 @@ class SchedulerSide:
         while the blocks still hold them: every window group's (its blocks are recycled
         as the request goes on) and, with `save_in_steps`, every full group's, so that a
         finished request has nothing left to save and vLLM frees its blocks at once
-        instead of a step later (a queued request waits that step at saturation)."""
+        instead of a step later (a queued request waits that step at saturation); a step
+        later only when a cut of it is still unreported then (`request_finished`)."""
         groups = self.window + (self.full if self.cfg.save_in_steps else [])
         if not groups or not self.cfg.save:
             return []
@@ -438,6 +442,13 @@ class SchedulerSide:
             if since < old or self.catalog.holds(self.dirs(km, groups[gi]), h):
                 del self._cutting[cut]
 
+    def _cuts_in_flight(self, st: _Request) -> bool:
+        """Whether a full-group record of `st` cut in a step is not yet reported."""
+        km = st.key_model
+        return bool(self._cutting) and any(
+            (km, g.index, st.hashes[c]) in self._cutting for c in st.step_saved for g in self.full
+        )
+
     @property
     def groups_by_index(self) -> dict[int, GroupLayout]:
         return {g.index: g for g in self.groups}
@@ -467,6 +478,12 @@ class SchedulerSide:
                 break  # a block is gone (never for full attention): save what precedes
             records += orders
         if not records:
-            return False, None
+            if not self._cuts_in_flight(st):
+                return False, None  # every cut reported: vLLM frees the blocks at once
+            # A cut ordered but not yet reported written may still have to copy its bytes
+            # out of these blocks (a writer held up behind a stalled write): vLLM keeps
+            # them until every worker says its cuts are past that (cuts.py `hold`).
+            self._held.add(request.request_id)
+            return True, None
         self._finish.append(Transfer(request.request_id, st.key_model, tuple(records)))
         return True, None  # vLLM keeps the blocks until the workers report the save done

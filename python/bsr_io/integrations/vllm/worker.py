@@ -277,6 +277,7 @@ class WorkerSide:
         """Queue this step's loads and finished requests' saves (start_load_kv)."""
         self.gate.opened()
         self.cuts.release(meta.released)  # before this step's forward may reuse them
+        self.cuts.hold(meta.held, time.monotonic() + self.cfg.save_timeout_s)
         if self.rank in meta.resync:
             self.inventory.resync()
         for ns, hashes in meta.recheck.items():
@@ -312,7 +313,8 @@ class WorkerSide:
             self.cuts.finished(finished, self._finish_saves)
         self._finish_saves = set()
         self.cuts.reap()
-        return self.jobs.poll()
+        sending, recving, failed = self.jobs.poll()
+        return sending | self.cuts.held_done(), recving, failed
 
     def _ended(self, job: Job, details: Details) -> None:
         """The table's report of a job's end: the event log line."""
