@@ -774,6 +774,9 @@ def summarize(
                     if e.get("kind") in ("save", "step_save")
                 )
             ),
+            # Finished requests whose blocks vLLM kept until their cuts had copied (a
+            # line per rank): each one's blocks came back a step or more later.
+            "holds": pct([e["seconds"] for e in events if e.get("kind") == "hold"]),
             "loads": len(loads),
             "restore_bytes_per_s": sum(sum(e["bytes_read"].values()) for e in loads) / read_s
             if read_s

@@ -139,6 +139,10 @@ def test_a_finished_request_says_when_its_cuts_have_all_ended(tmp_path):
         worker.close()
 
 
+def _lines(events: Path, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == kind]
+
+
 def _sending(worker, rid: str, within: float) -> float:
     """Seconds until a step's results name `rid` in finished_sending (vLLM frees its
     blocks then), stepping as an idle engine with a request awaiting that does."""
@@ -198,6 +202,9 @@ def test_a_held_request_keeps_its_blocks_until_its_cut_has_copied(tmp_path):
         h = _done(events)["h"]
         assert (h["outcome"], h["written"], h["skipped"]) == ("complete", 1, 0), h
         assert worker.metrics.snapshot().get(STEP % "skipped", 0) == 0
+        hold = _lines(events, "hold")
+        assert [(e["request_id"], e["outcome"]) for e in hold] == [("h", "complete")], hold
+        assert hold[0]["seconds"] >= 2 * BUDGET_S, hold
         # A request with no cut on this rank (or all copied) is named at once.
         worker.submit(BsrMetadata(held={"none"}))
         assert "none" in worker.results({"none"})[0]
@@ -245,6 +252,8 @@ def test_a_hold_ends_at_save_timeout(tmp_path):
         assert stored(store) == []
         h = _done(events)["h"]
         assert (h["outcome"], h["skipped"]) == ("zero", n), h
+        hold = _lines(events, "hold")
+        assert [(e["request_id"], e["outcome"]) for e in hold] == [("h", "zero")], hold
     finally:
         for slot in held:
             slot.release()

@@ -85,7 +85,7 @@ class StepCuts:
         self._guards: dict[str, Guard] = {}  # request -> guard of its queued full cuts
         self._copied: dict[str, list[threading.Event]] = {}  # request -> its cuts' copies
         self._tallies: dict[str, _Tally] = {}  # request -> its cuts' outcomes so far
-        self._holding: dict[str, float] = {}  # held request -> when its hold ends
+        self._holding: dict[str, tuple[float, float]] = {}  # held request -> (start, end)
 
     # -- on the forward thread ---------------------------------------------------------
     def cut(self, meta: BsrMetadata) -> None:
@@ -124,29 +124,37 @@ class StepCuts:
                 ev.wait(max(0.0, deadline - time.monotonic()))
             guard.close()  # waits for a copy in progress; a later one is Abandoned
 
-    def hold(self, request_ids: Iterable[str], deadline: float) -> None:
+    def hold(self, request_ids: Iterable[str], timeout_s: float) -> None:
         """vLLM keeps these finished requests' blocks until `held_done` names them."""
+        now = time.monotonic()
         with self._lock:
             for rid in request_ids:
-                self._holding[rid] = deadline
+                self._holding[rid] = (now, now + timeout_s)
 
     def held_done(self) -> set[str]:
         """Held requests none of whose cuts needs their blocks any more: every one has
         copied its bytes or ended, or the hold's deadline passed (the rest end skipped).
         Their guards are closed: vLLM may free the blocks."""
         now = time.monotonic()
-        done: list[tuple[str, Guard | None]] = []
+        done: list[tuple[str, float, bool, Guard | None]] = []
         with self._lock:
-            for rid, deadline in list(self._holding.items()):
-                if now < deadline and not all(e.is_set() for e in self._copied.get(rid, ())):
+            for rid, (start, end) in list(self._holding.items()):
+                copied = all(e.is_set() for e in self._copied.get(rid, ()))
+                if now < end and not copied:
                     continue
                 del self._holding[rid]
                 self._copied.pop(rid, None)
-                done.append((rid, self._guards.pop(rid, None)))
-        for _, guard in done:
+                done.append((rid, now - start, copied, self._guards.pop(rid, None)))
+        for rid, seconds, copied, guard in done:
             if guard is not None:
                 guard.close()  # waits for a copy in progress; a later one is Abandoned
-        return {rid for rid, _ in done}
+            why = "" if copied else "save_timeout_s passed with cuts not yet copied"
+            self.w.event(
+                None,
+                {"kind": "hold", "request_id": rid, "seconds": seconds, "reason": why}
+                | {"outcome": COMPLETE if copied else ZERO},
+            )
+        return {rid for rid, *_ in done}
 
     def _cut_now(self, t: Transfer, r: RecordOrder, budget_end: float) -> None:
         clock = PhaseClock({})

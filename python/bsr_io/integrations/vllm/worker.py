@@ -277,7 +277,7 @@ class WorkerSide:
         """Queue this step's loads and finished requests' saves (start_load_kv)."""
         self.gate.opened()
         self.cuts.release(meta.released)  # before this step's forward may reuse them
-        self.cuts.hold(meta.held, time.monotonic() + self.cfg.save_timeout_s)
+        self.cuts.hold(meta.held, self.cfg.save_timeout_s)
         if self.rank in meta.resync:
             self.inventory.resync()
         for ns, hashes in meta.recheck.items():
