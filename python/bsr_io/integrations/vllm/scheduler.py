@@ -319,8 +319,9 @@ class SchedulerSide:
 
     @staticmethod
     def _released(so: Any) -> set[str]:
-        """Requests finished or preempted since the last step (vLLM freed their blocks,
-        but for those it keeps: finish saves and `held`)."""
+        """Requests finished or preempted since the last step: vLLM freed their blocks,
+        but a finish save's (its job has a guard of its own) and a held request's (not
+        named released: `build_connector_meta`)."""
         return set(getattr(so, "finished_req_ids", None) or ()) | set(
             getattr(so, "preempted_req_ids", None) or ()
         )
