@@ -1261,6 +1261,61 @@ VLLM_FIGURES: list[Fig] = [
         "restore_vs_recompute.ttft_recomputed_s.p50",
         fmt="{:.3f}",
     ),
+    # The default with the hold for cuts in flight at a1b6b38 (serve-xeon-hold.json).
+    Fig(
+        "No request was held ({} `hold` lines)",
+        "serve-xeon-hold.json",
+        "bsr_io.holds.n",
+        fmt="{:.0f}",
+    ),
+    Fig(
+        "steady throughput {}x both references' (95% interval 0.877x",
+        "serve-xeon-hold.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "1.001x both references' (95% interval {}x",
+        "serve-xeon-hold.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "interval 0.877x to {}x), TTFT p50 0.996x;",
+        "serve-xeon-hold.json",
+        "saturated_95.bsr_io_vs_references.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "to 1.140x), TTFT p50 {}x; the control ran",
+        "serve-xeon-hold.json",
+        "saturated_95.bsr_io_vs_references.ttft_p50_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the control ran at {}x the reference (0.865x",
+        "serve-xeon-hold.json",
+        "saturated_95.control_vs_baseline.steady_throughput_ratio",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the reference ({}x to 1.332x)",
+        "serve-xeon-hold.json",
+        "saturated_95.control_vs_baseline.steady_throughput_ratio_95.0",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "the reference (0.865x to {}x)",
+        "serve-xeon-hold.json",
+        "saturated_95.control_vs_baseline.steady_throughput_ratio_95.1",
+        fmt="{:.3f}",
+    ),
+    Fig(
+        "- {} step saves, all complete (0.007 s p50).\n",
+        "serve-xeon-hold.json",
+        "bsr_io.save_outcomes.step_save:complete",
+        fmt="{:,.0f}",
+    ),
     # save_in_steps under slot pressure, window 1 (serve-steps-window1.json).
     Fig(
         "Every one of the {} step saves completed",
