@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from step_records import STEP, expected, fill, gemma_worker, group_of, stored, wait_for
 
@@ -19,14 +20,35 @@ from bsr_io._core import NoFreeSlot
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.layout import FULL
 from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
+from bsr_io.integrations.vllm.worker import WorkerSide
 
 BUDGET_S = 0.2
 
 
+def _logged_worker(tmp_path: Path, **settings: Any) -> WorkerSide:
+    """A worker storing under tmp_path/store, its events in tmp_path/events.jsonl."""
+    cfg = ConnectorConfig(
+        store_dir=str(tmp_path / "store"),
+        chunk_tokens=256,
+        step_save_budget_s=BUDGET_S,
+        events_path=str(tmp_path / "events.jsonl"),
+        **settings,
+    )
+    return gemma_worker(cfg)
+
+
+def _all_slots(worker) -> list:
+    held = []
+    while True:
+        try:
+            held.append(worker.save_engine.lease())
+        except NoFreeSlot:
+            return held
+
+
 def test_a_released_request_is_never_cut_from_its_reused_blocks(tmp_path):
     store = tmp_path / "store"
-    cfg = ConnectorConfig(store_dir=str(store), chunk_tokens=256, step_save_budget_s=BUDGET_S)
-    worker = gemma_worker(cfg)
+    worker = _logged_worker(tmp_path)
     full = group_of(worker, FULL)
     held = []
     try:
@@ -41,11 +63,7 @@ def test_a_released_request_is_never_cut_from_its_reused_blocks(tmp_path):
         assert stored(store) == [want]
 
         # Every save slot busy: the forward queues the cut and goes on; it does not wait.
-        while True:
-            try:
-                held.append(worker.save_engine.lease())
-            except NoFreeSlot:
-                break
+        held = _all_slots(worker)
         gone = Transfer("gone", "tiny", (RecordOrder(full.index, 1, 101, (3, 4)),))
         t0 = time.monotonic()
         worker.save_step(BsrMetadata(step_saves=[gone]))
@@ -82,14 +100,8 @@ def _done(events: Path) -> dict[str, dict]:
 def test_a_finished_request_says_when_its_cuts_have_all_ended(tmp_path):
     """Records cut in steps have no finish save, so the request's save has no end of its
     own: a `step_saves_done` line per rank says when its last cut ended and how."""
-    store, events = tmp_path / "store", tmp_path / "events.jsonl"
-    cfg = ConnectorConfig(
-        store_dir=str(store),
-        chunk_tokens=256,
-        step_save_budget_s=BUDGET_S,
-        events_path=str(events),
-    )
-    worker = gemma_worker(cfg)
+    events = tmp_path / "events.jsonl"
+    worker = _logged_worker(tmp_path)
     full = group_of(worker, FULL)
     held = []
     try:
@@ -113,11 +125,7 @@ def test_a_finished_request_says_when_its_cuts_have_all_ended(tmp_path):
         assert got["a"]["outcome"] == "complete" and got["a"]["written"] == 1, got
 
         # "c"'s cut waits for a slot when vLLM finishes it: its line waits for the cut.
-        while True:
-            try:
-                held.append(worker.save_engine.lease())
-            except NoFreeSlot:
-                break
+        held = _all_slots(worker)
         worker.save_step(BsrMetadata(step_saves=[order("c", 2, (5, 6))]))
         worker.submit(BsrMetadata(released={"c"}))  # its blocks are no longer its own
         worker.results({"c"})
@@ -155,15 +163,6 @@ def _sending(worker, rid: str, within: float) -> float:
         time.sleep(0.02)
 
 
-def _all_slots(worker) -> list:
-    held = []
-    while True:
-        try:
-            held.append(worker.save_engine.lease())
-        except NoFreeSlot:
-            return held
-
-
 def test_a_held_request_keeps_its_blocks_until_its_cut_has_copied(tmp_path):
     """vLLM finished the request while its cut still waited for a save slot (a writer
     held up behind a stalled write: in one CI run a 0.64 s write cost 5 of 24 records
@@ -172,13 +171,7 @@ def test_a_held_request_keeps_its_blocks_until_its_cut_has_copied(tmp_path):
     cut has its bytes. The control is the first test's released request: the same wait
     ends skipped."""
     store, events = tmp_path / "store", tmp_path / "events.jsonl"
-    cfg = ConnectorConfig(
-        store_dir=str(store),
-        chunk_tokens=256,
-        step_save_budget_s=BUDGET_S,
-        events_path=str(events),
-    )
-    worker = gemma_worker(cfg)
+    worker = _logged_worker(tmp_path)
     full = group_of(worker, FULL)
     held = []
     try:
@@ -220,15 +213,7 @@ def test_a_hold_ends_at_save_timeout(tmp_path):
     back), and its cuts end skipped, never read from them after."""
     store, events = tmp_path / "store", tmp_path / "events.jsonl"
     timeout, window = 1.0, 2
-    cfg = ConnectorConfig(
-        store_dir=str(store),
-        chunk_tokens=256,
-        window=window,
-        step_save_budget_s=BUDGET_S,
-        save_timeout_s=timeout,
-        events_path=str(events),
-    )
-    worker = gemma_worker(cfg)
+    worker = _logged_worker(tmp_path, window=window, save_timeout_s=timeout)
     full = group_of(worker, FULL)
     held = []
     n = 4 * window  # four writers' turns, each waiting out a slot's timeout
