@@ -148,11 +148,15 @@ class StepCuts:
         for rid, seconds, copied, guard in done:
             if guard is not None:
                 guard.close()  # waits for a copy in progress; a later one is Abandoned
-            why = "" if copied else "save_timeout_s passed with cuts not yet copied"
             self.w.event(
                 None,
-                {"kind": "hold", "request_id": rid, "seconds": seconds, "reason": why}
-                | {"outcome": COMPLETE if copied else ZERO},
+                {
+                    "kind": "hold",
+                    "request_id": rid,
+                    "outcome": COMPLETE if copied else ZERO,
+                    "reason": "" if copied else "save_timeout_s passed with cuts not copied",
+                    "seconds": seconds,
+                },
             )
         return {rid for rid, *_ in done}
 
