@@ -34,9 +34,14 @@ class Transfer:
     committed_tokens: int = 0  # loads: what the request has computed once it completes
 
 
+def cut_key(key_model: str, group: int, chunk_hash: int) -> Cut:
+    """The cut of group `group`'s record of the chunk hashed `chunk_hash`."""
+    return (key_model, group, chunk_hash)
+
+
 def cut_of(key_model: str, r: RecordOrder) -> Cut:
     """The cut of record `r` of a request keyed under `key_model`."""
-    return (key_model, r.group, r.chunk_hash)
+    return cut_key(key_model, r.group, r.chunk_hash)
 
 
 @dataclass

@@ -43,6 +43,7 @@ from bsr_io.integrations.vllm.metadata import (
     Cut,
     RecordOrder,
     Transfer,
+    cut_key,
     cut_of,
 )
 from bsr_io.model.keys import extend_prefix_hashes, model_digest
@@ -191,12 +192,12 @@ class SchedulerSide:
         for g in self.full:
             dirs = self.dirs(key_model, g)
             m = self.catalog.leading(dirs, hashes, first, n)
-            while m < n and (key_model, g.index, hashes[m]) in cutting:
+            while m < n and cut_key(key_model, g.index, hashes[m]) in cutting:
                 m = self.catalog.leading(dirs, hashes, m + 1, n)
             n = m
 
         def held(g: GroupLayout, h: int) -> bool:
-            return (key_model, g.index, h) in cutting or self.catalog.holds(
+            return cut_key(key_model, g.index, h) in cutting or self.catalog.holds(
                 self.dirs(key_model, g), h
             )
 
@@ -446,8 +447,11 @@ class SchedulerSide:
     def _cuts_in_flight(self, st: _Request) -> bool:
         """Whether a full-group record of `st` cut in a step is not yet reported."""
         km = st.key_model
+        assert km is not None  # request_finished returned early otherwise
         return bool(self._cutting) and any(
-            (km, g.index, st.hashes[c]) in self._cutting for c in st.step_saved for g in self.full
+            cut_key(km, g.index, st.hashes[c]) in self._cutting
+            for c in st.step_saved
+            for g in self.full
         )
 
     @property
