@@ -19,58 +19,36 @@ miss and is not saved, never a guess.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import re
 import threading
 from typing import Any
 
-_DIGEST = 16  # bytes: 128-bit digests, as the chunk keys
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def _digest(doc: Any, person: bytes) -> str:
-    text = json.dumps(doc, sort_keys=True, default=repr).encode()
-    return hashlib.blake2b(text, digest_size=_DIGEST, person=person).hexdigest()
-
-
-def _plain(value: Any) -> Any:
-    """A config value as JSON can hold it (dicts, lists, scalars; anything else by repr)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if callable(value):  # hf_overrides may be a function: known by its qualified name
-        return f"{getattr(value, '__module__', '')}.{getattr(value, '__qualname__', repr(value))}"
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):
-        return _plain(to_dict())
-    if hasattr(value, "__dict__"):
-        return {"type": type(value).__qualname__, **_plain(vars(value))}
-    return _ADDRESS.sub("", repr(value))  # no memory address: stable across processes
+from bsr_io.model.identity import DIGEST_BYTES, canonical, digest
 
 
 def kv_settings(vllm_config: Any) -> dict[str, Any]:
-    """The settings besides the weights that change the KV a model computes."""
+    """The settings besides the weights that change the KV a model computes, in their
+    canonical form (`NotCanonical`, naming the setting, for a value that has none)."""
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
     hf = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
-    return {
-        "quantization": _plain(getattr(mc, "quantization", None)),
-        "quantization_config": _plain(getattr(mc, "quantization_config", None)),
-        "kv_cache_dtype": str(getattr(cc, "cache_dtype", "auto")),
-        "kv_cache_dtype_skip_layers": _plain(getattr(cc, "kv_cache_dtype_skip_layers", [])),
-        "mamba_cache_dtype": str(getattr(cc, "mamba_cache_dtype", "auto")),
-        "mamba_ssm_cache_dtype": str(getattr(cc, "mamba_ssm_cache_dtype", "auto")),
-        "hf_overrides": _plain(getattr(mc, "hf_overrides", None) or {}),
-        "rope_scaling": _plain(getattr(hf, "rope_scaling", None)),
-        "rope_parameters": _plain(getattr(hf, "rope_parameters", None)),
-        "rope_theta": _plain(getattr(hf, "rope_theta", None)),
-        "model_weights": _plain(getattr(mc, "model_weights", "") or ""),
-        "disable_sliding_window": bool(getattr(mc, "disable_sliding_window", False)),
-    }
+    settings: dict[str, Any] = canonical(
+        {
+            "quantization": getattr(mc, "quantization", None),
+            "quantization_config": getattr(mc, "quantization_config", None),
+            "kv_cache_dtype": str(getattr(cc, "cache_dtype", "auto")),
+            "kv_cache_dtype_skip_layers": getattr(cc, "kv_cache_dtype_skip_layers", []),
+            "mamba_cache_dtype": str(getattr(cc, "mamba_cache_dtype", "auto")),
+            "mamba_ssm_cache_dtype": str(getattr(cc, "mamba_ssm_cache_dtype", "auto")),
+            "hf_overrides": getattr(mc, "hf_overrides", None) or {},
+            "rope_scaling": getattr(hf, "rope_scaling", None),
+            "rope_parameters": getattr(hf, "rope_parameters", None),
+            "rope_theta": getattr(hf, "rope_theta", None),
+            "model_weights": getattr(mc, "model_weights", "") or "",
+            "disable_sliding_window": bool(getattr(mc, "disable_sliding_window", False)),
+        }
+    )
+    return settings
 
 
 def model_identity(vllm_config: Any, override: str | None = None) -> str:
@@ -78,7 +56,7 @@ def model_identity(vllm_config: Any, override: str | None = None) -> str:
     dtype), then a digest of the other settings that change that KV."""
     mc = vllm_config.model_config
     weights = override or f"vllm:{mc.model}@{getattr(mc, 'revision', None) or 'main'}:{mc.dtype}"
-    return f"{weights};kv={_digest(kv_settings(vllm_config), b'bsr-vllm-kv')}"
+    return f"{weights};kv={digest(kv_settings(vllm_config), b'bsr-vllm-kv')}"
 
 
 class AdapterUnreadable(OSError):
@@ -111,7 +89,7 @@ def adapter_digest(path: str) -> str:
         got = _memo.get(root)
     if got is not None and got[0] == key:
         return got[1]
-    h = hashlib.blake2b(digest_size=_DIGEST, person=b"bsr-vllm-lora")
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=b"bsr-vllm-lora")
     for name, size, *_ in stamp:
         h.update(f"{name}\0{size}\0".encode())
         try:
@@ -120,10 +98,10 @@ def adapter_digest(path: str) -> str:
                     h.update(block)
         except OSError as exc:
             raise AdapterUnreadable(f"cannot read LoRA adapter file {name} in {root}") from exc
-    digest = h.hexdigest()
+    hexed = h.hexdigest()
     with _memo_lock:
-        _memo[root] = (key, digest)
-    return digest
+        _memo[root] = (key, hexed)
+    return hexed
 
 
 def context_digest(cache_salt: str | None, lora: Any = None) -> str:
@@ -135,7 +113,7 @@ def context_digest(cache_salt: str | None, lora: Any = None) -> str:
                 f"LoRA adapter {getattr(lora, 'lora_name', lora)!r} has no path to digest"
             )
         doc["lora"] = adapter_digest(str(path))
-    return _digest(doc, b"bsr-vllm-ctx")
+    return digest(doc, b"bsr-vllm-ctx")
 
 
 def key_model(model: str, cache_salt: str | None = None, lora: Any = None) -> str:
