@@ -38,7 +38,11 @@ throughput is the steady state's: output tokens of the requests that end after t
 `--concurrency` have ended, over the time from that end to the last. The ramp before it
 depends on whether the first request's prefill starts before the others arrive (a first
 TTFT of 0.3 s or 1.2 s, at random), which moved a 12-request phase's wall time by up to
-20% either way; the whole phase's ratio is kept beside it. The restore
+20% either way; the whole phase's ratio is kept beside it. With the control, each
+saturated ratio has a bootstrap 95% interval over the rounds (`saturated_95`), and the
+bench prints and records the goal's verdict from it (`verdict`: met only when the whole
+interval is inside the goal, not met when it is wholly outside, otherwise not resolved),
+the control's own interval against the reference beside each. The restore
 figures pair each request bsr-io restored with the same request on the reference. Also:
 TTFT p50/p90/p99 per kind of request (restored, vLLM's own hit, miss), save latency
 percentiles and restore bandwidth from the connector's events, the store's growth, the
@@ -67,6 +71,7 @@ import numpy as np
 
 from bsr_io.cli.report import write_json
 from bsr_lab.bench.serve_pool import intervals
+from bsr_lab.bench.verdict import judge, lines
 from bsr_lab.vllm import sched
 
 KINDS = ("restored", "local", "miss")
@@ -691,6 +696,8 @@ def run(args: argparse.Namespace) -> int:
     doc["bsr_io"]["save_bytes_per_s"] = grown / active_s  # over its server's busy time
     shown = ("miss_penalty", "noise_floor", "saturated_95", "restore_vs_recompute")
     print(json.dumps({k: doc[k] for k in shown if k in doc}, indent=1))
+    for line in lines(doc.get("verdict", {})):
+        print("saturated", line)
     print("outputs equal:", doc["outputs_equal"])
     shutil.rmtree(store, ignore_errors=True)  # GiB of records: measured, not kept
     write_json(args.json, doc)
@@ -723,6 +730,19 @@ def summarize(
 ) -> dict[str, Any]:
     base, bsr = rounds["baseline"], rounds["bsr_io"]
     cached, control = rounds.get(CACHED), rounds.get(CONTROL)
+    # The saturated phase's figures with bootstrap 95% intervals over the rounds, bsr-io
+    # also against both references together (serve_pool.py says why), and the goal's
+    # verdict read from each interval (verdict.py), the control's beside it.
+    sat95 = (
+        intervals(
+            {s: rounds[s] for s in (*SIDES, CONTROL)},
+            "saturated",
+            args.concurrency,
+            args.max_tokens,
+        )
+        if control
+        else None
+    )
     saves = [e for e in events if e.get("kind") in ("save", "step_save") and "seconds" in e]
     loads = [e for e in events if e.get("kind") == "load" and e.get("outcome") == "complete"]
     read_s = sum(e.get("seconds", 0.0) for e in loads)
@@ -744,20 +764,7 @@ def summarize(
             if control
             else {}
         ),
-        # The saturated phase's figures with bootstrap 95% intervals over the rounds,
-        # bsr-io also against both references together (serve_pool.py says why).
-        **(
-            {
-                "saturated_95": intervals(
-                    {s: rounds[s] for s in (*SIDES, CONTROL)},
-                    "saturated",
-                    args.concurrency,
-                    args.max_tokens,
-                )
-            }
-            if control
-            else {}
-        ),
+        **({"saturated_95": sat95, "verdict": judge(sat95)} if sat95 is not None else {}),
         "restore_vs_recompute": restores(rounds, args.chunk),
         "outputs_equal": equality(rounds),
         "baseline": side_summary(base) | {"rss_mib": rss["baseline"]},
