@@ -13,12 +13,26 @@ without parsing messages.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 from bsr_io._core import BsrError
 
-if TYPE_CHECKING:
-    from bsr_io.model.keys import ChunkKey
+
+class NamedChunk(Protocol):
+    """What an error needs of the chunk it names: a short printable name. (A
+    `bsr_io.model.keys.ChunkKey` is one; errors sit below the model, so they take it as
+    data and never import it.)"""
+
+    def short(self) -> str: ...
+
+
+def _where(message: str, key: NamedChunk | None, tier: str | None) -> str:
+    where = []
+    if tier is not None:
+        where.append(f"tier {tier}")
+    if key is not None:
+        where.append(f"chunk {key.short()}")
+    return f"{message} ({', '.join(where)})" if where else message
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +64,7 @@ class ChunkError(BsrError):
         self,
         message: str,
         *,
-        key: ChunkKey | None = None,
+        key: NamedChunk | None = None,
         tier: str | None = None,
         cause: BaseException | str | None = None,
         record: object | None = None,
@@ -62,12 +76,7 @@ class ChunkError(BsrError):
         # can withdraw that record and never a newer one published at the same place.
         proven = self.proven_bad or isinstance(record, Unproven)
         self.record = record if proven else Unproven(record, type(self).__name__)
-        where = []
-        if tier is not None:
-            where.append(f"tier {tier}")
-        if key is not None:
-            where.append(f"chunk {key.short()}")
-        text = f"{message} ({', '.join(where)})" if where else message
+        text = _where(message, key, tier)
         if cause is not None:
             text = f"{text}: {cause}"
         super().__init__(text)
@@ -113,19 +122,26 @@ class DestinationUnusable(BsrError):
         self,
         message: str,
         *,
-        key: ChunkKey | None = None,
+        key: NamedChunk | None = None,
         tier: str | None = None,
         cause: BaseException | str | None = None,
     ) -> None:
         self.key = key
         self.tier = tier
-        where = []
-        if tier is not None:
-            where.append(f"tier {tier}")
-        if key is not None:
-            where.append(f"chunk {key.short()}")
-        text = f"{message} ({', '.join(where)})" if where else message
+        text = _where(message, key, tier)
         super().__init__(f"{text}: {cause}" if cause is not None else text)
+
+
+class KernelOwnedMemory(DestinationUnusable):
+    """A load was asked to read into host memory that a read given up earlier may still
+    write: the kernel owns that byte range until the read returns (`bsr_io.load.memory`),
+    whichever view of the memory (a pool's pages, a per-request cache) asks. Refused
+    before anything is read; says nothing about any record (not a bad chunk). `start`
+    and `end` are the owned range's addresses."""
+
+    def __init__(self, message: str, *, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        super().__init__(message)
 
 
 class CapacityError(BsrError, ValueError):

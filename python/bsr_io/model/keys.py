@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from bsr_io import _core
+import bsr_io._core as _core
 
 if TYPE_CHECKING:
     from bsr_io.model.layout import KVLayout
