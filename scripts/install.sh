@@ -6,7 +6,7 @@ if ! command -v fio >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
         apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fio >/dev/null
     else
-        echo "note: fio not found; 'bsr-io bench ssd' needs it (apt-get install fio)" >&2
+        echo "note: fio not found; 'bsr-lab bench ssd' needs it (apt-get install fio)" >&2
     fi
 fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
