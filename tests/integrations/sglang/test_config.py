@@ -21,7 +21,13 @@ def _create(extra: dict) -> object:
         ({"lower_dir": "/nonexistent/l3"}, "'lower_dir' '/nonexistent/l3' is not a directory"),
         ({"windw": 4}, "unknown keys in the HiCache extra_config ['windw']"),
         ({"window": 0}, "'window' must be an int >= 1, got 0"),
-        ({"timeout_s": "soon"}, "'timeout_s' must be positive, got 'soon'"),
+        ({"timeout_s": "soon"}, "'timeout_s' must be a finite number > 0, got 'soon'"),
+        # inf passed a `> 0` check, then every get failed with a logged traceback.
+        ({"timeout_s": float("inf")}, "'timeout_s' must be a finite number > 0, got inf"),
+        ({"timeout_s": "nan"}, "'timeout_s' must be a finite number > 0, got 'nan'"),
+        # An empty name was taken as none: SGLang's model_name was used silently.
+        ({"model": ""}, "'model' must be a non-empty string, got ''"),
+        ({"model": "  "}, "'model' must be a non-empty string, got '  '"),
         ({"direct_reads": "maybe"}, "'direct_reads' must be true or false"),
         ({"interface_v1": 0}, '"interface_v1": 1'),
         ({"mooncake.mastr": "h:1"}, "mooncake"),

@@ -17,11 +17,21 @@ beside them and are left to SGLang; any other unknown key is refused, naming it:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from bsr_io.settings import Key, Table, at_least, parse, positive
+from bsr_io.settings import Key, Table, at_least, parse
 from bsr_io.tiers.mooncake import MooncakeConfig
+
+
+def _finite_positive(v: float) -> bool:
+    return math.isfinite(v) and v > 0  # inf would pass `> 0`, then fail every get
+
+
+def _named(v: str) -> bool:
+    return bool(v.strip())  # "" would be taken as no value at all
+
 
 SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
 
@@ -31,11 +41,11 @@ KEYS = Table(
         Key("lower_dir", "str", None, "a directory"),
         Key("capacity", "size", None, "bytes or a size such as '64GiB'", at_least(0)),
         Key("window", "int", 32, "an int >= 1", at_least(1)),
-        Key("timeout_s", "float", 10.0, "positive", positive),
+        Key("timeout_s", "float", 10.0, "a finite number > 0", _finite_positive),
         Key("direct_reads", "bool", True, "true or false"),
         Key("io_backend", "str", "auto"),
         Key("queue_depth", "int", 32, "an int >= 1", at_least(1)),
-        Key("model", "str", None, "a non-empty string"),
+        Key("model", "str", None, "a non-empty string", _named),
     ),
     label="'{name}'",
     unknown="unknown keys in the HiCache extra_config {unknown}; bsr-io knows {known}, "
