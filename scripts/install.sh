@@ -14,5 +14,9 @@ fi
 python -m pip install -q -U pip
 python -m pip install -q -r requirements-dev.txt
 maturin develop --release -q
+# The wheel a deployment installs on every node (abi3: one build for Python 3.11+), from
+# the same build: target/wheels/bsr_io-*-abi3-*.whl.
+rm -f target/wheels/bsr_io-*.whl
+maturin build --release -q -o target/wheels
 # The lab (tests' and lab benchmarks' support, `bsr-lab`): editable, never in the wheel.
 python -m pip install -q --no-deps -e lab
