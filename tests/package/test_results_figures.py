@@ -34,9 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results"
 # Being rewritten to this convention by another change, which removes them from here
 # once they cite their keys (a new docs/*.md, such as results-vllm.md, is checked at once).
-PENDING = {
-    "docs/vllm.md",
-}
+PENDING: set[str] = set()
 CHECKED = sorted(
     p
     for p in ["README.md", *(f"docs/{f.name}" for f in (ROOT / "docs").glob("*.md"))]
@@ -61,6 +59,9 @@ ALLOWED: dict[str, list[tuple[str, str]]] = {
     "docs/architecture.md": [
         ("could not) gets 0.5 s", "a grace period the code sets"),
         ("waited for 0.5 s at least", "a wait the code sets"),
+    ],
+    "docs/results-vllm.md": [
+        ("at least 0.97x the reference's and TTFT p50 at most 1.05x", "the serving goal"),
     ],
     "docs/results.md": [
         ("(+5%, -3%)", "the serving goal, not a measurement"),
