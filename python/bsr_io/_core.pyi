@@ -260,7 +260,9 @@ class Engine:
     def features(self) -> dict[str, bool | int | str]:
         """What the probe found: fixed_buffers, registered_files, registered_memory
         (`register_memory` can take caller memory), mlock, hugepages,
-        queue_depth, request_bytes, and `notes` (why something was skipped)."""
+        queue_depth, request_bytes, open_path (how paths below a store's root are
+        resolved: "openat2", or "walk" where openat2 is missing or refused by a seccomp
+        profile), and `notes` (why something was skipped)."""
     @property
     def window(self) -> int: ...
     @property

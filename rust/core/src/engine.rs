@@ -136,6 +136,8 @@ pub struct Features {
     pub hugepages: bool,
     pub queue_depth: usize,
     pub request_bytes: usize,
+    /// How paths below a store's root are resolved: "openat2" or "walk".
+    pub open_path: &'static str,
     pub notes: Vec<String>,
 }
 
@@ -234,7 +236,15 @@ impl Engine {
             }
             Driver::Pread(_) => ("pread", false, false, false),
         };
+        let (open_path, refused) = crate::file::open_path_probe();
+        if open_path == crate::file::OpenPath::Walk {
+            notes.push(format!(
+                "openat2 refused ({}): store paths resolved one directory at a time, no link followed",
+                describe_errno(refused)
+            ));
+        }
         let features = Features {
+            open_path: open_path.name(),
             backend,
             fixed_buffers,
             registered_files,

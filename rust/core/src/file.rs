@@ -162,10 +162,61 @@ pub(crate) fn open_beneath(
     how.flags = flags as u64;
     how.mode = if flags & libc::O_CREAT != 0 { 0o600 } else { 0 };
     how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS;
+    if open_path() == OpenPath::Walk {
+        return walk_beneath(dir, &parts, flags);
+    }
     match openat2_raw(dir.as_raw_fd(), &rel, &how) {
-        Err(libc::ENOSYS) => walk_beneath(dir, &parts, flags),
+        // ENOSYS: a kernel before 5.6. EPERM: a seccomp profile that refuses openat2 (a
+        // container runtime's default may). The walk gives the same answers; a real
+        // EPERM (an immutable file opened for writing) comes back from it too.
+        Err(libc::ENOSYS) | Err(libc::EPERM) => walk_beneath(dir, &parts, flags),
         other => other,
     }
+}
+
+/// How `open_beneath` resolves a path below a store's root in this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenPath {
+    /// `openat2` with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS.
+    Openat2,
+    /// One directory at a time with O_NOFOLLOW: `openat2` is missing (ENOSYS) or
+    /// refused (EPERM, seccomp).
+    Walk,
+}
+
+impl OpenPath {
+    pub fn name(self) -> &'static str {
+        match self {
+            OpenPath::Openat2 => "openat2",
+            OpenPath::Walk => "walk",
+        }
+    }
+}
+
+static OPEN_PATH: OnceLock<(OpenPath, i32)> = OnceLock::new();
+
+/// The resolution this process uses, probed once by resolving "." below "/" (no
+/// permission is needed for it, so an error is the call itself being refused).
+pub fn open_path() -> OpenPath {
+    open_path_probe().0
+}
+
+/// `open_path` and, for the walk, the errno `openat2` answered the probe with.
+pub fn open_path_probe() -> (OpenPath, i32) {
+    *OPEN_PATH.get_or_init(|| {
+        let root = c"/".to_owned();
+        let Ok(dir) = open_raw(&root, libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) else {
+            return (OpenPath::Openat2, 0); // no root to probe: try openat2 at each open
+        };
+        // SAFETY: open_how is plain data (three integers); zero is valid for each.
+        let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+        how.flags = (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64;
+        how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS;
+        match openat2_raw(dir.as_raw_fd(), &c".".to_owned(), &how) {
+            Err(e @ (libc::ENOSYS | libc::EPERM)) => (OpenPath::Walk, e),
+            _ => (OpenPath::Openat2, 0),
+        }
+    })
 }
 
 /// The walk `open_beneath` falls back to: from the directory `dir`, each component but

@@ -130,6 +130,7 @@ impl PyEngine {
         d.set_item("hugepages", f.hugepages)?;
         d.set_item("queue_depth", f.queue_depth)?;
         d.set_item("request_bytes", f.request_bytes)?;
+        d.set_item("open_path", f.open_path)?;
         d.set_item("notes", f.notes.join("; "))?;
         Ok(d)
     }
