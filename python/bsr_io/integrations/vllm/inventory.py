@@ -4,11 +4,14 @@ Each rank's records live on its own node's drive, which no other process can lis
 paper's two nodes shared no file system). So the worker, never the scheduler, lists its
 record directories: those of the key ranks it owns (`-w{world}r{rank}`), under the store
 and the lower tier, file names only (a record's name is its chunk hash; no header is
-read). At start it lists them once; every `rescan_s` a thread lists them again and
-queues what changed (a record evicted, quarantined or deleted by hand; one written by
-another process sharing the directory). Saves the worker confirms are queued at once,
-and so are records written through to a pool, which no listing can see ("pinned": only
-a failed load removes them).
+read), through the store's one listing (tiers/files/listing.py): no link is followed
+and only regular files count, the rules the loads open by, so nothing is offered that
+a load would refuse. At start it lists them once; every `rescan_s` a thread lists them
+again and queues what changed (a record evicted, quarantined or deleted by hand; one
+written by another process sharing the directory). A save that lands while a listing
+runs is never taken for a removal (`_merge`). Saves the worker confirms are queued at
+once, and so are records written through to a pool, which no listing can see
+("pinned": only a failed load removes them).
 
 `take(limit)` hands out at most `limit` chunk hashes per call, one call per engine step:
 the start listing first, then the changes in the order they happened (a change queued
@@ -27,33 +30,29 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from bsr_io.integrations.vllm.metadata import Inventory
-from bsr_io.tiers.files.records import NS_RE, STEM_RE, SUFFIX
+from bsr_io.tiers.files.listing import Held, holds, list_store
+from bsr_io.tiers.files.records import SUFFIX
 
-Held = dict[str, set[int]]  # record dir -> chunk hashes
+__all__ = ["SUFFIX", "Held", "StoreInventory", "list_records"]
 
 
-def list_records(chunks_dirs: Sequence[Path], suffixes: Iterable[str] | None = None) -> Held:
-    """The records under `chunks_dirs` (directories ending in one of `suffixes`; all when
-    None), by file name only. A directory that cannot be listed holds nothing."""
-    ends = tuple(suffixes) if suffixes is not None else None
+def list_records(
+    chunks_dirs: Sequence[Path], suffixes: Iterable[str] | None = None, *, strict: bool = False
+) -> Held:
+    """The records under `chunks_dirs` (namespaces ending in one of `suffixes`; all when
+    None), by the store's one listing (names only, no link followed, regular files): what
+    a load can open. A directory that cannot be read holds nothing, or with `strict`
+    raises OSError (a re-listing then keeps the view it had); an absent one holds nothing."""
     out: Held = {}
     for d in chunks_dirs:
         try:
-            dirs = list(os.scandir(d))
+            listed = list_store(d, suffixes)
         except OSError:
+            if strict:
+                raise
             continue
-        for ns in dirs:
-            if not NS_RE.match(ns.name) or (ends is not None and not ns.name.endswith(ends)):
-                continue
-            try:
-                names = os.listdir(ns.path)
-            except OSError:
-                continue
-            held = out.setdefault(ns.name, set())
-            for name in names:
-                stem = name[: -len(SUFFIX)]
-                if name.endswith(SUFFIX) and STEM_RE.match(stem):
-                    held.add(int(stem, 16))
+        for ns, hashes in listed.items():
+            out.setdefault(ns, set()).update(hashes)
     return out
 
 
@@ -66,16 +65,22 @@ class StoreInventory:
         self._thread: threading.Thread | None = None
         self.relists = 0
         self._pinned: Held = {}  # written through to a pool: kept across epochs and listings
+        # Saves landing while a listing runs: the listing may have read their directory
+        # before the file was there, so what it found is merged with them (never a
+        # removal). `_gen` counts saves; `_listings` holds the count each running
+        # listing began at; `_saves` the generation of each save made meanwhile.
+        self._gen = 0
+        self._listings: list[int] = []
+        self._saves: dict[tuple[str, int], int] = {}
         self._restart()
 
     def _restart(self) -> None:
         """A fresh epoch: everything held goes out again, from the first batch."""
-        held = list_records(self._dirs, self._suffixes)
+        held, since = self._list(strict=False)
         with self._lock:
+            self._merge(held, since)
             self.epoch = secrets.randbits(62)
             self._held = held
-            for ns, hashes in self._pinned.items():
-                self._held.setdefault(ns, set()).update(hashes)
             # The start listing, sent in order: (dir, its hashes) and a cursor into it.
             self._sync = [(ns, sorted(h)) for ns, h in sorted(self._held.items()) if h]
             self._at = (0, 0)
@@ -86,6 +91,9 @@ class StoreInventory:
     def saved(self, ns: str, chunk_hash: int, pinned: bool = False) -> None:
         """The worker stored a record (`pinned`: also in a pool no listing sees)."""
         with self._lock:
+            self._gen += 1
+            if self._listings:
+                self._saves[(ns, chunk_hash)] = self._gen
             self._held.setdefault(ns, set()).add(chunk_hash)
             if pinned:
                 self._pinned.setdefault(ns, set()).add(chunk_hash)
@@ -99,34 +107,27 @@ class StoreInventory:
 
     def recheck(self, ns: str, hashes: Iterable[int]) -> None:
         """The scheduler side dropped these after a failed load: report again those this
-        store still holds (a bad one was quarantined, so its file is gone)."""
-        d = self._dir_of(ns)
-        if d is None:
-            return
+        store still holds by the listing's rules (a bad one was quarantined, so its file
+        is gone; a link is not a record) or a pool holds for it."""
+        if not ns.endswith(self._suffixes):
+            return  # another rank's directory: never looked at here
         with self._lock:
             for h in hashes:
-                present = (d / ns / f"{h:032x}{SUFFIX}").exists()
+                present = any(holds(d, ns, h) for d in self._dirs)
                 pinned = h in self._pinned.get(ns, ())
                 if present or pinned:
                     self._queue(ns, h, True)
                 else:
                     self._held.get(ns, set()).discard(h)
                     self._pinned.get(ns, set()).discard(h)
-
-    def _dir_of(self, ns: str) -> Path | None:
-        if not ns.endswith(self._suffixes):
-            return None  # another rank's directory: never looked at here
-        for d in self._dirs:
-            if (d / ns).is_dir():
-                return d
-        return self._dirs[0] if self._pinned.get(ns) else None
+                    self._saves.pop((ns, h), None)
 
     def relist(self) -> None:
-        """List the directories again and queue what changed since the last listing."""
-        fresh = list_records(self._dirs, self._suffixes)
+        """List the directories again and queue what changed since the last listing. A
+        directory that cannot be read now (an errno) raises: the view stays as it was."""
+        fresh, since = self._list(strict=True)
         with self._lock:
-            for ns, hashes in self._pinned.items():
-                fresh.setdefault(ns, set()).update(hashes)
+            self._merge(fresh, since)
             for ns in set(self._held) | set(fresh):
                 old, new = self._held.get(ns, set()), fresh.get(ns, set())
                 for h in new - old:
@@ -135,6 +136,34 @@ class StoreInventory:
                     self._queue(ns, h, False)
             self._held = fresh
             self.relists += 1
+
+    def _list(self, strict: bool) -> tuple[Held, int]:
+        """What the drive holds, and the save count this listing began at."""
+        with self._lock:
+            since = self._gen
+            self._listings.append(since)
+        try:
+            return list_records(self._dirs, self._suffixes, strict=strict), since
+        except BaseException:
+            with self._lock:
+                self._end_listing(since)
+            raise
+
+    def _merge(self, fresh: Held, since: int) -> None:
+        """Add to a listing begun at `since` the saves made since and the pinned records;
+        ends that listing. Called with the lock held."""
+        for (ns, h), gen in self._saves.items():
+            if gen > since:
+                fresh.setdefault(ns, set()).add(h)
+        for ns, hashes in self._pinned.items():
+            fresh.setdefault(ns, set()).update(hashes)
+        self._end_listing(since)
+
+    def _end_listing(self, since: int) -> None:
+        self._listings.remove(since)
+        # Only saves newer than every listing still running are needed.
+        oldest = min(self._listings, default=self._gen)
+        self._saves = {k: g for k, g in self._saves.items() if g > oldest}
 
     def _queue(self, ns: str, h: int, add: bool) -> None:
         # The latest change of a record wins: a removal cancels a queued addition.

@@ -1,6 +1,7 @@
 """Record files in a directory: the part L2 and L3 share.
 
 records.py     names, identity (RecordId), opening a record file safely
+listing.py     what a directory holds, by name: the one listing every component uses
 index.py       the per-process index (LRU, sizes) and the directory scan
 publish.py     atomic publication: temp file, fdatasync, rename, fsync of the directory
 capacity.py    room for a write: reservations and eviction of the oldest records

@@ -8,7 +8,7 @@ writer is dead (or the file is older than STALE_TMP_S).
 from __future__ import annotations
 
 import os
-import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -18,16 +18,8 @@ from pathlib import Path
 from bsr_io.errors import TierDown
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.record import OldRecordFormat, RecordFormatError
-from bsr_io.tiers.files.records import (
-    _HOST,
-    NS_RE,
-    STEM_RE,
-    SUFFIX,
-    TMP_RE,
-    Entry,
-    RecordId,
-    read_header,
-)
+from bsr_io.tiers.files.listing import namespaces, records
+from bsr_io.tiers.files.records import _HOST, TMP_RE, Entry, RecordId, read_header
 
 STALE_TMP_S = 3600.0  # a temp file this old is abandoned even if its pid looks alive
 
@@ -95,30 +87,25 @@ OnBad = Callable[[Path, RecordId, str], None]
 
 def scan_records(chunks_dir: Path, tier: str, on_bad: OnBad) -> list[tuple[ChunkKey, Entry]]:
     """Every record under `chunks_dir`, oldest first, from headers only; torn writes are
-    removed, records that fail their header checks go to `on_bad`."""
+    removed, records that fail their header checks go to `on_bad`. The names come from
+    the store's one listing (listing.py), so the tier holds what every other view lists."""
     found: list[tuple[float, ChunkKey, Entry]] = []
     try:
-        namespaces = list(os.scandir(chunks_dir))
+        names = namespaces(chunks_dir)
     except OSError as exc:
         raise TierDown(f"cannot list {chunks_dir}", tier=tier, cause=exc) from exc
-    for ns in namespaces:
-        if not ns.is_dir(follow_symlinks=False) or not NS_RE.match(ns.name):
-            continue  # not ours: leave it alone
-        for f in os.scandir(ns.path):
-            m = TMP_RE.match(f.name)
-            if m:
-                _reap_tmp(f, m)
-                continue
-            stem = f.name.removesuffix(SUFFIX)
-            if not f.name.endswith(SUFFIX) or not STEM_RE.match(stem):
-                continue
-            path = Path(f.path)
-            if not f.is_file(follow_symlinks=False):
-                continue  # a link or anything else is not a record we wrote
+    for ns in names:
+        try:
+            listed = list(records(chunks_dir / ns, on_tmp=_reap_tmp))
+        except OSError:
+            continue  # unreadable now: not indexed, checked again by the next probe
+        for stem, path in listed:
             try:
-                st = f.stat(follow_symlinks=False)
+                st = os.lstat(path)
             except OSError:
                 continue  # removed meanwhile, or not ours to look at
+            if not stat.S_ISREG(st.st_mode):
+                continue  # replaced by a link or anything else since it was listed
             try:
                 header = read_header(path)
             except (FileNotFoundError, OldRecordFormat):
@@ -129,7 +116,7 @@ def scan_records(chunks_dir: Path, tier: str, on_bad: OnBad) -> list[tuple[Chunk
             except OSError:
                 continue  # an errno proves nothing: not indexed now, checked again later
             problem = None
-            if header.key.namespace() != ns.name or header.key.file_stem() != stem:
+            if header.key.namespace() != ns or header.key.file_stem() != stem:
                 problem = f"file holds the record of another key ({header.key.short()})"
             elif st.st_size != header.record_bytes:
                 problem = f"file is {st.st_size} bytes, record is {header.record_bytes}"
@@ -151,11 +138,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _reap_tmp(f: os.DirEntry[str], m: re.Match[str]) -> None:
+def _reap_tmp(path: Path) -> None:
+    m = TMP_RE.match(path.name)
+    if m is None:
+        return
     try:
-        age = time.time() - f.stat(follow_symlinks=False).st_mtime
+        age = time.time() - os.lstat(path).st_mtime
         writer_dead = m.group(1) == _HOST and not _pid_alive(int(m.group(2)))
         if writer_dead or age > STALE_TMP_S:
-            os.unlink(f.path)
+            os.unlink(path)
     except OSError:
         pass  # gone already, or not ours to remove

@@ -1,0 +1,128 @@
+"""What a store directory holds, by name: the one listing every component goes through.
+
+The tier's scan (index.py), the vLLM worker's inventory and recheck, and any catalog an
+integration keeps of a rank's records all take their names from here, so they agree
+with each other and with the opens. A load opens a record with no link in any
+component below the store (the engine's openat2 RESOLVE_NO_SYMLINKS, or its walk) and
+only if it is a regular file, so the listing counts exactly that:
+
+    <chunks dir>/<namespace>/<chunk hash>.chunk
+        namespace  a real directory (not a link) whose name matches NS_RE
+        record     a regular file (not a link) whose stem matches STEM_RE
+
+Names only: no header is read, so a listing costs one getdents per directory, and the
+file type comes with each name on the file systems that report it (one lstat each
+elsewhere). A record that lists but fails its header is found by the load that opens
+it and quarantined there. The chunks directory itself is the caller's anchor (a store
+root or its `chunks/`): it is followed if it is a link.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+from bsr_io.tiers.files.records import NS_RE, STEM_RE, SUFFIX, TMP_RE
+
+Held = dict[str, set[int]]  # namespace -> chunk hashes of its records
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+# What a listing does with a temp file it meets (its path).
+OnTmp = Callable[[Path], None]
+
+
+def record_stem(name: str) -> str | None:
+    """The chunk hash (hex) a file name stands for, or None if it is no record's name."""
+    if not name.endswith(SUFFIX):
+        return None
+    stem = name[: -len(SUFFIX)]
+    return stem if STEM_RE.match(stem) else None
+
+
+def namespaces(chunks_dir: Path, suffixes: Iterable[str] | None = None) -> list[str]:
+    """The namespaces under `chunks_dir` that are real directories (ending in one of
+    `suffixes`, e.g. "-w2r1"; all when None). Raises OSError if `chunks_dir` cannot be
+    listed (FileNotFoundError when it does not exist)."""
+    ends = tuple(suffixes) if suffixes is not None else None
+    out = []
+    with os.scandir(chunks_dir) as it:
+        for e in it:
+            if not NS_RE.match(e.name) or (ends is not None and not e.name.endswith(ends)):
+                continue
+            if e.is_dir(follow_symlinks=False):
+                out.append(e.name)
+    return sorted(out)
+
+
+def records(ns_dir: Path, on_tmp: OnTmp | None = None) -> Iterator[tuple[str, Path]]:
+    """(stem, path) of each record in the namespace directory `ns_dir`: regular files,
+    never links. The directory is opened without following a link, so a link put in
+    its place lists nothing. Temp files go to `on_tmp` when given. Yields nothing if
+    `ns_dir` is gone or is not a real directory; raises OSError if it cannot be read."""
+    try:
+        fd = os.open(ns_dir, _DIR_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return  # a link where a namespace was: not ours, as the opens would say
+        raise
+    try:
+        with os.scandir(fd) as it:
+            for e in it:
+                stem = record_stem(e.name)
+                if stem is None:
+                    if on_tmp is not None and TMP_RE.match(e.name):
+                        on_tmp(ns_dir / e.name)
+                    continue
+                try:
+                    regular = e.is_file(follow_symlinks=False)  # d_type, or fstatat
+                except OSError:
+                    continue  # removed meanwhile
+                if regular:
+                    yield stem, ns_dir / e.name
+    finally:
+        os.close(fd)
+
+
+def chunk_hashes(ns_dir: Path) -> set[int]:
+    """The chunk hashes of the records in one namespace directory (a rank's records of
+    one model and layout), by name only: the cheap question a catalog asks again every
+    few seconds to stay fresh. Empty if the directory does not exist (yet) or is a link;
+    raises OSError if it cannot be read, so a caller keeps the view it had."""
+    return {int(stem, 16) for stem, _ in records(ns_dir)}
+
+
+def list_store(chunks_dir: Path, suffixes: Iterable[str] | None = None) -> Held:
+    """Every record under `chunks_dir` by namespace (namespaces ending in one of
+    `suffixes`; all when None), names only. An absent `chunks_dir` holds nothing; one
+    that cannot be read raises OSError."""
+    try:
+        names = namespaces(chunks_dir, suffixes)
+    except FileNotFoundError:
+        return {}
+    out: Held = {}
+    for ns in names:
+        hashes = chunk_hashes(chunks_dir / ns)
+        if hashes:
+            out[ns] = hashes
+    return out
+
+
+def holds(chunks_dir: Path, ns: str, chunk_hash: int) -> bool:
+    """Whether the store holds this one record now, by the listing's rules: a real
+    namespace directory and a regular file at the record's name (two lstat calls).
+    False for names that are no record's, and where an errno leaves it unknown."""
+    if not NS_RE.match(ns) or not 0 <= chunk_hash < 1 << 128:
+        return False
+    try:
+        if not stat.S_ISDIR(os.lstat(chunks_dir / ns).st_mode):
+            return False
+        st = os.lstat(chunks_dir / ns / f"{chunk_hash:032x}{SUFFIX}")
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode)
