@@ -28,8 +28,10 @@ other (the record is withdrawn, a lower tier re-reads the chunk into the same bl
 A direct read has the run's deadline too: past it, it is given up (a pool call still
 queued never runs, a file read still queued in the engine is withdrawn) and, when it
 may still write the destination's blocks, they are reported unusable
-(`InstallReport.unusable`) and never reused: the run ends `zero` with no fallback into
-them, and no later run restores into that destination. A destination
+(`InstallReport.unusable`) and left to the kernel (memory.py: by address, until the read
+returns them): the run ends `zero` with no fallback into them, and no later run reads
+into those bytes, through whatever destination object it is given (`KernelOwnedMemory`,
+before anything is read). A destination
 that lasts across restores (`lasting`) has its host buffers registered with the engine's
 ring at its first direct read, for as long as it lives, so the kernel pins its pages once
 instead of per request.
@@ -44,7 +46,6 @@ started (`_NotStarted`, its cause kept for the fallback). Each knows how it land
 from __future__ import annotations
 
 import time
-import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -61,7 +62,8 @@ from bsr_io._core import (
     xxh3_runs,
 )
 from bsr_io.engine import give_back, register_memory, wait_for_slot
-from bsr_io.errors import ChunkError, DestinationUnusable, LayoutError, Unproven
+from bsr_io.errors import ChunkError, DestinationUnusable, KernelOwnedMemory, LayoutError, Unproven
+from bsr_io.load import memory
 from bsr_io.load.discovery import holds
 from bsr_io.load.install import HostRuns, fused_runs, install_chunk, scoped
 from bsr_io.load.kvcache import Destination, Fence
@@ -234,10 +236,10 @@ class _DirectRead(_Read):
             self.handle.wait(timeout)
         except TimeoutError as exc:
             if not self.handle.done() and not self.handle.abandon():
-                window._unusable(self.index, self.handle)
+                window._unusable(self.index, self.handle, self.where)
             raise ReadTimedOut(self.index, self.key, _whereabouts(exc)) from None
         except DestinationUnusable:
-            window._unusable(self.index, self.handle)
+            window._unusable(self.index, self.handle, self.where)
             raise
 
     def land(self, window: Window, trail: _Trail) -> _Landed | None:
@@ -310,18 +312,43 @@ class InstallReport:
     given_up: list[DirectChunk] = field(default_factory=list)
 
 
-# Per destination, its chunks whose blocks a read may still write (given up at its
-# deadline, or left with the kernel by an engine break-down), for as long as it lives:
-# a later run into it ends at once rather than reuse them.
-_UNUSABLE: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+def chunk_ranges(dest: Destination, index: int) -> list[memory.Range]:
+    """The host address ranges chunk `index` of `dest` lies in (none off the host)."""
+    where = fused_runs(dest, index)
+    return [] if where is None else memory.ranges_of(where)
 
 
 def unusable_chunks(dest: Destination) -> frozenset[int]:
-    """The chunks of `dest` whose blocks a given-up read may still write."""
-    try:
-        return frozenset(_UNUSABLE.get(dest, ()))
-    except TypeError:  # not weakly referable: its runs' reports say it
+    """The chunks of `dest` whose bytes a given-up read may still write (memory.py: by
+    address, whichever object `dest` is)."""
+    if not memory.any_owned():
         return frozenset()
+    whole = getattr(dest, "host_memory", None)
+    if whole is not None and memory.owned_by_kernel(map(memory.address_of, whole())) is None:
+        return frozenset()
+    n = getattr(dest, "capacity_chunks", 0)
+    return frozenset(i for i in range(n) if memory.owned_by_kernel(chunk_ranges(dest, i)))
+
+
+def refuse_kernel_owned(dest: Destination, chunks: int) -> None:
+    """KernelOwnedMemory when a read given up earlier may still write the memory of one
+    of `dest`'s first `chunks` chunks."""
+    if not memory.any_owned():
+        return
+    whole = getattr(dest, "host_memory", None)
+    if whole is not None and memory.owned_by_kernel(map(memory.address_of, whole())) is None:
+        return  # none of its memory is the kernel's: no chunk to look at
+    for i in range(chunks):
+        held = memory.owned_by_kernel(chunk_ranges(dest, i))
+        if held is not None:
+            lo, hi = held
+            raise KernelOwnedMemory(
+                f"chunk {i}'s host memory may still be written by a read given up earlier: "
+                f"bytes {lo:#x}..{hi:#x} are still owned by the kernel until it returns "
+                "them; restore into other memory",
+                start=lo,
+                end=hi,
+            )
 
 
 class Window:
@@ -395,12 +422,7 @@ class Window:
         stop_every = stop_every or self.width
         deadline = reads_by(self._read_deadline)  # a tier's waits to start a read too
         try:
-            spoiled = unusable_chunks(dest)
-            if spoiled:
-                raise DestinationUnusable(
-                    f"the destination's blocks of chunks {sorted(spoiled)[:8]} may still be "
-                    "written by a read given up earlier: restore into another destination"
-                )
+            refuse_kernel_owned(dest, len(keys))
             for i in range(len(keys)):
                 self._fill()
                 if not self._install_next(i, keep_going):
@@ -690,15 +712,13 @@ class Window:
         finally:
             self._install_s += time.perf_counter() - t0
 
-    def _unusable(self, index: int, handle: DirectChunk) -> None:
-        """Chunk `index`'s blocks may still be written by a read given up (`handle`):
-        reported, and remembered with the destination, which no later run reuses."""
+    def _unusable(self, index: int, handle: DirectChunk, where: HostRuns) -> None:
+        """Chunk `index`'s blocks (`where`) may still be written by a read given up
+        (`handle`): reported, and left to the kernel by address until the read returns
+        them (memory.py), so that no later run reads into them, through any view."""
         self._report.unusable.append(index)
         self._report.given_up.append(handle)
-        try:
-            _UNUSABLE.setdefault(self._dest, set()).add(index)
-        except TypeError:
-            pass  # not weakly referable: the report says it
+        memory.give_up(where, handle)
 
     def _hash_in_place(self, where: HostRuns) -> int:
         """xxh3 of a direct read's bytes where they lie (counted as install time)."""

@@ -7,12 +7,25 @@ on that path (SGLang's attach), naming the key. Its I/O calls run on SGLang's pr
 and backup threads, where an exception or a None silently ends the storage tier for the
 process: they always return, a failure being `False` (or 0 hits).
 
-- `batch_exists`: the leading pages the in-memory catalog holds (no file-system call).
+- `batch_exists`: the leading pages the in-memory catalog holds (no file-system call);
+  0 while a given-up read may still write the pool (see below).
 - `batch_get_v1`: the leading pages some tier holds are read through the window of W,
   straight into the host pool's pages with O_DIRECT where the memory allows it (hashed
   where they landed), through a slot otherwise (hashed while copied). A page is `True`
   only once its bytes are verified in place; the first that fails or times out, and every
   page after it, is `False` (SGLang uses the leading run).
+- A stalled direct read: at the deadline (`timeout_s`) it is given up, but the kernel
+  still owns its pages and writes them when the device answers. SGLang frees a batch's
+  `False` pages for reuse as soon as the call returns (the prefetch thread's last ack),
+  so the call does not return while the kernel may write any of them: it waits for the
+  kernel to return those pages (bounded by the device: the engine ends the read when the
+  kernel completes it, on a real drive within the kernel's I/O timeout and its retries),
+  answering `batch_exists` 0 meanwhile so that no new load is started. Past
+  `KERNEL_RETURN_LOG_S` it says so in the log, and goes on waiting: it never hands SGLang
+  a page the kernel may still write (an engine break-down leaves the read with the
+  kernel for good: the prefetch thread then stays here, and the storage tier serves no
+  more hits, which is safe, where returning would not be). No later load reads into a
+  range the kernel owns, through whatever page view (`bsr_io.load.memory`).
 - `batch_set_v1`: pages already stored are `True` at once; the others are gathered
   into slots and written crash-safe (temp file, fdatasync, rename). Only the storage
   writer writes (MLA: one rank); the others report `True` (the writer holds them).
@@ -36,13 +49,19 @@ from bsr_io.integrations.sglang.config import Settings
 from bsr_io.integrations.sglang.identity import RankIdentity
 from bsr_io.integrations.sglang.pages import HostPages, PoolPages
 from bsr_io.load.discovery import sources_of
+from bsr_io.load.memory import owned_by_kernel, wait_returned
 from bsr_io.load.records import LoadOptions, windowed_install
+from bsr_io.load.window import chunk_ranges
 from bsr_io.model.keys import ChunkKey
 from bsr_io.save.records import save_records
 from bsr_io.store import Store, open_store
 from bsr_io.tiers.base import Tier
 
 logger = logging.getLogger(__name__)
+
+# How long a batch waits for the kernel to return pages of a given-up read before it
+# logs that it is still waiting (it never stops waiting: see the module doc).
+KERNEL_RETURN_LOG_S = 30.0
 
 
 class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships no types
@@ -69,6 +88,9 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         self._catalog: set[int] = set()  # page hashes this rank's records are stored under
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()  # the read engine's W slots serve one batch
+        # Batches waiting for the kernel to return pages of reads given up: while any
+        # is, batch_exists answers 0 (no new load into the pool).
+        self._kernel_waits = 0
         self.stats: dict[str, int] = dict.fromkeys(
             ("get_pages", "get_ok", "get_failed", "direct_pages", "set_pages", "set_written"), 0
         )
@@ -138,6 +160,8 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         try:
             with self._lock:
+                if self._kernel_waits:
+                    return 0  # unhealthy: a given-up read may still write the pool
                 held = self._catalog
                 for i, k in enumerate(keys):
                     if self._key(k).chunk_hash not in held:
@@ -184,22 +208,27 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         n = len(sources)
         dest = HostPages(self.pages, runs[:n], self.settings.direct_reads)
         opts = LoadOptions(deadline=deadline)
-        with self._read_lock:
-            report, error = windowed_install(
-                self._read_engine,
-                tiers,
-                ckeys[:n],
-                sources,
-                dest,
-                opts,
-                self._read_engine.slot_bytes,
-                self._read_engine.window,
-            )
+        try:
+            with self._read_lock:
+                report, error = windowed_install(
+                    self._read_engine,
+                    tiers,
+                    ckeys[:n],
+                    sources,
+                    dest,
+                    opts,
+                    self._read_engine.slot_bytes,
+                    self._read_engine.window,
+                )
+        finally:
+            # However the load ended (an exception too: SGLang then frees every page of
+            # the batch), no page goes back while the kernel may still write it.
+            self._until_returned(dest)
         # The window installs in order: its first `installed` pages are in place and
         # verified; a failure or a timeout stops it at the page that failed.
         ok = report.installed if report is not None else 0
-        if report is not None and report.failed_chunks:
-            ok = min(ok, min(report.failed_chunks))
+        if report is not None and (report.failed_chunks or report.unusable):
+            ok = min(ok, *report.failed_chunks, *report.unusable)
         if error and ok >= n:
             ok = 0  # an error the report does not place: trust no page
         self._count(
@@ -213,6 +242,30 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
             if error:
                 logger.warning("bsr HiCache: %d of %d pages read: %s", ok, len(keys), error)
         return ok
+
+    def _until_returned(self, dest: HostPages) -> None:
+        """Return only once the kernel owns none of the batch's pages (reads given up
+        may still write them): SGLang frees them when this batch answers. Unhealthy
+        meanwhile (batch_exists 0); never gives up (see the module doc)."""
+        ranges = [r for i in range(dest.capacity_chunks) for r in chunk_ranges(dest, i)]
+        if owned_by_kernel(ranges) is None:
+            return
+        with self._lock:
+            self._kernel_waits += 1
+        try:
+            waited = 0.0
+            while not wait_returned(ranges, KERNEL_RETURN_LOG_S):
+                waited += KERNEL_RETURN_LOG_S
+                logger.error(
+                    "bsr HiCache: a batch of %d host page(s) still owned by the kernel "
+                    "%.0f s after reads into it were given up (a stalled device); holding "
+                    "them from SGLang, and no new loads, until the kernel returns them",
+                    dest.capacity_chunks,
+                    waited,
+                )
+        finally:
+            with self._lock:
+                self._kernel_waits -= 1
 
     def _forget(self, keys: Sequence[ChunkKey]) -> None:
         """Drop pages no tier delivered from the catalog, so batch_exists stops
