@@ -9,7 +9,7 @@ and only regular files count, the rules the loads open by, so nothing is offered
 a load would refuse. At start it lists them once; every `rescan_s` a thread lists them
 again and queues what changed (a record evicted, quarantined or deleted by hand; one
 written by another process sharing the directory). A save that lands while a listing
-runs is never taken for a removal (`_merge`). Saves the worker confirms are queued at
+runs is never taken for a removal (fresh.py). Saves the worker confirms are queued at
 once, and so are records written through to a pool, which no listing can see
 ("pinned": only a failed load removes them).
 
@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from bsr_io.integrations.vllm.metadata import Inventory
+from bsr_io.tiers.files.fresh import RecentChanges
 from bsr_io.tiers.files.listing import Held, holds, list_store
 from bsr_io.tiers.files.records import SUFFIX
 
@@ -65,13 +66,8 @@ class StoreInventory:
         self._thread: threading.Thread | None = None
         self.relists = 0
         self._pinned: Held = {}  # written through to a pool: kept across epochs and listings
-        # Saves landing while a listing runs: the listing may have read their directory
-        # before the file was there, so what it found is merged with them (never a
-        # removal). `_gen` counts saves; `_listings` holds the count each running
-        # listing began at; `_saves` the generation of each save made meanwhile.
-        self._gen = 0
-        self._listings: list[int] = []
-        self._saves: dict[tuple[str, int], int] = {}
+        # Saves and drops made while a listing runs are applied on top of what it found.
+        self._changes = RecentChanges()
         self._restart()
 
     def _restart(self) -> None:
@@ -91,9 +87,7 @@ class StoreInventory:
     def saved(self, ns: str, chunk_hash: int, pinned: bool = False) -> None:
         """The worker stored a record (`pinned`: also in a pool no listing sees)."""
         with self._lock:
-            self._gen += 1
-            if self._listings:
-                self._saves[(ns, chunk_hash)] = self._gen
+            self._changes.note(ns, chunk_hash, True)
             self._held.setdefault(ns, set()).add(chunk_hash)
             if pinned:
                 self._pinned.setdefault(ns, set()).add(chunk_hash)
@@ -120,7 +114,7 @@ class StoreInventory:
                 else:
                     self._held.get(ns, set()).discard(h)
                     self._pinned.get(ns, set()).discard(h)
-                    self._saves.pop((ns, h), None)
+                    self._changes.note(ns, h, False)
 
     def relist(self) -> None:
         """List the directories again and queue what changed since the last listing. A
@@ -138,32 +132,20 @@ class StoreInventory:
             self.relists += 1
 
     def _list(self, strict: bool) -> tuple[Held, int]:
-        """What the drive holds, and the save count this listing began at."""
-        with self._lock:
-            since = self._gen
-            self._listings.append(since)
+        """What the drive holds, and where this listing began (for `_merge`)."""
+        since = self._changes.begin()
         try:
             return list_records(self._dirs, self._suffixes, strict=strict), since
         except BaseException:
-            with self._lock:
-                self._end_listing(since)
+            self._changes.end(since, None)
             raise
 
     def _merge(self, fresh: Held, since: int) -> None:
-        """Add to a listing begun at `since` the saves made since and the pinned records;
-        ends that listing. Called with the lock held."""
-        for (ns, h), gen in self._saves.items():
-            if gen > since:
-                fresh.setdefault(ns, set()).add(h)
+        """Apply to a listing begun at `since` the saves and drops made since, and add
+        the pinned records; ends that listing. Called with the lock held."""
+        self._changes.end(since, fresh)
         for ns, hashes in self._pinned.items():
             fresh.setdefault(ns, set()).update(hashes)
-        self._end_listing(since)
-
-    def _end_listing(self, since: int) -> None:
-        self._listings.remove(since)
-        # Only saves newer than every listing still running are needed.
-        oldest = min(self._listings, default=self._gen)
-        self._saves = {k: g for k, g in self._saves.items() if g > oldest}
 
     def _queue(self, ns: str, h: int, add: bool) -> None:
         # The latest change of a record wins: a removal cancels a queued addition.

@@ -2,6 +2,7 @@
 
 records.py     names, identity (RecordId), opening a record file safely
 listing.py     what a directory holds, by name: the one listing every component uses
+fresh.py       views kept fresh by listing again, the process's own saves never undone
 index.py       the per-process index (LRU, sizes) and the directory scan
 publish.py     atomic publication: temp file, fdatasync, rename, fsync of the directory
 capacity.py    room for a write: reservations and eviction of the oldest records
