@@ -84,6 +84,20 @@ def test_a_save_or_a_drop_during_a_listing_is_not_undone_by_it(tmp_path, monkeyp
     assert view.hashes() == {hashes[0], new}
 
 
+def test_a_pinned_record_stays_across_listings_until_forgotten(tmp_path):
+    """A page written through to a pool is on no drive: listing again keeps it, a
+    failed load (`forget`) drops it; an unpinned save the drive lacks goes."""
+    ns, hashes = _write(tmp_path, 1)
+    view = NamespaceView([tmp_path / "chunks"], ns)
+    view.saved(0x77, pinned=True)
+    view.saved(0x78)
+    view.refresh()
+    assert 0x77 in view and 0x78 not in view and hashes[0] in view
+    view.forget(0x77)
+    view.refresh()
+    assert view.hashes() == set(hashes)
+
+
 def test_overlapping_listings_each_keep_the_changes_made_since_they_began():
     changes = RecentChanges()
     a = changes.begin()

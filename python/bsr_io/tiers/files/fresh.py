@@ -69,8 +69,9 @@ class NamespaceView:
     across a store's chunks directories (striped drives, the lower tier), listed by the
     store's one listing and listed again every `interval_s` by `start`'s thread: records
     written by another process (a storage-writer rank) are seen within one interval.
-    `saved` and `forget` change the view at once. Membership is a set look-up: no
-    system call on the caller's thread."""
+    `saved` and `forget` change the view at once; a record saved `pinned` (also in a
+    pool no listing sees) stays across listings until `forget`. Membership is a set
+    look-up: no system call on the caller's thread."""
 
     def __init__(self, chunks_dirs: Sequence[Path], ns: str) -> None:
         self.ns = ns
@@ -78,6 +79,7 @@ class NamespaceView:
         self._lock = threading.Lock()
         self._changes = RecentChanges()
         self._held: set[int] = set()
+        self._pinned: set[int] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.refreshes = 0
@@ -96,26 +98,29 @@ class NamespaceView:
             raise
         with self._lock:
             self._changes.end(since, found)
-            self._held = found[self.ns]
+            self._held = found[self.ns] | self._pinned
             self.refreshes += 1
             self.refreshed_at = time.monotonic()
 
-    def saved(self, chunk_hash: int) -> None:
+    def saved(self, chunk_hash: int, pinned: bool = False) -> None:
         with self._lock:
             self._held.add(chunk_hash)
+            if pinned:
+                self._pinned.add(chunk_hash)
             self._changes.note(self.ns, chunk_hash, True)
 
     def forget(self, chunk_hash: int) -> None:
         """No tier delivered it: not offered until a listing finds it again."""
         with self._lock:
             self._held.discard(chunk_hash)
+            self._pinned.discard(chunk_hash)
             self._changes.note(self.ns, chunk_hash, False)
 
     def clear(self) -> None:
         with self._lock:
             for h in self._held:
                 self._changes.note(self.ns, h, False)
-            self._held = set()
+            self._held, self._pinned = set(), set()
 
     def hashes(self) -> frozenset[int]:
         with self._lock:
