@@ -2,8 +2,9 @@
 vLLM config objects, real SSD tiers on disk and real adapter files (no engine).
 
 - Identity: quantization, the KV-cache dtype and overrides such as rope scaling change
-  the model identity; a LoRA adapter is known by its files' bytes, so one retrained in
-  place gets new keys.
+  the model identity, which is the same under every hash seed (a set in the config)
+  and refused, naming the setting, for a value with no canonical form; a LoRA adapter
+  is known by its files' bytes, so one retrained in place gets new keys.
 - Capacity: two TP workers' tiers sharing one store directory, each capped, never evict
   each other's records (control: a tier that indexes the whole directory does); a
   touched record (vLLM's local hit, a restore) outlives an untouched one.
@@ -13,6 +14,9 @@ vLLM config objects, real SSD tiers on disk and real adapter files (no engine).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +28,7 @@ from bsr_io.cli.synthetic import synthetic_chunk
 from bsr_io.integrations.vllm.config import ConfigError, ConnectorConfig
 from bsr_io.integrations.vllm.identity import key_model, model_identity, request_key_model
 from bsr_io.integrations.vllm.ranktier import RankTier
+from bsr_io.model.identity import NotCanonical
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import preset
 from bsr_io.model.record import HEADER_BYTES
@@ -69,6 +74,33 @@ def test_model_identity_covers_what_changes_the_kv():
     assert len(set(others.values())) == len(others)
     # The user's name replaces the weights' name, never the KV settings' digest.
     assert model_identity(_config(cache_dtype="fp8_e4m3"), "x") != model_identity(_config(), "x")
+
+
+_SEEDED = """
+from types import SimpleNamespace
+from bsr_io.integrations.vllm.identity import model_identity
+hf = SimpleNamespace(rope_scaling=None, rope_theta=10000.0)
+mc = SimpleNamespace(model="/m/llama", revision=None, dtype="torch.bfloat16", hf_config=hf,
+    hf_overrides={"no_rope_layers": {"q_proj", "k_proj", "v_proj", "o_proj", "gate", "up"}})
+print(model_identity(SimpleNamespace(model_config=mc, cache_config=SimpleNamespace())))
+"""
+
+
+def test_a_set_in_the_config_gives_one_identity_under_every_hash_seed():
+    # The scheduler and each worker are processes with their own hash seeds.
+    idents = set()
+    for seed in (1, 2, 3):
+        env = {**os.environ, "PYTHONHASHSEED": str(seed)}
+        run = subprocess.run(
+            [sys.executable, "-c", _SEEDED], env=env, capture_output=True, text=True, check=True
+        )
+        idents.add(run.stdout.strip().splitlines()[-1])
+    assert len(idents) == 1, idents
+
+
+def test_a_config_value_with_no_canonical_form_is_refused_naming_its_key():
+    with pytest.raises(NotCanonical, match=r"hf_overrides\.hook\.guard: a lock has no"):
+        model_identity(_config(hf_overrides={"hook": {"guard": threading.Lock()}}))
 
 
 def _adapter(path, weights: bytes) -> str:
