@@ -446,3 +446,26 @@ def test_a_pool_record_no_tier_could_serve_is_not_reported_again(tmp_path):
     inv.relist()
     cat.report(0, inv.take(100))
     assert [cat.holds([ns], h) for h in (1, 2)] == [False, True]
+
+
+def test_a_worker_withdraws_exactly_what_it_reported():
+    """Workers also report rank 0's directory (a replicated group is stored once, in
+    rank 0's): a new epoch or `forget` withdraws what that worker reported, in every
+    directory, and nothing another worker still reports."""
+    base = "0" * 32 + "-" + "1" * 32 + "-w2r"
+    r0, r1 = base + "0", base + "1"
+    cat = RecordCatalog()
+    cat.report(0, Inventory(1, {r0: [1, 2]}))
+    cat.report(1, Inventory(1, {r0: [2, 3], r1: [7]}))
+    assert [cat.holds([r0], h) for h in (1, 2, 3)] == [True, True, True]
+    cat.forget(1)  # worker 1 stops reporting: its replicated record 3 goes with it
+    assert [cat.holds([r0], h) for h in (1, 2, 3)] == [True, True, False]
+    assert not cat.holds([r1], 7)
+    cat.report(1, Inventory(2, {r0: [3]}))
+    cat.report(0, Inventory(2, {r0: [1]}))  # worker 0 restarts: 2 was its alone now
+    assert [cat.holds([r0], h) for h in (1, 2, 3)] == [True, False, True]
+    cat.report(1, Inventory(2, removed={r0: [1]}))  # not its report: 0 still holds it
+    assert cat.holds([r0], 1)
+    cat.drop(r0, [1, 3])  # a failed load: gone whoever reported it, until reported again
+    assert [cat.holds([r0], h) for h in (1, 2, 3)] == [False, False, False]
+    assert cat.entries() == 0

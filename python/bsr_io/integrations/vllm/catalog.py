@@ -11,10 +11,11 @@ It is fed only by the workers, which alone can list their own node's drive
 (inventory.py): each worker's inventory arrives at start with vLLM's handshake metadata
 and then, in bounded batches, with every step's worker metadata: what it found, what it
 saved, what left its store. A rank that has not reported holds nothing. A report under a
-new epoch (the worker restarted) first drops everything its ranks held; so does `forget`
-(a worker that stopped reporting). A failed load drops the request's records here until
-the workers report again those they still hold. A stale entry costs one failed load
-(records are verified when read), never wrong data.
+new epoch (the worker restarted) first withdraws everything that worker reported, and
+only that (it may have reported another rank's directory that other workers report
+too); so does `forget` (a worker that stopped reporting). A failed load drops the
+request's records here until the workers report again those they still hold. A stale
+entry costs one failed load (records are verified when read), never wrong data.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from bsr_io.integrations.vllm.metadata import Inventory
 
 Masks = dict[str, dict[int, int]]  # base -> chunk hash -> bitmask of the ranks holding it
+Reporters = dict[str, dict[int, int]]  # directory -> chunk hash -> bitmask of its reporters
 _RANK_RE = re.compile(r"^(.*r)(\d+)$")
 
 
@@ -35,27 +37,11 @@ def _split(ns: str) -> tuple[str, int]:
     return (m.group(1), 1 << int(m.group(2))) if m else (ns, 1)
 
 
-def _apply(masks: Masks, add: bool, ns: str, hashes: frozenset[int]) -> None:
-    base, bit = _split(ns)
-    if add:
-        m = masks.setdefault(base, {})
-        for h in hashes:
-            m[h] = m.get(h, 0) | bit
-        return
-    held = masks.get(base)
-    if held is None:
-        return  # a drop never makes an entry
-    for h in hashes:
-        if left := held.get(h, 0) & ~bit:
-            held[h] = left
-        else:
-            held.pop(h, None)
-
-
 class RecordCatalog:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._masks: Masks = {}
+        self._reporters: Reporters = {}
         self._epochs: dict[int, int] = {}  # worker rank -> the epoch of its reports
         self.version = 0  # bumped on every change: a memoized answer is stale after one
 
@@ -88,53 +74,82 @@ class RecordCatalog:
         return end
 
     # -- feeding ---------------------------------------------------------------------
+    # A directory's rank bit is set for a chunk while at least one worker reports the
+    # record: workers report other ranks' directories too (a replicated group is stored
+    # once, in rank 0's), so a worker's restart or silence withdraws exactly what that
+    # worker reported, and a record another worker still reports stays.
+    def _add(self, who: int, ns: str, hashes: frozenset[int]) -> None:
+        base, bit = _split(ns)
+        masks = self._masks.setdefault(base, {})
+        by = self._reporters.setdefault(ns, {})
+        for h in hashes:
+            masks[h] = masks.get(h, 0) | bit
+            by[h] = by.get(h, 0) | who
+
+    def _remove(self, who: int, ns: str, hashes: Iterable[int]) -> None:
+        """Withdraw the reports of the workers in mask `who`; a chunk nobody reports any
+        more leaves the directory's rank bit."""
+        by = self._reporters.get(ns)
+        if by is None:
+            return  # a removal never makes an entry
+        base, bit = _split(ns)
+        masks = self._masks.get(base, {})
+        for h in hashes:
+            if by.get(h, 0) & ~who:
+                by[h] &= ~who
+                continue
+            by.pop(h, None)
+            if left := masks.get(h, 0) & ~bit:
+                masks[h] = left
+            else:
+                masks.pop(h, None)
+
+    def _withdraw(self, worker: int) -> None:
+        """Everything worker `worker` reported, and only that."""
+        who = 1 << worker
+        for ns, by in list(self._reporters.items()):
+            self._remove(who, ns, [h for h, m in by.items() if m & who])
+
     def report(self, worker: int, inv: Inventory) -> None:
         """Apply worker `worker`'s report. Under a new epoch (the worker restarted and
-        reports afresh) its rank's records are dropped first."""
+        reports afresh) what it reported before is withdrawn first."""
         with self._lock:
             known = self._epochs.get(worker)
             changed = bool(inv.added or inv.removed)
             if known != inv.epoch:
                 if known is not None:
-                    self._clear(1 << worker)
+                    self._withdraw(worker)
                     changed = True
                 self._epochs[worker] = inv.epoch
             for ns, hashes in inv.removed.items():
-                _apply(self._masks, False, ns, frozenset(hashes))
+                self._remove(1 << worker, ns, frozenset(hashes))
             for ns, hashes in inv.added.items():
-                _apply(self._masks, True, ns, frozenset(hashes))
+                self._add(1 << worker, ns, frozenset(hashes))
             # Most steps' reports are empty: they leave the scheduler's memoized answers
             # standing, so a waiting request is not looked up again in every pass.
             if changed:
                 self.version += 1
 
     def forget(self, worker: int) -> None:
-        """Worker `worker` stopped reporting: its rank holds nothing until it reports
-        under a new epoch."""
+        """Worker `worker` stopped reporting: what it reported is withdrawn until it
+        reports under a new epoch."""
         with self._lock:
             if self._epochs.pop(worker, None) is not None:
-                self._clear(1 << worker)
+                self._withdraw(worker)
                 self.version += 1
 
     def reporting(self) -> set[int]:
         """The workers whose reports the catalog holds."""
         return set(self._epochs)
 
-    def _clear(self, bits: int) -> None:
-        for held in self._masks.values():
-            for h in [h for h, m in held.items() if m & bits]:
-                if left := held[h] & ~bits:
-                    held[h] = left
-                else:
-                    del held[h]
-
     def drop(self, ns: str, hashes: Iterable[int]) -> None:
-        """Forget these records (a failed load met them) until a worker reports them."""
+        """Forget these records (a failed load met them), whoever reported them, until a
+        worker reports them again."""
         got = frozenset(hashes)
         if not got:
             return
         with self._lock:
-            _apply(self._masks, False, ns, got)
+            self._remove(-1, ns, got)  # -1: every reporter's bit
             self.version += 1
 
     def entries(self) -> int:
