@@ -17,6 +17,7 @@ from typing import Any
 from step_records import STEP, expected, fill, gemma_worker, group_of, stored, wait_for
 
 from bsr_io._core import NoFreeSlot
+from bsr_io.integrations.vllm import cuts
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.layout import FULL
 from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
@@ -242,4 +243,34 @@ def test_a_hold_ends_at_save_timeout(tmp_path):
     finally:
         for slot in held:
             slot.release()
+        worker.close()
+
+
+def test_a_cut_whose_lease_raises_is_counted_failed(tmp_path, monkeypatch):
+    """A lease that raises anything but EngineBusy (here a fault double: an OSError, as
+    a broken engine would) ends the cut failed: the request's `step_saves_done` says 1
+    failed, not complete with 0 records, and the scheduler hears the cut was lost."""
+    events = tmp_path / "events.jsonl"
+    worker = _logged_worker(tmp_path)
+    full = group_of(worker, FULL)
+
+    def broken_lease(engine, deadline):  # fault double: the engine fails the lease
+        raise OSError(5, "fault double: the save engine failed the lease")
+
+    monkeypatch.setattr(cuts, "lease", broken_lease)
+    try:
+        fill(worker, 1)
+        t = Transfer("f", "tiny", (RecordOrder(full.index, 0, 100, (1, 2)),))
+        worker.save_step(BsrMetadata(step_saves=[t]))
+        worker.submit(BsrMetadata(released={"f"}))
+        worker.results({"f"})
+        deadline = time.monotonic() + 10
+        while "f" not in _done(events):
+            assert time.monotonic() < deadline, events.read_text()
+            time.sleep(0.02)
+        f = _done(events)["f"]
+        assert (f["outcome"], f["records"], f["written"], f["failed"]) == ("zero", 1, 0, 1), f
+        assert "1 failed" in f["reason"], f
+        assert worker.worker_meta().lost_cuts == [("tiny", full.index, 100)]
+    finally:
         worker.close()

@@ -170,14 +170,24 @@ class StepCuts:
             return
         with clock("copy"):
             self._extract(t, r, slot, Guard())
-        self._track(t.request_id, self._writers.submit(self._write, t, r, slot, clock))
+        try:
+            fut = self._writers.submit(self._write, t, r, slot, clock)
+        except BaseException:  # the writers are shut down: the caller counts it failed
+            give_back(slot)
+            raise
+        self._track(t.request_id, fut)
 
     def _queue(self, t: Transfer, r: RecordOrder) -> None:
         copied = threading.Event()
         with self._lock:
             guard = self._guards.setdefault(t.request_id, Guard())
             self._copied.setdefault(t.request_id, []).append(copied)
-        self._track(t.request_id, self._writers.submit(self._cut_later, t, r, guard, copied))
+        try:
+            fut = self._writers.submit(self._cut_later, t, r, guard, copied)
+        except BaseException:  # the writers are shut down: the caller counts it failed
+            copied.set()  # nothing will copy: a release need not wait for it
+            raise
+        self._track(t.request_id, fut)
 
     def _track(self, request_id: str, fut: Future[None]) -> None:
         with self._lock:
@@ -191,13 +201,17 @@ class StepCuts:
     ) -> None:
         clock = PhaseClock({})
         try:
-            with clock("pace"):
-                self.w.gate.wait()  # the copy, while a forward runs (gate.py)
             try:
+                with clock("pace"):
+                    self.w.gate.wait()  # the copy, while a forward runs (gate.py)
                 with clock("slot"):
                     slot = lease(self.w.save_engine, time.monotonic() + self.cfg.save_timeout_s)
             except EngineBusy:
                 self._lost(t, r, SKIPPED, "no save slot within save_timeout_s")
+                return
+            except Exception as exc:  # noqa: BLE001 - counted: a cut never vanishes
+                log.warning("bsr-io: rank %d: step save got no slot: %s", self.w.rank, exc)
+                self._lost(t, r, FAILED, f"leasing a save slot failed: {exc}")
                 return
             try:
                 with clock("copy"):
@@ -222,12 +236,14 @@ class StepCuts:
             raise
 
     def _write(self, t: Transfer, r: RecordOrder, slot: Slot, clock: PhaseClock) -> None:
-        key, g = self.w.key(t, r), self.w.groups[r.group]
-        with clock("pace"):
-            self.w.gate.wait()  # the write too
         t0 = time.monotonic()
         error: Exception | None = None
+        key = None
         try:
+            key, g = self.w.key(t, r), self.w.groups[r.group]
+            with clock("pace"):
+                self.w.gate.wait()  # the write too
+            t0 = time.monotonic()
             with clock("write"):
                 self.w.save_tier.write(key, slot, g.record)
             self.w.note_saved(key)
@@ -239,7 +255,7 @@ class StepCuts:
         if error is None:
             self._outcome(t.request_id, SAVED, seconds, "", clock.phases)
         else:
-            log.warning("bsr-io: save of %s failed: %s", key.short(), error)
+            log.warning("bsr-io: save of %s failed: %s", key.short() if key else r, error)
             with self._lock:
                 self._lost_cuts.append(cut_of(t.key_model, r))
             self._outcome(t.request_id, FAILED, seconds, str(error), clock.phases)
