@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,24 @@ def test_a_namespace_dir_gone_or_replaced_by_a_file_holds_nothing(tmp_path):
     (ns_dir / f"{5:032x}.chunk").write_bytes(b"x")
     (ns_dir / f"{6:032x}.chunk.bak").write_bytes(b"x")
     assert chunk_hashes(ns_dir) == {5}
+
+
+@pytest.mark.parametrize("kind", ["L2", "L3"])
+def test_a_linked_rank_directory_is_not_contained(kind, tmp_path):
+    """`contains` answers by the listing's rules: a record reached through a linked rank
+    directory is not held (every load of it would fail with ELOOP), and probing it
+    neither adopts it nor quarantines the real record the link points at."""
+    engine = Engine(1, LAYOUT.chunk_bytes)
+    written, extras = _store_with_extras(tmp_path, engine)
+    tier = SSDTier(tmp_path, None, engine) if kind == "L2" else LowerTier(tmp_path)
+    ours = sorted(tier.keys(), key=lambda k: k.chunk_hash)
+    linked = [replace(k, rank=1) for k in ours]
+    assert tier.path_of(linked[0]).parent == extras["linked rank dir"]
+    assert tier.path_of(linked[0]).exists()  # through the link
+    for k in linked:
+        assert not tier.contains(k)
+    assert tier.probe(linked) == 0
+    assert tier.problems == [] and written.problems == []
+    assert all(tier.contains(k) for k in ours)  # the real records are left alone
+    assert sorted(written.keys(), key=lambda k: k.chunk_hash) == ours
+    engine.close()

@@ -113,16 +113,26 @@ def list_store(chunks_dir: Path, suffixes: Iterable[str] | None = None) -> Held:
     return out
 
 
-def holds(chunks_dir: Path, ns: str, chunk_hash: int) -> bool:
-    """Whether the store holds this one record now, by the listing's rules: a real
-    namespace directory and a regular file at the record's name (two lstat calls).
-    False for names that are no record's, and where an errno leaves it unknown."""
+def record_stat(chunks_dir: Path, ns: str, chunk_hash: int) -> os.stat_result | None:
+    """The lstat of this one record if the store holds it now, by the listing's rules: a
+    real namespace directory and a regular file at the record's name (two lstat calls);
+    None where it does not (absent, a link, not a directory or not a regular file, no
+    record's name). Raises OSError for an errno that leaves it unknown (EIO, EACCES)."""
     if not NS_RE.match(ns) or not 0 <= chunk_hash < 1 << 128:
-        return False
+        return None
     try:
         if not stat.S_ISDIR(os.lstat(chunks_dir / ns).st_mode):
-            return False
+            return None  # a link (or a file) where the rank directory was
         st = os.lstat(chunks_dir / ns / f"{chunk_hash:032x}{SUFFIX}")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def holds(chunks_dir: Path, ns: str, chunk_hash: int) -> bool:
+    """Whether the store holds this one record now (`record_stat`'s rules); False also
+    where an errno leaves it unknown."""
+    try:
+        return record_stat(chunks_dir, ns, chunk_hash) is not None
     except OSError:
         return False
-    return stat.S_ISREG(st.st_mode)

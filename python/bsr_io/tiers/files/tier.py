@@ -10,7 +10,6 @@ within the capacity (capacity.py); failed records go to quarantine (quarantine.p
 from __future__ import annotations
 
 import os
-import stat
 import time
 from abc import abstractmethod
 from pathlib import Path
@@ -39,6 +38,7 @@ from bsr_io.tiers.base import Payload, Tier, check_capacity, check_payload
 from bsr_io.tiers.files.bounded import call_within
 from bsr_io.tiers.files.capacity import Room
 from bsr_io.tiers.files.index import RecordIndex, scan_records
+from bsr_io.tiers.files.listing import record_stat
 from bsr_io.tiers.files.publish import copy_record, publish
 from bsr_io.tiers.files.quarantine import Problem, Quarantine
 from bsr_io.tiers.files.records import (
@@ -112,16 +112,13 @@ class FileTier(Tier):
 
     def contains(self, key: ChunkKey, group: str | None = None) -> bool:
         path = self.path_of(key)
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            self._index.forget(key)
-            return False
+        try:  # the listing's rules, the opens' too: no link anywhere below chunks/
+            st = record_stat(self.chunks_dir, path.parent.name, key.chunk_hash)
         except OSError as exc:
             raise TierDown(f"cannot stat {path}", key=key, tier=self.name, cause=exc) from exc
-        if not stat.S_ISREG(st.st_mode):
+        if st is None:
             self._index.forget(key)
-            return False  # records are regular files, never links
+            return False
         entry = self._index.get(key)
         if entry is not None and (entry.ino, entry.mtime_ns) == (st.st_ino, st.st_mtime_ns):
             return True
