@@ -42,6 +42,8 @@ __all__ = [
     "EngineBrokenError",
     "NoMemoryError",
     "KernelOwnedError",
+    "BsrValueError",
+    "BsrTypeError",
     "xxh3_64",
     "dio_alignment",
     "xxh3_runs",
@@ -102,6 +104,12 @@ class NoMemoryError(BsrIoError):
     """The staging arena does not fit in the memory available (errno ENOMEM), checked
     before mapping (MemAvailable, or the memory cgroup's limit where lower); the
     message says how many bytes were asked and how many are available."""
+
+class BsrValueError(BsrError, ValueError):
+    """An argument of the right type but a wrong value: a BsrError and a ValueError."""
+
+class BsrTypeError(BsrError, TypeError):
+    """An argument of a wrong type: a BsrError and a TypeError."""
 
 @final
 class File:

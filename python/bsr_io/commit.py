@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from bsr_io.errors import DecisionUnknown
+from bsr_io.errors import BsrValueError, DecisionUnknown
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -70,17 +70,17 @@ class Agreement:
         expire_s: float | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+            raise BsrValueError(f"rank {rank} is not in a world of size {world_size}")
         if world_size > 1 and store is None:
-            raise ValueError("a multi-rank Agreement needs a torch.distributed store")
+            raise BsrValueError("a multi-rank Agreement needs a torch.distributed store")
         if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+            raise BsrValueError(f"timeout_s must be positive, got {timeout_s}")
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.expire_s = max(60.0, 10 * timeout_s) if expire_s is None else expire_s
         if self.expire_s <= timeout_s:
-            raise ValueError(f"expire_s ({self.expire_s}) must exceed timeout_s ({timeout_s})")
+            raise BsrValueError(f"expire_s ({self.expire_s}) must exceed timeout_s ({timeout_s})")
         self._store: Any = store  # torch's Store; None (never used) when world_size == 1
         # Agreements over the same process group share their request numbering, so a
         # new Restorer per request cannot restart at 1 and meet an old request's keys.
@@ -100,7 +100,9 @@ class Agreement:
         from torch.distributed import distributed_c10d as c10d
 
         if not dist.is_initialized():
-            raise ValueError("torch.distributed is not initialised; call init_process_group first")
+            raise BsrValueError(
+                "torch.distributed is not initialised; call init_process_group first"
+            )
         rank = dist.get_rank(group)
         world = dist.get_world_size(group)
         name = "world" if group is None else c10d._get_process_group_name(group)
@@ -131,7 +133,7 @@ class Agreement:
         writes the decision with compare-and-set and every rank returns what is stored.
         A rank arriving after a timeout adopts that decision, never its own late view."""
         if value < 0:
-            raise ValueError(f"value must be >= 0, got {value}")
+            raise BsrValueError(f"value must be >= 0, got {value}")
         if self.world_size == 1:
             return value, ""
         request = self._ids.resolve(request or self.request())

@@ -24,6 +24,7 @@ from bsr_io._core import (
     NoFreeSlot,
     Slot,
 )
+from bsr_io.errors import BsrValueError
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +46,9 @@ __all__ = [
 
 def _count(nbytes: int, itemsize: int, what: str) -> int:
     if nbytes % itemsize:
-        raise ValueError(f"{what}: {nbytes} bytes is not a whole number of {itemsize}-byte items")
+        raise BsrValueError(
+            f"{what}: {nbytes} bytes is not a whole number of {itemsize}-byte items"
+        )
     return nbytes // itemsize
 
 
@@ -54,7 +57,7 @@ def as_numpy(slot: Slot, dtype: Any = np.uint8, count: int | None = None) -> npt
     dt = np.dtype(dtype)
     available = _count(len(slot), dt.itemsize, "as_numpy") if count is None else count
     if available < 0 or available * dt.itemsize > len(slot):
-        raise ValueError(f"count {count} of {dt} does not fit the slot's {len(slot)} bytes")
+        raise BsrValueError(f"count {count} of {dt} does not fit the slot's {len(slot)} bytes")
     return np.frombuffer(memoryview(slot), dtype=dt, count=available)
 
 
@@ -71,7 +74,7 @@ def as_tensor(
     dt = torch.uint8 if dtype is None else dtype
     nbytes = len(slot) if length is None else length
     if nbytes < 0 or nbytes > len(slot):
-        raise ValueError(f"length {length} is outside the slot's {len(slot)} valid bytes")
+        raise BsrValueError(f"length {length} is outside the slot's {len(slot)} valid bytes")
     itemsize = torch.empty((), dtype=dt).element_size()
     count = _count(nbytes, itemsize, "as_tensor")
     if count == 0:

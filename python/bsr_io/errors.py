@@ -3,7 +3,9 @@
 One root, `BsrError` (defined by the engine module, `bsr_io._core`): the engine's own
 errors (`BsrIoError`, also an `OSError` with errno) and every class here derive from
 it, so `except BsrError` catches whatever bsr-io raises for a reason of its own.
-Argument errors of the engine stay plain `ValueError`s.
+A bad argument, the engine's or the package's, raises `BsrValueError` or `BsrTypeError`
+(also made by the engine): a `BsrError` and the matching built-in, so a caller's
+`except ValueError` (or `TypeError`) catches it as well.
 
 A `ChunkError` always names the chunk key, the tier and the underlying cause, so a
 restore can report which chunk failed where and fall back (lower tier or recompute)
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from bsr_io._core import BsrError
+from bsr_io._core import BsrTypeError as BsrTypeError  # re-exported: the package's own
+from bsr_io._core import BsrValueError as BsrValueError
 
 
 class NamedChunk(Protocol):
@@ -132,27 +136,15 @@ class DestinationUnusable(BsrError):
         super().__init__(f"{text}: {cause}" if cause is not None else text)
 
 
-class KernelOwnedMemory(DestinationUnusable):
-    """A load was asked to read into host memory that a read given up earlier may still
-    write: the kernel owns that byte range until the read returns (`bsr_io.load.memory`),
-    whichever view of the memory (a pool's pages, a per-request cache) asks. Refused
-    before anything is read; says nothing about any record (not a bad chunk). `start`
-    and `end` are the owned range's addresses."""
-
-    def __init__(self, message: str, *, start: int, end: int) -> None:
-        self.start, self.end = start, end
-        super().__init__(message)
-
-
-class CapacityError(BsrError, ValueError):
+class CapacityError(BsrValueError):
     """A capacity or staging size too small for one chunk, or otherwise impossible."""
 
 
-class LayoutError(BsrError, ValueError):
+class LayoutError(BsrValueError):
     """A tensor or payload does not match the KV layout (dtype, shape, size)."""
 
 
-class RecordFormatError(BsrError, ValueError):
+class RecordFormatError(BsrValueError):
     """Bytes that are not a valid record header; the message says which check failed."""
 
 
@@ -172,3 +164,22 @@ class EngineBusy(BsrError):
 
     Back-pressure from the engine's own state (a shared engine, a slot a caller still
     holds), not a chunk failure: nothing is invalidated, the restore ends `zero`."""
+
+
+def expect_type(value: object, kind: type | tuple[type, ...], what: str) -> None:
+    """BsrTypeError naming the argument `what` unless `value` is a `kind`."""
+    if not isinstance(value, kind):
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+        raise BsrTypeError(f"{what} must be a {names}, got {type(value).__name__}")
+
+
+def expect_methods(value: object, methods: tuple[str, ...], what: str) -> None:
+    """BsrTypeError naming the argument `what` unless `value` has each of `methods` (a
+    protocol such as the destination's, which isinstance cannot check)."""
+    missing = [m for m in methods if not callable(getattr(value, m, None))]
+    if missing:
+        raise BsrTypeError(
+            f"{what} must have {', '.join(methods)}; a {type(value).__name__} has no "
+            f"{', '.join(missing)}"
+        )

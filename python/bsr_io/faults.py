@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from bsr_io._core import Engine, Slot
-from bsr_io.errors import ChunkMissing, ChunkReadError, TierDown
+from bsr_io.errors import BsrTypeError, BsrValueError, ChunkMissing, ChunkReadError, TierDown
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 from bsr_io.model.record import HEADER_BYTES
@@ -93,14 +93,14 @@ class Fault:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"unknown fault kind {self.kind!r}; choose one of {list(KINDS)}")
+            raise BsrValueError(f"unknown fault kind {self.kind!r}; choose one of {list(KINDS)}")
         object.__setattr__(self, "chunks", _set(self.chunks, int))
         object.__setattr__(self, "groups", _set(self.groups, str))
         object.__setattr__(self, "ranks", _set(self.ranks, int))
         if self.kind == "group_missing" and not self.groups:
-            raise ValueError("a group_missing fault needs `groups`")
+            raise BsrValueError("a group_missing fault needs `groups`")
         if self.delay_s < 0 or (self.times is not None and self.times < 1):
-            raise ValueError("delay_s must be >= 0 and times >= 1")
+            raise BsrValueError("delay_s must be >= 0 and times >= 1")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind, "tier": self.tier}
@@ -125,11 +125,11 @@ class FaultPlan:
         if isinstance(doc, dict):
             doc = doc.get("faults", [])
         if not isinstance(doc, list) or not all(isinstance(f, dict) for f in doc):
-            raise ValueError("a fault plan is a JSON list of objects (or {'faults': [...]})")
+            raise BsrValueError("a fault plan is a JSON list of objects (or {'faults': [...]})")
         try:
             return cls([Fault(**f) for f in doc])
         except TypeError as exc:
-            raise ValueError(f"bad fault in plan: {exc}") from None
+            raise BsrValueError(f"bad fault in plan: {exc}") from None
 
     def to_json(self) -> str:
         return json.dumps([f.to_dict() for f in self.faults])
@@ -199,7 +199,7 @@ def _flip_payload_byte(tier: Tier, key: ChunkKey) -> None:
             if entry is not None:
                 entry.data[len(entry.data) // 2] ^= 0x5A
     else:
-        raise TypeError(f"cannot corrupt records of {type(tier).__name__}")
+        raise BsrTypeError(f"cannot corrupt records of {type(tier).__name__}")
 
 
 def _stalled(

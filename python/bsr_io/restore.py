@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from bsr_io._core import Engine
 from bsr_io.commit import Agreement
-from bsr_io.errors import LayoutError
-from bsr_io.load.discovery import DiscoveryTimedOut, Plan, discover
+from bsr_io.errors import BsrValueError, LayoutError, expect_methods, expect_type
+from bsr_io.load.discovery import DiscoveryTimedOut, Plan, discover, miss_reason
 from bsr_io.load.kvcache import Destination
 from bsr_io.load.records import (
     COMPLETE,
@@ -31,6 +31,7 @@ from bsr_io.load.window import InstallReport
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import KVLayout
 from bsr_io.save.records import save_records
+from bsr_io.store import Store
 
 if TYPE_CHECKING:
     import numpy as np
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
 
     from bsr_io.commit import Vote
     from bsr_io.model.keys import ChunkKey
-    from bsr_io.store import Store
     from bsr_io.tiers.base import Tier
 
     # What `chunk_keys` hashes: a sequence of ints or a 1-D integer array.
@@ -91,23 +91,28 @@ class Restorer:
         backend: str | None = None,
         install_threads: int = 1,
     ) -> None:
+        expect_type(store, Store, "store")
+        expect_type(layout, KVLayout, "layout")
+        expect_type(engine, (Engine, type(None)), "engine")
+        expect_type(agreement, (Agreement, type(None)), "agreement")
+        expect_type(model, str, "model")
         if window is None:
             window = engine.window if engine is not None else 32
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be an int of at least 1 chunk, got {window!r}")
+            raise BsrValueError(f"window must be an int of at least 1 chunk, got {window!r}")
         # A deadline of zero or less would end every restore `zero` without a read.
         if (
             isinstance(timeout_s, bool)
             or not isinstance(timeout_s, int | float)
             or not (timeout_s > 0)
         ):
-            raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+            raise BsrValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         if (
             isinstance(install_threads, bool)
             or not isinstance(install_threads, int)
             or (install_threads < 1)
         ):
-            raise ValueError(f"install_threads must be an int >= 1, got {install_threads!r}")
+            raise BsrValueError(f"install_threads must be an int >= 1, got {install_threads!r}")
         self.store = store
         self.layout = layout
         self.model = model
@@ -126,14 +131,14 @@ class Restorer:
         if (self.rank, self.world_size) != (agreement.rank, agreement.world_size) and (
             agreement.world_size > 1
         ):
-            raise ValueError(
+            raise BsrValueError(
                 f"rank {self.rank}/{self.world_size} does not match the process group "
                 f"({agreement.rank}/{agreement.world_size})"
             )
         if engine is None:
             engine = Engine(window, layout.chunk_bytes, backend=backend)
         elif engine.window < window or engine.slot_bytes < layout.chunk_bytes:
-            raise ValueError(
+            raise BsrValueError(
                 f"engine has {engine.window} slots of {engine.slot_bytes} bytes; this restorer "
                 f"needs {window} slots of at least {layout.chunk_bytes}"
             )
@@ -157,6 +162,7 @@ class Restorer:
         `request_id` names the request on every rank (a serving engine's request id);
         None numbers requests in call order, so ranks must then probe in the same
         order. The plan carries the request's identity on to `restore`."""
+        expect_type(request_id, (str, type(None)), "request_id")
         keys = self.keys(token_ids)
         # Numbered before discovery: a discovery that raises must not leave this rank's
         # count of unnamed requests behind the others'.
@@ -172,6 +178,11 @@ class Restorer:
         reason = stalled or reason
         if not reason and agreed < len(sources):
             reason = f"hit shortened from {len(sources)} to {agreed} chunks by another rank"
+        if not reason and not sources:
+            # Every zero says why: a README's `print("miss:", plan.reason)` is never blank.
+            reason = miss_reason(
+                len(token_ids), self.layout.chunk_tokens, [t.name for t in self.tiers], group_hits
+            )
         return Plan(
             token_count=len(token_ids),
             chunk_tokens=self.layout.chunk_tokens,
@@ -194,8 +205,10 @@ class Restorer:
         Raises LayoutError (after telling the peers to abort) for a destination built
         for another layout, and re-raises whatever the destination's install raises,
         also after the abort is published: peers never wait out the timeout."""
+        expect_type(plan, Plan, "plan")
+        expect_methods(dest, ("install", "synchronize"), "dest (a Destination)")
         if request_id is not None and request_id != plan.request_id:
-            raise ValueError(
+            raise BsrValueError(
                 f"restore of request {request_id!r} with the plan of {plan.request_id!r}"
             )
         t_start = time.perf_counter()
@@ -274,6 +287,7 @@ class Restorer:
         as its write is done, failed or not (a kept exception cannot pin it); with the
         engine shared (a restore running), workers wait for slots up to `timeout_s`.
         """
+        expect_methods(dest, ("extract",), "dest (a Destination)")
         keys = self.keys(token_ids)
         n = min(len(keys), getattr(dest, "capacity_chunks", len(keys)))
         return save_records(

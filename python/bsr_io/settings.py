@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from bsr_io.errors import BsrValueError
 from bsr_io.model.sizes import parse_size
 
 Kind = Literal["str", "int", "float", "bool", "size"]
@@ -80,7 +81,7 @@ class Table:
     others: tuple[str, ...] = ()  # prefixes (after `prefix`) another table reads
     text: bool = False
     null_is_default: bool = False
-    error: type[ValueError] = ValueError
+    error: type[ValueError] = BsrValueError
 
     def key(self, name: str) -> Key:
         for k in self.keys:

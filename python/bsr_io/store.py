@@ -13,7 +13,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from bsr_io._core import Engine, Slot
-from bsr_io.errors import ChunkError, ChunkMissing, TierDown, Unproven
+from bsr_io.errors import (
+    BsrTypeError,
+    BsrValueError,
+    ChunkError,
+    ChunkMissing,
+    TierDown,
+    Unproven,
+    expect_type,
+)
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 from bsr_io.tiers.base import Payload, PendingChunk, Tier
@@ -28,10 +36,10 @@ class Store(Tier):
         super().__init__(name)
         self.tiers: list[Tier] = list(tiers)
         if not self.tiers:
-            raise ValueError("a store needs at least one tier")
+            raise BsrValueError("a store needs at least one tier")
         names = [t.name for t in self.tiers]
         if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be unique, got {names}")
+            raise BsrValueError(f"tier names must be unique, got {names}")
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -150,6 +158,13 @@ def open_store(
     """The usual composition: optional L1, L2 on `ssd_dir`, optional L3 on `lower_dir`
     (records evicted from L2 are demoted there when `demote`). A list of directories
     (one per drive) stripes L2 over them (`StripedSSDTier`; `ssd_bytes` per directory)."""
+    expect_type(engine, Engine, "engine")
+    expect_type(layout, (KVLayout, type(None)), "layout")
+    dirs = [ssd_dir] if isinstance(ssd_dir, (str, os.PathLike)) else ssd_dir
+    if not isinstance(dirs, Sequence) or not all(isinstance(d, (str, os.PathLike)) for d in dirs):
+        raise BsrTypeError(
+            f"ssd_dir must be a directory (str or path) or a list of them, got {ssd_dir!r}"
+        )
     tiers: list[Tier] = []
     if l1_bytes:
         tiers.append(MemoryTier(l1_bytes, layout=layout))

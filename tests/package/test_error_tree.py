@@ -9,6 +9,8 @@ import bsr_io
 from bsr_io import (
     BsrError,
     BsrIoError,
+    BsrTypeError,
+    BsrValueError,
     ChunkMissing,
     Engine,
     FileMissingError,
@@ -17,6 +19,7 @@ from bsr_io import (
     NoFreeSlot,
     RecordFormatError,
     WaitTimeoutError,
+    prefix_hashes,
 )
 from bsr_io.model.layout import preset
 from bsr_io.model.record import HEADER_BYTES, decode_header
@@ -31,6 +34,12 @@ def test_every_exported_error_has_the_one_root():
     assert issubclass(BsrIoError, OSError) and not issubclass(ChunkMissing, OSError)
     assert issubclass(WaitTimeoutError, TimeoutError)
     assert not issubclass(ValueError, BsrError)  # control: the check can say no
+    # Bad arguments: bsr-io's own errors and the built-ins, with the usual message.
+    assert issubclass(BsrValueError, ValueError) and issubclass(BsrTypeError, TypeError)
+    assert issubclass(LayoutError, BsrValueError) and not issubclass(BsrValueError, OSError)
+    assert str(BsrValueError("window must be at least 1, got 0")) == (
+        "window must be at least 1, got 0"
+    )
 
 
 def test_engine_errors_raised_for_real(tmp_path):
@@ -47,7 +56,11 @@ def test_engine_errors_raised_for_real(tmp_path):
         (tmp_path / "f").write_bytes(b"\0" * 4096)
         with eng.open(tmp_path / "f") as f, pytest.raises(ValueError) as bad:
             eng.submit_read(f, -1, 4096)
-        assert not isinstance(bad.value, BsrError)  # argument errors stay the caller's
+        # A bad argument is bsr-io's own error and the built-in a caller expects.
+        assert type(bad.value) is BsrValueError and isinstance(bad.value, BsrError)
+        with pytest.raises(TypeError) as tokens:
+            prefix_hashes("abc", 4)
+        assert type(tokens.value) is BsrTypeError
 
 
 def test_store_errors_raised_for_real():

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bsr_io.errors import BsrValueError
+
 if TYPE_CHECKING:
     from transformers import Cache, PretrainedConfig, PreTrainedModel
 
@@ -51,14 +53,14 @@ def attention_shape(config: PretrainedConfig) -> AttentionShape:
     other = sorted({t for t in layer_types if t != "full_attention"})
     if other or _uses_sliding_window(text):
         kinds = ", ".join(other) or "sliding_attention"
-        raise ValueError(
+        raise BsrValueError(
             f"{type(config).__name__} has {kinds} layers; bsr-io restores dense full-attention "
             "caches only (set sliding_window=None / use_sliding_window=False)"
         )
     if getattr(text, "kv_lora_rank", None):
         rope = getattr(text, "qk_rope_head_dim", None)
         if not rope:
-            raise ValueError(
+            raise BsrValueError(
                 f"{type(config).__name__} ({getattr(text, 'model_type', '?')}) has "
                 f"kv_lora_rank {text.kv_lora_rank} but no qk_rope_head_dim: not an MLA "
                 "cache bsr-io knows the shape of"

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bsr_io.errors import BsrValueError
 from bsr_io.integrations.hf_compat import (
     AttentionShape,
     attention_shape,
@@ -50,9 +51,9 @@ if TYPE_CHECKING:
 def head_shard(num_kv_heads: int, rank: int, world_size: int) -> slice:
     """The KV heads rank `rank` holds: [r*h/ws, (r+1)*h/ws)."""
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        raise BsrValueError(f"rank {rank} is outside world_size {world_size}")
     if num_kv_heads % world_size:
-        raise ValueError(
+        raise BsrValueError(
             f"{num_kv_heads} KV heads cannot be split evenly across {world_size} ranks"
         )
     per = num_kv_heads // world_size
@@ -63,7 +64,7 @@ def rank_heads(shape: AttentionShape, rank: int, world_size: int) -> slice:
     """The cache heads rank `rank` stores: its shard, or all of an MLA latent."""
     if shape.latent:
         if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+            raise BsrValueError(f"rank {rank} is outside world_size {world_size}")
         return slice(0, shape.num_kv_heads)
     return head_shard(shape.num_kv_heads, rank, world_size)
 
@@ -90,14 +91,14 @@ def kv_layout(
         found = (len(kv), k.shape[1], k.shape[-1], kv[0][1].shape[-1])
         want = (shape.num_layers, shape.num_kv_heads, shape.key_dim, shape.value_dim)
         if found != want:
-            raise ValueError(
+            raise BsrValueError(
                 f"cache has (layers, kv heads, key dim, value dim) {found}, the config says {want}"
             )
         if dtype is not None and dtype != k.dtype:
-            raise ValueError(f"dtype {dtype} given, the cache holds {k.dtype}")
+            raise BsrValueError(f"dtype {dtype} given, the cache holds {k.dtype}")
         dtype = k.dtype
     if dtype is None:
-        raise ValueError("kv_layout needs the cache or its dtype")
+        raise BsrValueError("kv_layout needs the cache or its dtype")
     shard = rank_heads(shape, rank, world_size)
     heads = shard.stop - shard.start
     kinds = ("latent", "rope") if shape.latent else ("k", "v")
@@ -121,7 +122,7 @@ class CacheDestination:
 
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor], heads: slice) -> None:
         if len(tensors) != len(layout.groups):
-            raise ValueError(f"{len(tensors)} cache tensors for {len(layout.groups)} groups")
+            raise BsrValueError(f"{len(tensors)} cache tensors for {len(layout.groups)} groups")
         self.layout = layout
         self._views = [t[0, heads] for t in tensors]  # [heads_r, seq, dim], no copy
         self._offsets = layout.group_offsets()
@@ -129,7 +130,7 @@ class CacheDestination:
         self.capacity_chunks = self.tokens // layout.chunk_tokens
         for g, v in zip(layout.groups, self._views, strict=True):
             if v.dtype != g.dtype or (v.shape[0], v.shape[2]) != tuple(g.token_shape):
-                raise ValueError(
+                raise BsrValueError(
                     f"group {g.name} is {tuple(g.token_shape)} {g.dtype}, cache tensor is "
                     f"{tuple(v.shape)} {v.dtype}"
                 )
@@ -236,7 +237,7 @@ def restore_prefix(
     param = next(model.parameters())
     dtype = layout.groups[0].dtype
     if dtype != param.dtype:
-        raise ValueError(f"the layout stores {dtype}, the model computes in {param.dtype}")
+        raise BsrValueError(f"the layout stores {dtype}, the model computes in {param.dtype}")
     tensors = [
         torch.empty(1, shape.num_kv_heads, plan.hit_tokens, dim, dtype=dtype, device=param.device)
         for _ in range(shape.num_layers)

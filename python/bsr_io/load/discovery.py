@@ -154,3 +154,25 @@ def _discover(
             n += 1
         group_hits[g] = n
     return sources, group_hits
+
+
+def miss_reason(
+    token_count: int, chunk_tokens: int, tier_names: Sequence[str], group_hits: dict[str, int]
+) -> str:
+    """Why discovery found no leading chunk on this rank, from what it saw."""
+    if token_count < chunk_tokens:
+        return (
+            f"prompt shorter than one chunk ({token_count} tokens < chunk_tokens "
+            f"{chunk_tokens}): a partial chunk is never stored"
+        )
+    tiers = ", ".join(tier_names)
+    found = sorted(g for g, n in group_hits.items() if n > 0)
+    if not found:
+        return f"no record of the first chunk in any tier ({tiers})"
+    lacking = sorted(g for g, n in group_hits.items() if n == 0)
+    if lacking:
+        return (
+            f"group {', '.join(lacking)} has no record of chunk 0 in any tier ({tiers}); "
+            f"group {', '.join(found)} has"
+        )
+    return f"no one tier ({tiers}) holds every group of chunk 0: each group's is elsewhere"

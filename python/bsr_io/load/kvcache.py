@@ -17,6 +17,7 @@ import torch
 
 from bsr_io._core import Engine
 from bsr_io.engine import REGISTER_TIMEOUT_S, RegisteredMemory, register_memory
+from bsr_io.errors import BsrValueError, expect_type
 from bsr_io.model.layout import KVLayout
 
 
@@ -83,14 +84,15 @@ class PagedKVCache:
         tensors: Sequence[torch.Tensor],
         block_ids: Sequence[Sequence[int]],
     ) -> None:
+        expect_type(layout, KVLayout, "layout")
         groups = layout.groups
         if len(tensors) != len(groups):
-            raise ValueError(
+            raise BsrValueError(
                 f"layout {layout.name!r} has {len(groups)} allocator groups, "
                 f"got {len(tensors)} KV tensors"
             )
         if len(block_ids) != len(groups):
-            raise ValueError(
+            raise BsrValueError(
                 f"need one block-id list per group ({len(groups)}), got {len(block_ids)}"
             )
         self.layout = layout
@@ -99,20 +101,20 @@ class PagedKVCache:
         for g, t, ids in zip(groups, tensors, block_ids, strict=True):
             want = (g.block_tokens, *g.token_shape)
             if t.dtype != g.dtype or tuple(t.shape[1:]) != want:
-                raise ValueError(
+                raise BsrValueError(
                     f"group {g.name!r}: expected a [num_blocks, {', '.join(map(str, want))}] "
                     f"{g.dtype} tensor, got {list(t.shape)} {t.dtype}"
                 )
             if not t.is_contiguous():
-                raise ValueError(f"group {g.name!r}: KV tensor must be contiguous")
+                raise BsrValueError(f"group {g.name!r}: KV tensor must be contiguous")
             if layout.chunk_tokens % g.block_tokens:
-                raise ValueError(
+                raise BsrValueError(
                     f"group {g.name!r}: block_tokens {g.block_tokens} does not divide "
                     f"chunk_tokens {layout.chunk_tokens}"
                 )
             idx = torch.as_tensor(list(ids), dtype=torch.long)
             if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= t.shape[0]):
-                raise ValueError(f"group {g.name!r}: block id out of range [0, {t.shape[0]})")
+                raise BsrValueError(f"group {g.name!r}: block id out of range [0, {t.shape[0]})")
             self._ids.append(idx.tolist())
         self._offsets = layout.group_offsets()
         # Flat byte views of host tensors: installs there are plain memcpys through numpy,
@@ -140,9 +142,10 @@ class PagedKVCache:
     ) -> PagedKVCache:
         """A cache holding `num_tokens` tokens in consecutive blocks (after `spare_blocks`).
         `num_tokens` 0 (a miss: `plan.hit_tokens` is 0) gives a cache of no blocks."""
+        expect_type(layout, KVLayout, "layout")
         for what, value in (("num_tokens", num_tokens), ("spare_blocks", spare_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{what} must be an int >= 0, got {value!r}")
+                raise BsrValueError(f"{what} must be an int >= 0, got {value!r}")
         tensors, ids = [], []
         for g in layout.groups:
             n = -(-num_tokens // g.block_tokens)
@@ -189,7 +192,7 @@ class PagedKVCache:
 
     def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
         if payload.numel() != self.layout.chunk_bytes:
-            raise ValueError(
+            raise BsrValueError(
                 f"payload has {payload.numel()} bytes, a chunk of {self.layout.name!r} "
                 f"has {self.layout.chunk_bytes}"
             )
@@ -224,12 +227,8 @@ class PagedKVCache:
         the engine's I/O thread is held past `timeout` seconds (nothing registered)."""
         bufs = [b for b in self._host_bytes if b is not None]
         if len(bufs) != len(self._host_bytes):
-            raise ValueError("only a cache in host memory can be registered with a ring")
+            raise BsrValueError("only a cache in host memory can be registered with a ring")
         return register_memory(engine, bufs, timeout=timeout)
-
-    def host_memory(self) -> list[np.ndarray[Any, Any]]:
-        """Every host buffer a chunk of this cache lies in (none on a GPU)."""
-        return [b for b in self._host_bytes if b is not None]
 
     def host_runs(
         self, chunk_index: int
@@ -271,9 +270,9 @@ class HostBuffers:
     def __init__(self, bufs: Sequence[np.ndarray[Any, Any]]) -> None:
         for i, b in enumerate(bufs):
             if b.dtype != np.uint8 or b.ndim != 1 or not b.flags.c_contiguous:
-                raise ValueError(f"buffer {i}: need a flat contiguous uint8 array")
+                raise BsrValueError(f"buffer {i}: need a flat contiguous uint8 array")
             if not b.flags.writeable:
-                raise ValueError(f"buffer {i} is read-only")
+                raise BsrValueError(f"buffer {i} is read-only")
         self.bufs = list(bufs)
         self.device = torch.device("cpu")
         self.capacity_chunks = len(self.bufs)
@@ -281,16 +280,12 @@ class HostBuffers:
     def _check(self, index: int, nbytes: int) -> np.ndarray[Any, Any]:
         buf = self.bufs[index]
         if nbytes != buf.nbytes:
-            raise ValueError(f"record {index} is {nbytes} bytes, its buffer {buf.nbytes}")
+            raise BsrValueError(f"record {index} is {nbytes} bytes, its buffer {buf.nbytes}")
         return buf
 
     def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
         np.copyto(self._check(chunk_index, payload.numel()), payload.numpy())
         return None
-
-    def host_memory(self) -> list[np.ndarray[Any, Any]]:
-        """Every host buffer a record of this destination lies in."""
-        return list(self.bufs)
 
     def host_runs(
         self, chunk_index: int

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from bsr_io._core import Engine
 from bsr_io.engine import register_cuda
-from bsr_io.errors import EngineBusy
+from bsr_io.errors import BsrValueError, EngineBusy
 from bsr_io.load.discovery import DiscoveryTimedOut, sources_of
 from bsr_io.load.kvcache import Destination
 from bsr_io.load.window import InstallReport, Window
@@ -207,7 +207,7 @@ def load_records(
     n = len(keys)
     sizes, chunk_bytes, width = options.sizes, options.chunk_bytes, options.width
     if sizes is not None and len(sizes) != n:
-        raise ValueError(f"{len(sizes)} record sizes for {n} keys")
+        raise BsrValueError(f"{len(sizes)} record sizes for {n} keys")
     if chunk_bytes is None:
         chunk_bytes = max(sizes, default=0) if sizes is not None else engine.slot_bytes
     width = engine.window if width is None else width

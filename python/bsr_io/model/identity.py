@@ -16,10 +16,12 @@ import hashlib
 import json
 from typing import Any
 
+from bsr_io.errors import BsrTypeError
+
 DIGEST_BYTES = 16  # 128-bit digests, as the chunk keys
 
 
-class NotCanonical(TypeError):
+class NotCanonical(BsrTypeError):
     """A configuration value has no canonical form; `path` says where it sits."""
 
     def __init__(self, path: str, value: object) -> None:

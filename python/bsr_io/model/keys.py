@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 import bsr_io._core as _core
+from bsr_io.errors import BsrTypeError, BsrValueError
 
 if TYPE_CHECKING:
     from bsr_io.model.layout import KVLayout
@@ -34,13 +35,18 @@ MAX_MODEL_BYTES = 1024
 
 
 def _token_array(token_ids: Any) -> npt.NDArray[np.int64]:
+    if token_ids is None or isinstance(token_ids, (str, bytes, dict, set)):
+        raise BsrTypeError(
+            "token ids must be a sequence of ints (list, numpy or torch), got "
+            f"{type(token_ids).__name__}"
+        )
     if hasattr(token_ids, "detach"):  # torch tensor, possibly on a GPU
         token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)
     if arr.ndim != 1:
-        raise ValueError(f"token ids must be one-dimensional, got shape {tuple(arr.shape)}")
+        raise BsrValueError(f"token ids must be one-dimensional, got shape {tuple(arr.shape)}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+        raise BsrValueError(f"token ids must be integers, got dtype {arr.dtype}")
     return arr.astype("<i8", copy=False)
 
 
@@ -57,7 +63,7 @@ def extend_prefix_hashes(
     the chunks after them are hashed, chained on from the last one. `token_ids` is the
     whole sequence; the result lists every full chunk's hash, `prev_hashes` first."""
     if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+        raise BsrValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
     done = len(prev_hashes)
     tail: list[int] | bytes
     if isinstance(token_ids, list):
@@ -70,7 +76,7 @@ def extend_prefix_hashes(
         n = len(tokens)
         tail = tokens[done * chunk_tokens :].tobytes()
     if done * chunk_tokens > n:
-        raise ValueError(
+        raise BsrValueError(
             f"{done} earlier chunk hashes but only {n} tokens of {chunk_tokens} per chunk"
         )
     hashes = [int(h) for h in prev_hashes]
@@ -80,7 +86,7 @@ def extend_prefix_hashes(
         hashes += _core.prefix_hashes(tail, chunk_tokens, hashes[-1] if hashes else 0)
     except (TypeError, OverflowError) as exc:
         why = str(exc)
-        raise ValueError(
+        raise BsrValueError(
             why if why.startswith("token ids") else f"token ids must be int64 integers: {why}"
         ) from None
     return hashes
@@ -106,22 +112,22 @@ class ChunkKey:
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+            raise BsrValueError(f"model must be a non-empty string, got {self.model!r}")
         if len(self.model.encode("utf-8")) > MAX_MODEL_BYTES:
-            raise ValueError(f"model name longer than {MAX_MODEL_BYTES} bytes")
+            raise BsrValueError(f"model name longer than {MAX_MODEL_BYTES} bytes")
         if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise ValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
+            raise BsrValueError(f"world_size must be an int >= 1, got {self.world_size!r}")
         if not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank!r}")
+            raise BsrValueError(f"rank must be in [0, {self.world_size}), got {self.rank!r}")
         if not isinstance(self.layout_fingerprint, str) or not _FINGERPRINT_RE.match(
             self.layout_fingerprint
         ):
-            raise ValueError(
+            raise BsrValueError(
                 "layout_fingerprint must be 32 lowercase hex chars (KVLayout.fingerprint()), "
                 f"got {self.layout_fingerprint!r}"
             )
         if not isinstance(self.chunk_hash, int) or not 0 <= self.chunk_hash < 1 << HASH_BITS:
-            raise ValueError(
+            raise BsrValueError(
                 f"chunk_hash must be an unsigned {HASH_BITS}-bit int, got {self.chunk_hash!r}"
             )
 
@@ -146,11 +152,11 @@ class ChunkKey:
             fp = bytes(data[10 + n : 26 + n]).hex()
             raw_hash = bytes(data[26 + n : 42 + n])
         except (struct.error, UnicodeDecodeError) as exc:
-            raise ValueError(f"not an encoded chunk key: {exc}") from None
+            raise BsrValueError(f"not an encoded chunk key: {exc}") from None
         if len(fp) != 32 or len(raw_hash) != 16:
-            raise ValueError("not an encoded chunk key: truncated")
+            raise BsrValueError("not an encoded chunk key: truncated")
         if len(data) != 42 + n:
-            raise ValueError(f"encoded chunk key has {len(data) - 42 - n} trailing bytes")
+            raise BsrValueError(f"encoded chunk key has {len(data) - 42 - n} trailing bytes")
         chunk_hash = int.from_bytes(raw_hash, "little")
         return cls(model, world_size, rank, fp, chunk_hash)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from bsr_io.errors import LayoutError
+from bsr_io.errors import BsrValueError, LayoutError
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -167,7 +167,7 @@ class KVLayout:
     def state_bytes(self, tokens: int) -> int:
         """Stored bytes for a prefix of `tokens` tokens (full chunks only)."""
         if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, got {tokens}")
+            raise BsrValueError(f"tokens must be >= 0, got {tokens}")
         return (tokens // self.chunk_tokens) * self.chunk_bytes
 
     def fingerprint(self) -> str:
@@ -281,7 +281,7 @@ class KVLayout:
         whole on every rank (it has no heads to split).
         """
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise BsrValueError(f"world_size must be >= 1, got {world_size}")
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         layers = int(cfg.num_hidden_layers)
         label = name or getattr(cfg, "model_type", None) or "transformers"
@@ -364,7 +364,7 @@ def preset(
     try:
         build, default_chunk = PRESETS[name]
     except KeyError:
-        raise ValueError(
+        raise BsrValueError(
             f"unknown layout preset {name!r}; choose one of {sorted(PRESETS)}"
         ) from None
     for what, value in (("chunk_tokens", chunk_tokens), ("block_tokens", block_tokens)):
@@ -372,5 +372,7 @@ def preset(
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, int) or value < 1
         ):
-            raise ValueError(f"{what} must be an int >= 1 (or None: the preset's), got {value!r}")
+            raise BsrValueError(
+                f"{what} must be an int >= 1 (or None: the preset's), got {value!r}"
+            )
     return build(default_chunk if chunk_tokens is None else chunk_tokens, block_tokens)

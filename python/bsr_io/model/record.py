@@ -27,6 +27,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
+from bsr_io.errors import BsrValueError
 from bsr_io.errors import OldRecordFormat as OldRecordFormat  # re-exported
 from bsr_io.errors import RecordFormatError as RecordFormatError  # re-exported
 from bsr_io.model.keys import ChunkKey
@@ -119,7 +120,7 @@ def _header_sum(body: bytes | bytearray | memoryview) -> bytes:
 
 def make_header(key: ChunkKey, layout: KVLayout, payload_xxh3: int) -> RecordHeader:
     if key.layout_fingerprint != layout.fingerprint():
-        raise ValueError(
+        raise BsrValueError(
             f"key {key.short()} was made for another layout than {layout.name} "
             f"(fingerprint {key.layout_fingerprint} != {layout.fingerprint()})"
         )

@@ -3,6 +3,8 @@ take them (16MiB, 2GiB, 4096)."""
 
 from __future__ import annotations
 
+from bsr_io.errors import BsrValueError
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
@@ -30,10 +32,10 @@ def parse_size(text: str) -> int:
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(num) :]
     if not num or unit not in _UNITS:
-        raise ValueError(f"cannot read size {text!r}: use a number with B, KiB, MiB, GiB or TiB")
+        raise BsrValueError(f"cannot read size {text!r}: use a number with B, KiB, MiB, GiB or TiB")
     value = float(num) * _UNITS[unit]
     if value < 0 or value != int(value):
-        raise ValueError(f"size {text!r} must be a whole, non-negative number of bytes")
+        raise BsrValueError(f"size {text!r} must be a whole, non-negative number of bytes")
     return int(value)
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from bsr_io._core import Engine, Slot
 from bsr_io.engine import as_tensor, give_back, lease
+from bsr_io.errors import BsrValueError
 from bsr_io.load.install import fused_runs, install_scope
 from bsr_io.load.kvcache import Destination
 from bsr_io.model.layout import KVLayout
@@ -85,7 +86,7 @@ def save_records(
     `writers`: a host's long-lived writer threads, used instead of `width` new ones
     (their number is then the width, shared by the saves that run at once)."""
     if len(layouts) != len(keys):
-        raise ValueError(f"{len(layouts)} layouts for {len(keys)} keys")
+        raise BsrValueError(f"{len(layouts)} layouts for {len(keys)} keys")
     width = engine.window if width is None else width
     clock = PhaseClock(phases)
 
@@ -149,7 +150,7 @@ def write_staged(
     in flight; each slot goes back to the ring as soon as its own write ends, failed or
     not. Returns records written; failures as in `save_records`."""
     if not len(keys) == len(layouts) == len(slots):
-        raise ValueError(f"{len(keys)} keys, {len(layouts)} layouts, {len(slots)} slots")
+        raise BsrValueError(f"{len(keys)} keys, {len(layouts)} layouts, {len(slots)} slots")
     held: list[Slot | None] = list(slots)
 
     def write(i: int) -> int:

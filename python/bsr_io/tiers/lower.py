@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine, Slot, xxh3_64
-from bsr_io.errors import ChunkReadError, ChunkWriteError
+from bsr_io.errors import BsrValueError, ChunkReadError, ChunkWriteError, expect_type
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 from bsr_io.model.record import HEADER_BYTES, RecordHeader, make_header
@@ -50,8 +50,9 @@ class LowerTier(FileTier):
         name: str = "L3",
         write_timeout_s: float = 30.0,
     ) -> None:
+        expect_type(root, (str, os.PathLike), "root (the tier's directory)")
         if not write_timeout_s > 0:
-            raise ValueError(f"write_timeout_s must be > 0 seconds, got {write_timeout_s}")
+            raise BsrValueError(f"write_timeout_s must be > 0 seconds, got {write_timeout_s}")
         self.write_timeout_s = write_timeout_s
         self._stuck = 0  # reads given up on whose file calls have not returned yet
         self._stuck_lock = threading.Lock()
@@ -88,6 +89,10 @@ class LowerTier(FileTier):
                 tier=self.name,
                 cause=exc,
             ) from None
+        finally:
+            # The closure's cell: an error's traceback keeps `write` (its frame's
+            # function), and through it this view would keep the staging slot leased.
+            del view
         return header
 
     def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:

@@ -21,7 +21,13 @@ from bsr_io._core import (
     Slot,
     WaitTimeoutError,
 )
-from bsr_io.errors import ChunkWriteError, DestinationUnusable, LayoutError
+from bsr_io.errors import (
+    BsrValueError,
+    ChunkWriteError,
+    DestinationUnusable,
+    LayoutError,
+    expect_type,
+)
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 from bsr_io.model.record import HEADER_BYTES, RecordHeader, make_header
@@ -77,8 +83,9 @@ class SSDTier(FileTier):
         write_timeout_s: float = 30.0,
         durable: bool = True,
     ) -> None:
+        expect_type(root, (str, os.PathLike), "root (the tier's directory)")
         if not write_timeout_s > 0:
-            raise ValueError(f"write_timeout_s must be > 0 seconds, got {write_timeout_s}")
+            raise BsrValueError(f"write_timeout_s must be > 0 seconds, got {write_timeout_s}")
         self.engine = engine
         self.write_timeout_s = write_timeout_s
         self.durable = durable  # False: records published without their two flushes

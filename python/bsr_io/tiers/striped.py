@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine, Slot
-from bsr_io.errors import CapacityError, ChunkError, ChunkReadError, TierDown
+from bsr_io.errors import BsrValueError, CapacityError, ChunkError, ChunkReadError, TierDown
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
 from bsr_io.model.record import HEADER_BYTES
@@ -60,9 +60,9 @@ def check_drive_dirs(
     """Refuse, naming the directory, a list that cannot work: empty, repeated, missing,
     not a directory, not writable, without room for one record or for its capacity."""
     if not roots:
-        raise ValueError(f"{name}: give at least one directory (one per drive)")
+        raise BsrValueError(f"{name}: give at least one directory (one per drive)")
     if len(set(roots)) != len(roots):
-        raise ValueError(f"{name}: a directory is listed twice: {[str(r) for r in roots]}")
+        raise BsrValueError(f"{name}: a directory is listed twice: {[str(r) for r in roots]}")
     record = HEADER_BYTES + (layout.chunk_bytes if layout else 0)
     for root, cap in zip(roots, capacities, strict=True):
         if not root.is_dir():
@@ -125,7 +125,7 @@ class StripedSSDTier(Tier):
         else:
             caps = list(capacity_bytes)
             if len(caps) != len(self.roots):
-                raise ValueError(
+                raise BsrValueError(
                     f"{name}: {len(caps)} capacities for {len(self.roots)} directories"
                 )
         check_drive_dirs(name, self.roots, caps, layout)

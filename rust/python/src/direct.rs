@@ -4,14 +4,13 @@
 
 use std::sync::Mutex;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use bsr_io_core::install::{self, Run};
 use bsr_io_core::{Error, MemoryRegistration, Pending};
 
-use crate::errors::{raise_wait, Raise};
+use crate::errors::{raise_wait, value_err, Raise};
 use crate::pending::timeout_arg;
 use crate::slot::{export_spans, to_runs, Exported};
 use bsr_io_core::claims::Claim;
@@ -44,7 +43,7 @@ pub(crate) fn payload_runs(
     let mut total = 0;
     for (i, r) in runs.iter().enumerate() {
         if r.src_offset != total {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "run {i} starts at payload offset {} where {total} was expected: the runs \
                  must cover the payload in order, without gaps",
                 r.src_offset

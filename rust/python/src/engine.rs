@@ -5,7 +5,6 @@ use std::path::PathBuf;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -13,7 +12,7 @@ use bsr_io_core::publish::Spec;
 use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
 
 use crate::direct::{payload_runs, Held, PyDirectRead, PyMemoryRegistration};
-use crate::errors::{raise_wait, Raise};
+use crate::errors::{raise_wait, value_err, Raise};
 use crate::file::PyFile;
 use crate::pending::{timeout_arg, Handoff, PyPending};
 use crate::slot::{Exported, PySlot};
@@ -22,7 +21,7 @@ use crate::{non_negative, positive};
 fn utf8(p: &std::path::Path, what: &str) -> PyResult<String> {
     p.to_str()
         .map(str::to_owned)
-        .ok_or_else(|| PyValueError::new_err(format!("{what} is not valid UTF-8")))
+        .ok_or_else(|| value_err(format!("{what} is not valid UTF-8")))
 }
 
 /// One traced request as Python sees it (see `trace_take`).
@@ -95,9 +94,7 @@ impl PyEngine {
     ) -> PyResult<Self> {
         let as_usize = |name: &str, v: i64, min: i64| {
             if v < min {
-                Err(PyValueError::new_err(format!(
-                    "{name} must be at least {min}, got {v}"
-                )))
+                Err(value_err(format!("{name} must be at least {min}, got {v}")))
             } else {
                 Ok(v as usize)
             }
@@ -242,7 +239,7 @@ impl PyEngine {
         let mut spans = pieces.clone();
         spans.sort_unstable();
         if spans.windows(2).any(|w| w[0].0 + w[0].1 as usize > w[1].0) {
-            return Err(PyValueError::new_err(
+            return Err(value_err(
                 "the runs of a direct read overlap in memory; give each byte one place",
             ));
         }

@@ -3,12 +3,14 @@
 //! `BsrError` is the root of every bsr-io error (the Python package derives its chunk,
 //! layout, capacity and record-format errors from it). `BsrIoError`, the root of the
 //! engine's errors, derives from both `BsrError` and `OSError` (errno, strerror and
-//! filename set). PyO3's `create_exception!` takes one static base, so the engine's
-//! classes are made once with `type(name, bases, ns)` and cached.
+//! filename set). A bad argument raises `BsrValueError` or `BsrTypeError`: a `BsrError`
+//! and the matching built-in, so `except ValueError` and `except BsrError` both catch it.
+//! PyO3's `create_exception!` takes one static base, so these classes are made once with
+//! `type(name, bases, ns)` and cached.
 
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyFileNotFoundError, PyOSError, PyPermissionError};
-use pyo3::exceptions::{PyTimeoutError, PyValueError};
+use pyo3::exceptions::{PyTimeoutError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -38,10 +40,12 @@ pub(crate) enum Exc {
     EngineBroken,
     NoMemory,
     KernelOwned,
+    Value,
+    Type,
 }
 
 impl Exc {
-    pub(crate) const ALL: [Exc; 13] = [
+    pub(crate) const ALL: [Exc; 15] = [
         Exc::BsrIo,
         Exc::Alignment,
         Exc::ShortRead,
@@ -55,6 +59,8 @@ impl Exc {
         Exc::EngineBroken,
         Exc::NoMemory,
         Exc::KernelOwned,
+        Exc::Value,
+        Exc::Type,
     ];
 
     /// Class name and docstring.
@@ -108,6 +114,14 @@ impl Exc {
                 "The staging arena does not fit in the memory available (ENOMEM); the \
                  message says how many bytes were asked and how many are available.",
             ),
+            Exc::Value => (
+                "BsrValueError",
+                "An argument of the right type but a wrong value: a BsrError and a ValueError.",
+            ),
+            Exc::Type => (
+                "BsrTypeError",
+                "An argument of a wrong type: a BsrError and a TypeError.",
+            ),
         }
     }
 
@@ -118,6 +132,14 @@ impl Exc {
             Exc::FileMissing => PyTuple::new(py, [root(), py.get_type::<PyFileNotFoundError>()]),
             Exc::FilePermission => PyTuple::new(py, [root(), py.get_type::<PyPermissionError>()]),
             Exc::WaitTimeout => PyTuple::new(py, [root(), py.get_type::<PyTimeoutError>()]),
+            Exc::Value => PyTuple::new(
+                py,
+                [py.get_type::<BsrError>(), py.get_type::<PyValueError>()],
+            ),
+            Exc::Type => PyTuple::new(
+                py,
+                [py.get_type::<BsrError>(), py.get_type::<PyTypeError>()],
+            ),
             Exc::KernelOwned => {
                 let broken = Exc::ALL.iter().position(|x| *x == Exc::EngineBroken);
                 PyTuple::new(py, [made[broken.unwrap_or(0)].bind(py).clone()])
@@ -156,7 +178,7 @@ fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         e.path().map(str::to_owned),
     );
     let exc = match &e {
-        Error::InvalidArgument(_) => return PyValueError::new_err(msg),
+        Error::InvalidArgument(_) => return value_error_in(py, Exc::Value, msg),
         Error::Timeout | Error::Stalled { .. } => Exc::WaitTimeout,
         Error::Withdrawn => Exc::BsrIo,
         Error::Alignment(_) => Exc::Alignment,
@@ -187,6 +209,26 @@ fn to_pyerr(py: Python<'_>, e: Error) -> PyErr {
         }
     }
     err
+}
+
+/// A `BsrValueError` or `BsrTypeError` (`exc`) saying `msg`.
+fn value_error_in(py: Python<'_>, exc: Exc, msg: String) -> PyErr {
+    match exc_type(py, exc) {
+        Ok(t) => PyErr::from_type(t, (msg,)),
+        Err(err) => err,
+    }
+}
+
+/// `BsrValueError(msg)`: an argument of the right type and a wrong value.
+pub(crate) fn value_err(msg: impl Into<String>) -> PyErr {
+    let msg = msg.into();
+    Python::attach(|py| value_error_in(py, Exc::Value, msg))
+}
+
+/// `BsrTypeError(msg)`: an argument of a wrong type.
+pub(crate) fn type_err(msg: impl Into<String>) -> PyErr {
+    let msg = msg.into();
+    Python::attach(|py| value_error_in(py, Exc::Type, msg))
 }
 
 /// The Python exception for a core error. (The orphan rule forbids `From<Error> for

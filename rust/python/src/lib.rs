@@ -14,25 +14,22 @@ mod stall;
 
 use std::path::PathBuf;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList};
 
 use bsr_io_core::{align, checksum, prefix};
 
-use crate::errors::{exc_type, BsrError, Exc, Raise};
+use crate::errors::{exc_type, type_err, value_err, BsrError, Exc, Raise};
 use crate::slot::Exported;
 
 pub(crate) fn non_negative(name: &str, v: i64) -> PyResult<u64> {
-    u64::try_from(v).map_err(|_| PyValueError::new_err(format!("{name} must be >= 0, got {v}")))
+    u64::try_from(v).map_err(|_| value_err(format!("{name} must be >= 0, got {v}")))
 }
 
 pub(crate) fn positive(name: &str, v: i64) -> PyResult<u64> {
     match v {
         1.. => Ok(v as u64),
-        _ => Err(PyValueError::new_err(format!(
-            "{name} must be positive, got {v}"
-        ))),
+        _ => Err(value_err(format!("{name} must be positive, got {v}"))),
     }
 }
 
@@ -63,7 +60,7 @@ fn prefix_hashes(
     if let Ok(raw) = tokens.cast::<PyBytes>() {
         let raw = raw.as_bytes();
         if raw.len() % 8 != 0 {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_err(format!(
                 "token bytes must be int64s, got {} bytes",
                 raw.len()
             )));
@@ -71,14 +68,14 @@ fn prefix_hashes(
         // bytes are immutable and `tokens` keeps them alive while the GIL is released.
         return Ok(py.detach(|| prefix::chain(prev, raw, chunk)));
     }
-    let list = tokens.cast::<PyList>().map_err(|_| {
-        PyTypeError::new_err("tokens must be a list of ints or little-endian int64 bytes")
-    })?;
+    let list = tokens
+        .cast::<PyList>()
+        .map_err(|_| type_err("tokens must be a list of ints or little-endian int64 bytes"))?;
     let mut le = Vec::with_capacity(list.len() * 8);
     for (i, t) in list.iter().enumerate() {
         // Python's bool is an int: refuse it, as numpy's dtype check does for arrays.
         if t.is_instance_of::<PyBool>() {
-            return Err(PyTypeError::new_err(format!(
+            return Err(type_err(format!(
                 "token ids must be integers, got bool at index {i}"
             )));
         }
@@ -91,7 +88,7 @@ fn prefix_hashes(
 fn dio_alignment(py: Python<'_>, path: PathBuf) -> PyResult<(u64, u64)> {
     let path = path
         .to_str()
-        .ok_or_else(|| PyValueError::new_err("path is not valid UTF-8"))?
+        .ok_or_else(|| value_err("path is not valid UTF-8"))?
         .to_owned();
     let a = py.detach(|| align::probe_path(&path)).raise()?;
     Ok((a.mem, a.offset))

@@ -3,14 +3,13 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyWeakrefReference;
 
 use bsr_io_core::backend::OpKind;
 use bsr_io_core::Pending;
 
-use crate::errors::raise_wait;
+use crate::errors::{raise_wait, value_err};
 use crate::slot::PySlot;
 
 /// Who gets the slot when the operation is waited on.
@@ -31,7 +30,7 @@ pub(crate) fn timeout_arg(timeout: Option<f64>) -> PyResult<Option<Duration>> {
     match timeout {
         None => Ok(None),
         Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Duration::from_secs_f64(t))),
-        Some(t) => Err(PyValueError::new_err(format!(
+        Some(t) => Err(value_err(format!(
             "timeout must be a non-negative number of seconds, got {t}"
         ))),
     }
@@ -63,9 +62,10 @@ impl PyPending {
         let state = std::mem::replace(&mut *self.lock(), Handoff::Busy);
         let slot = match state {
             Handoff::Read => {
-                let lease = self.op.take_lease().ok_or_else(|| {
-                    PyValueError::new_err("the slot of this read was already handed out")
-                })?;
+                let lease = self
+                    .op
+                    .take_lease()
+                    .ok_or_else(|| value_err("the slot of this read was already handed out"))?;
                 Py::new(py, PySlot::new(lease))?
             }
             Handoff::Write(slot) => slot,
@@ -73,15 +73,11 @@ impl PyPending {
                 *self.lock() = Handoff::Given(weak.clone_ref(py));
                 return match weak.bind(py).upgrade() {
                     Some(s) => Ok(s.cast_into::<PySlot>()?.unbind()),
-                    None => Err(PyValueError::new_err(
-                        "the slot of this operation was already released",
-                    )),
+                    None => Err(value_err("the slot of this operation was already released")),
                 };
             }
             Handoff::Busy => {
-                return Err(PyValueError::new_err(
-                    "another thread is taking this operation's slot",
-                ))
+                return Err(value_err("another thread is taking this operation's slot"))
             }
         };
         let weak = PyWeakrefReference::new(slot.bind(py).as_any())?.unbind();

@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use bsr_io_core::publish::stall::{self, Stall};
 use bsr_io_core::publish::Step;
+
+use crate::errors::value_err;
 
 #[pyclass(name = "PublishStall", module = "bsr_io._core", frozen)]
 pub(crate) struct PyPublishStall {
@@ -39,8 +40,8 @@ impl PyPublishStall {
 /// `release()`: a fault double of a stalled drive.
 #[pyfunction]
 pub(crate) fn stall_publish(step: &str, under: &str) -> PyResult<PyPublishStall> {
-    let step = Step::parse(step)
-        .ok_or_else(|| PyValueError::new_err(format!("no publication step {step:?}")))?;
+    let step =
+        Step::parse(step).ok_or_else(|| value_err(format!("no publication step {step:?}")))?;
     Ok(PyPublishStall {
         stall: stall::arm(step, under),
     })

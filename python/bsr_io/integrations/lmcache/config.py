@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from bsr_io.errors import BsrValueError
 from bsr_io.settings import Key, Table, at_least, parse, positive
 from bsr_io.tiers.mooncake import MooncakeConfig
 
@@ -76,7 +77,7 @@ class Settings:
         try:
             mooncake = MooncakeConfig.from_extra_config(extra)
         except ValueError as exc:
-            raise ValueError(f"bad bsr.* setting in extra_config: {exc}") from None
+            raise BsrValueError(f"bad bsr.* setting in extra_config: {exc}") from None
         return cls(**values, mooncake=mooncake)
 
 

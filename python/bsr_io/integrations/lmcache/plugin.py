@@ -38,7 +38,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from bsr_io._core import Engine
-from bsr_io.errors import ChunkError, LayoutError
+from bsr_io.errors import BsrValueError, ChunkError, LayoutError
 from bsr_io.integrations.lmcache import retrieve
 from bsr_io.integrations.lmcache.config import Settings
 from bsr_io.load.kvcache import HostBuffers
@@ -94,13 +94,13 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
     ) -> None:
         super().__init__(dst_device, config, metadata, local_cpu_backend, loop)
         if config is None or metadata is None:
-            raise ValueError("BsrStoragePlugin needs LMCache's config and metadata")
+            raise BsrValueError("BsrStoragePlugin needs LMCache's config and metadata")
         if local_cpu_backend is None:
-            raise ValueError(
+            raise BsrValueError(
                 "BsrStoragePlugin stages reads in LMCache's L1: set max_local_cpu_size > 0"
             )
         if config.enable_async_loading or config.use_layerwise:
-            raise ValueError(
+            raise BsrValueError(
                 "BsrStoragePlugin serves LMCache's synchronous retrieve only "
                 "(enable_async_loading and use_layerwise must be off)"
             )

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bsr_io.errors import BsrValueError
+
 if TYPE_CHECKING:
     # LMCache ships no types: these name the seam and read as Any (pyproject's override).
     from lmcache.utils import CacheEngineKey
@@ -94,7 +96,7 @@ class BoundedRetriever:
         self, engine: LMCacheEngine, window: int, agreement: Agreement | None = None
     ) -> None:
         if window < 1:
-            raise ValueError(f"window must be at least 1 chunk, got {window}")
+            raise BsrValueError(f"window must be at least 1 chunk, got {window}")
         self.engine = engine
         self.window = window
         self.agreement = agreement
@@ -232,7 +234,7 @@ def install(
     """
     reasons = unsupported_reasons(engine)
     if reasons:
-        raise ValueError("bounded retrieve not installed: " + "; ".join(reasons))
+        raise BsrValueError("bounded retrieve not installed: " + "; ".join(reasons))
     current = installed(engine)
     if current is not None:
         current.window, current.agreement = window, agreement

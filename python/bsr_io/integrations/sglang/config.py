@@ -12,6 +12,7 @@ beside them and are left to SGLang; any other unknown key is refused, naming it:
     io_backend    engine backend: "auto", "io_uring", "io_uring_plain", "pread"
     queue_depth   io_uring queue depth (32)
     model         model identity in keys (default: SGLang's model_name)
+    rescan_s      how often this rank's records are listed again (1)
     mooncake.*    a Mooncake Store pool below the SSD tier (bsr_io.tiers.mooncake.config)
 """
 
@@ -46,6 +47,11 @@ KEYS = Table(
         Key("io_backend", "str", "auto"),
         Key("queue_depth", "int", 32, "an int >= 1", at_least(1)),
         Key("model", "str", None, "a non-empty string", _named),
+        # A rank that does not write (MLA's TP followers) learns of the writer's pages
+        # only from this listing, and SGLang takes the MIN over the group: each second
+        # of staleness is a miss on every rank. One listing is a getdents pass over this
+        # rank's directory per drive, names only, so every second costs little.
+        Key("rescan_s", "float", 1.0, "a finite number > 0", _finite_positive),
     ),
     label="'{name}'",
     unknown="unknown keys in the HiCache extra_config {unknown}; bsr-io knows {known}, "
@@ -68,6 +74,7 @@ class Settings:
     io_backend: str = _D("io_backend")
     queue_depth: int = _D("queue_depth")
     model: str | None = _D("model")
+    rescan_s: float = _D("rescan_s")
     mooncake: MooncakeConfig | None = None
 
     @classmethod

@@ -14,6 +14,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any
 
+from bsr_io.errors import BsrValueError
 from bsr_io.model.keys import ChunkKey
 
 
@@ -31,16 +32,16 @@ class RankIdentity:
         c = storage_config
         name = model or getattr(c, "model_name", None)
         if not name:
-            raise ValueError(
+            raise BsrValueError(
                 "no model identity: SGLang gave no model_name; set 'model' in the extra_config"
             )
         if getattr(c, "should_split_heads", False):
-            raise ValueError(
+            raise BsrValueError(
                 "HiCacheStorageConfig.should_split_heads: pages split across heterogeneous "
                 "TP sizes are not supported by the bsr backend"
             )
         if getattr(c, "dcp_size", 1) != 1:
-            raise ValueError(
+            raise BsrValueError(
                 "HiCacheStorageConfig.dcp_size > 1 is not supported by the bsr backend"
             )
         tp, tp_n = int(c.tp_rank), int(c.tp_size)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bsr_io.errors import BsrValueError
 from bsr_io.load.kvcache import Fence
 from bsr_io.model.layout import AllocatorGroup, KVLayout
 
@@ -68,17 +69,17 @@ class PoolPages:
         kind, layout_name = type(pool).__name__, getattr(pool, "layout", "?")
         bufs = _buffers(pool)
         if not bufs:
-            raise ValueError(f"{kind} ({layout_name}): no host KV buffer to read pages into")
+            raise BsrValueError(f"{kind} ({layout_name}): no host KV buffer to read pages into")
         for t in bufs:
             if t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError(f"{kind}: its KV buffers must be contiguous host tensors")
+                raise BsrValueError(f"{kind}: its KV buffers must be contiguous host tensors")
         page = int(pool.page_size)
         views = [t.view(-1).view(torch.uint8).numpy() for t in bufs]
         bases = [t.data_ptr() for t in bufs]
         try:
             runs = _page_runs(pool, bases, views, page, torch.arange(page))[0]
         except Exception as exc:  # SGLang's ValueError, assertion or NotImplementedError
-            raise ValueError(
+            raise BsrValueError(
                 f"{kind}: cannot read pages of host layout {layout_name!r} "
                 f"({type(exc).__name__}: {exc}); "
                 "use page_first, page_first_direct, page_head or layer_first"
@@ -86,7 +87,7 @@ class PoolPages:
         nbytes = sum(r[3] for r in runs)
         itemsize = pool.dtype.itemsize
         if nbytes % (page * itemsize):
-            raise ValueError(f"{kind}: a page of {nbytes} bytes is not {page} whole tokens")
+            raise BsrValueError(f"{kind}: a page of {nbytes} bytes is not {page} whole tokens")
         geometry = {
             "pool": kind,
             "layout": layout_name,
@@ -118,11 +119,11 @@ def _page_runs(
 ) -> list[list[Run]]:
     n = host_indices.numel()
     if n == 0 or n % page_size:
-        raise ValueError(f"{n} host indices is not a whole number of {page_size}-token pages")
+        raise BsrValueError(f"{n} host indices is not a whole number of {page_size}-token pages")
     ptrs, sizes = pool.get_page_buffer_meta(host_indices)
     pages = n // page_size
     if len(ptrs) != len(sizes) or len(ptrs) % pages:
-        raise ValueError(f"page buffer meta gave {len(ptrs)} runs for {pages} pages")
+        raise BsrValueError(f"page buffer meta gave {len(ptrs)} runs for {pages} pages")
     per = len(ptrs) // pages
     out: list[list[Run]] = []
     for p in range(pages):
@@ -144,7 +145,7 @@ def _locate(
     for i, (base, view) in enumerate(zip(bases, views, strict=True)):
         if base <= ptr and ptr + size <= base + view.nbytes:
             return i, ptr - base
-    raise ValueError(f"a page run ({size} bytes at {ptr:#x}) lies outside the pool's buffers")
+    raise BsrValueError(f"a page run ({size} bytes at {ptr:#x}) lies outside the pool's buffers")
 
 
 class HostPages:
@@ -159,10 +160,6 @@ class HostPages:
         self.runs = list(runs)
         self.capacity_chunks = len(self.runs)
         self.direct_reads = direct_reads
-
-    def host_memory(self) -> list[np.ndarray[Any, Any]]:
-        """Every host buffer a page lies in: the pool's."""
-        return list(self.pages.views)
 
     def host_runs(
         self, chunk_index: int

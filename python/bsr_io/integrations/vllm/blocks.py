@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bsr_io.errors import LayoutError
+from bsr_io.errors import BsrValueError, LayoutError
 from bsr_io.integrations.vllm.layout import GroupLayout
 
 SKIP = -1  # a record position no block backs here: not installed, extracted as zeros
@@ -150,7 +150,7 @@ class RecordPlan:
 
     def __post_init__(self) -> None:
         if len(self.ids) != self.group.record_blocks:
-            raise ValueError(
+            raise BsrValueError(
                 f"record of {self.group.describe()} needs {self.group.record_blocks} "
                 f"block ids, got {len(self.ids)}"
             )
@@ -173,7 +173,7 @@ class RequestPages:
         for r in self.records:
             bad = [b for b in r.ids if b != SKIP and not 0 < b < pages.num_blocks]
             if bad:
-                raise ValueError(
+                raise BsrValueError(
                     f"{r.group.describe()}: block ids {bad[:4]} are null or "
                     f"outside the cache's {pages.num_blocks} blocks"
                 )

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bsr_io.errors import BsrValueError
 from bsr_io.integrations.vllm.cpus import valid_setting
 from bsr_io.settings import Key, Table, at_least, not_empty, parse, positive
 from bsr_io.tiers.mooncake import EXTRA_PREFIX, MooncakeConfig
@@ -21,7 +22,7 @@ DEFAULT_WINDOW = 8
 DEFAULT_CHUNK_TOKENS = 256
 
 
-class ConfigError(ValueError):
+class ConfigError(BsrValueError):
     """The vLLM configuration cannot run this connector; the message says what to change."""
 
 

@@ -17,6 +17,8 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from bsr_io.errors import BsrValueError
+
 
 def parse_cpus(text: str) -> frozenset[int]:
     """A CPU list as the kernel writes one ("0-3,8,10-11"); ValueError if it is not."""
@@ -24,10 +26,10 @@ def parse_cpus(text: str) -> frozenset[int]:
     for part in text.split(","):
         lo, sep, hi = part.strip().partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"{text!r} is not a CPU list like '1,3-5'")
+            raise BsrValueError(f"{text!r} is not a CPU list like '1,3-5'")
         first, last = int(lo), int(hi) if sep else int(lo)
         if last < first:
-            raise ValueError(f"{text!r}: range {part.strip()!r} runs backwards")
+            raise BsrValueError(f"{text!r}: range {part.strip()!r} runs backwards")
         cpus.update(range(first, last + 1))
     return frozenset(cpus)
 

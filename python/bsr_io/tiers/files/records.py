@@ -18,6 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from bsr_io.errors import BsrValueError
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.record import HEADER_BYTES, RecordHeader, decode_header
 
@@ -35,7 +36,7 @@ def record_path(chunks_dir: Path, key: ChunkKey) -> Path:
     # Both are built from hex digests and ints; check anyway so that no future change
     # to ChunkKey can make a path that leaves the store.
     if not NS_RE.match(ns) or not STEM_RE.match(stem):
-        raise ValueError(f"chunk key {key!r} does not give a safe file name")
+        raise BsrValueError(f"chunk key {key!r} does not give a safe file name")
     return chunks_dir / ns / (stem + SUFFIX)
 
 
