@@ -136,6 +136,18 @@ class DestinationUnusable(BsrError):
         super().__init__(f"{text}: {cause}" if cause is not None else text)
 
 
+class KernelOwnedMemory(DestinationUnusable):
+    """A load was asked to read into host memory that a read given up earlier may still
+    write: the kernel owns that byte range until the read returns (`bsr_io.load.memory`),
+    whichever view of the memory (a pool's pages, a per-request cache) asks. Refused
+    before anything is read; says nothing about any record (not a bad chunk). `start`
+    and `end` are the owned range's addresses."""
+
+    def __init__(self, message: str, *, start: int, end: int) -> None:
+        self.start, self.end = start, end
+        super().__init__(message)
+
+
 class CapacityError(BsrValueError):
     """A capacity or staging size too small for one chunk, or otherwise impossible."""
 

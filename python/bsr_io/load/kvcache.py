@@ -230,6 +230,10 @@ class PagedKVCache:
             raise BsrValueError("only a cache in host memory can be registered with a ring")
         return register_memory(engine, bufs, timeout=timeout)
 
+    def host_memory(self) -> list[np.ndarray[Any, Any]]:
+        """Every host buffer a chunk of this cache lies in (none on a GPU)."""
+        return [b for b in self._host_bytes if b is not None]
+
     def host_runs(
         self, chunk_index: int
     ) -> tuple[list[np.ndarray[Any, Any] | None], list[tuple[int, int, int, int]]] | None:
@@ -286,6 +290,10 @@ class HostBuffers:
     def install(self, chunk_index: int, payload: torch.Tensor) -> Fence | None:
         np.copyto(self._check(chunk_index, payload.numel()), payload.numpy())
         return None
+
+    def host_memory(self) -> list[np.ndarray[Any, Any]]:
+        """Every host buffer a record of this destination lies in."""
+        return list(self.bufs)
 
     def host_runs(
         self, chunk_index: int

@@ -161,6 +161,10 @@ class HostPages:
         self.capacity_chunks = len(self.runs)
         self.direct_reads = direct_reads
 
+    def host_memory(self) -> list[np.ndarray[Any, Any]]:
+        """Every host buffer a page lies in: the pool's."""
+        return list(self.pages.views)
+
     def host_runs(
         self, chunk_index: int
     ) -> tuple[list[np.ndarray[Any, Any] | None], list[tuple[int, int, int, int]]]:
