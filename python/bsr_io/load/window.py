@@ -62,7 +62,14 @@ from bsr_io._core import (
     xxh3_runs,
 )
 from bsr_io.engine import give_back, register_memory, wait_for_slot
-from bsr_io.errors import ChunkError, DestinationUnusable, KernelOwnedMemory, LayoutError, Unproven
+from bsr_io.errors import (
+    BsrValueError,
+    ChunkError,
+    DestinationUnusable,
+    KernelOwnedMemory,
+    LayoutError,
+    Unproven,
+)
 from bsr_io.load import memory
 from bsr_io.load.discovery import holds
 from bsr_io.load.install import HostRuns, fused_runs, install_chunk, scoped
@@ -375,14 +382,14 @@ class Window:
         direct: bool = True,
     ) -> None:
         if width is not None and not 1 <= width <= engine.window:
-            raise ValueError(f"window width {width} must be in [1, {engine.window}] slots")
+            raise BsrValueError(f"window width {width} must be in [1, {engine.window}] slots")
         self.engine = engine
         self.tiers = list(tiers)
         self.chunk_bytes = chunk_bytes
         self.width = width or engine.window
         self.fused = fused  # verify while copying where the destination allows it
         if install_threads < 1:
-            raise ValueError(f"install_threads must be at least 1, got {install_threads}")
+            raise BsrValueError(f"install_threads must be at least 1, got {install_threads}")
         # Above 1, fused installs of several chunks run at once on their own threads
         # (GIL released), each holding its slot until it is verified.
         self.install_threads = install_threads
@@ -463,10 +470,10 @@ class Window:
         n = len(keys)
         if sizes is not None:
             if len(sizes) != n:
-                raise ValueError(f"{len(sizes)} record sizes for {n} keys")
+                raise BsrValueError(f"{len(sizes)} record sizes for {n} keys")
             big = max(sizes, default=0)
             if big > self.engine.slot_bytes:
-                raise ValueError(
+                raise BsrValueError(
                     f"a record of {big} bytes does not fit the engine's "
                     f"{self.engine.slot_bytes}-byte slots"
                 )
