@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from bsr_io.cli.load import snapshot, summary
-from bsr_io.cli.loopback_pool import LoopbackPool, loopback_netns
 from bsr_io.cli.report import write_json
 from bsr_io.model.layout import preset
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.model.sizes import GiB, parse_size
 from bsr_io.tiers.mooncake import lower_thread_priority, open_client
+from bsr_lab.loopback_pool import LoopbackPool, loopback_netns
+from bsr_lab.machine_load import snapshot, summary
 
 TICK = os.sysconf("SC_CLK_TCK")
 SHAPES = [  # (name, objects per call, calls in flight); 0 objects: all in one call

@@ -1,4 +1,4 @@
-"""`bsr-io bench remote` over the Mooncake tier's data-call settings (threads in flight,
+"""`bsr-lab bench remote` over the Mooncake tier's data-call settings (threads in flight,
 their CPU priority, reads into the destination or through the slots): the measurement
 behind the tier's defaults. Each setting is one bench run (its own loopback pool, its
 own bulk reference, shuffled paths per round); every run's whole JSON is kept.
@@ -42,7 +42,7 @@ def main() -> None:
             cmd = [
                 sys.executable,
                 "-m",
-                "bsr_io.cli",
+                "bsr_lab.cli",
                 "bench",
                 "remote",
                 "--size",

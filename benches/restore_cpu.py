@@ -19,7 +19,6 @@ import tempfile
 from pathlib import Path
 
 from bsr_io import Engine
-from bsr_io.cli.bench_state import write_state
 from bsr_io.cli.fio import drop_caches
 from bsr_io.cli.synthetic import synthetic_tokens
 from bsr_io.load.kvcache import PagedKVCache
@@ -29,6 +28,7 @@ from bsr_io.model.sizes import GiB
 from bsr_io.restore import Restorer
 from bsr_io.store import Store
 from bsr_io.tiers import SSDTier
+from bsr_lab.bench_state import write_state
 
 MODEL = "bsr-io-bench-restore-cpu"
 

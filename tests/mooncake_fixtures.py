@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from bsr_io.cli.loopback_pool import (
+from bsr_lab.loopback_pool import (
     LoopbackNetns,
     LoopbackPool,
     loopback_netns,

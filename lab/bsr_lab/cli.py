@@ -1,4 +1,8 @@
-"""`bsr-lab`: the lab-only benchmarks, on the same command-line frame as `bsr-io`."""
+"""`bsr-lab`: the lab-only benchmarks, on the same command-line frame as `bsr-io`.
+
+`bsr-io bench store` (the drive-level benchmark a user sizes a deployment with) ships in
+the wheel; these need a serving stack, a model, fault scenarios, several drives, a pool,
+or measure the package itself."""
 
 from __future__ import annotations
 
@@ -7,6 +11,13 @@ import sys
 from bsr_io.cli import build_parser, run
 
 BENCHES = (
+    "bsr_lab.bench.ssd",
+    "bsr_lab.bench.sweep",
+    "bsr_lab.bench.ttft",
+    "bsr_lab.bench.ceiling",
+    "bsr_lab.bench.paper",
+    "bsr_lab.bench.remote",
+    "bsr_lab.bench.stripe",
     "bsr_lab.bench.faults",
     "bsr_lab.bench.lmcache",
     "bsr_lab.bench.model",

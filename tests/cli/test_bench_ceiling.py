@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bsr_io.cli import main
+from bsr_lab.cli import main
 
 KEYS = (
     "source",

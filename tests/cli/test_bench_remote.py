@@ -21,7 +21,7 @@ def test_bench_remote_json(tmp_path):
         [
             sys.executable,
             "-m",
-            "bsr_io.cli",
+            "bsr_lab.cli",
             "bench",
             "remote",
             "--size",

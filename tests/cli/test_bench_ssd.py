@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bsr_io.cli import main
 from bsr_io.cli.fio import fio_available, fio_read
+from bsr_lab.cli import main
 
 
 def test_bench_ssd_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bsr_io.cli import main
 from bsr_io.cli.fio import fio_available
+from bsr_lab.cli import main
 
 
 @pytest.mark.skipif(not fio_available(), reason="fio not installed")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bsr_io.cli import main
-from bsr_lab.cli import main as lab_main
+from bsr_lab.cli import main
 
 
 def test_bench_sweep_rws_constant(tmp_path):
@@ -68,7 +67,7 @@ def test_bench_sweep_reports_the_slot_and_the_direct_path_side_by_side(tmp_path)
 
 def test_bench_faults_subset(tmp_path):
     out = tmp_path / "faults.json"
-    rc = lab_main(
+    rc = main(
         [
             "bench",
             "faults",
@@ -95,8 +94,8 @@ def test_a_scenario_fault_names_the_layouts_own_window_group():
     firing (a scenario that could not fail)."""
     import pytest
 
-    from bsr_io.cli.scenarios import WINDOW_GROUP, _groups_of
     from bsr_io.model.layout import preset
+    from bsr_lab.scenarios import WINDOW_GROUP, _groups_of
 
     fault = {"kind": "group_missing", "groups": [WINDOW_GROUP]}
     assert _groups_of(preset("tiny"), fault)["groups"] == ["window"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from bsr_io.cli import main
 from bsr_io.cli.fio import fio_available
+from bsr_lab.cli import main
 
 KEYS = ("naive_s", "fast_s", "fio_s", "speedup", "fast_vs_fio", "rws_naive_bytes", "rws_fast_bytes")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from bsr_io.cli import fio as fio_mod
-from bsr_io.cli import main
 from bsr_io.cli.fio import fio_available, fio_read_payloads, huge_page_buffers
+from bsr_lab.cli import main
 
 needs_fio = pytest.mark.skipif(not fio_available(), reason="fio is not installed")
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="huge pages are reserved as root")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bsr_io.cli.plots import plot_sweep, plot_ttft
+from bsr_lab.plots import plot_sweep, plot_ttft
 
 PNG = b"\x89PNG\r\n\x1a\n"
 CHUNK = 16_408_576

@@ -15,8 +15,9 @@ import mooncake_fixtures as mf
 import pytest
 
 from bsr_io.cli import main
-from bsr_io.cli.loopback_pool import free_port
 from bsr_io.model.layout import preset
+from bsr_lab.cli import main as lab_main
+from bsr_lab.loopback_pool import free_port
 
 mf.require_mooncake()
 _loopback_ns, netns, pool = mf._loopback_ns, mf.netns, mf.pool
@@ -136,7 +137,7 @@ def test_bench_remote_state_under_w_chunks_ends_without_teardown_errors(tmp_path
     # first line: the summary after teardown meets the closed pipe (141), and stderr
     # holds nothing (Mooncake's setup log aside; the client closed before its pool).
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "bsr_io.cli", *_remote("--size", "3KiB", "--window", "8")]
+    cmd = [sys.executable, "-m", "bsr_lab.cli", *_remote("--size", "3KiB", "--window", "8")]
     proc = subprocess.Popen(
         [*cmd, "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -155,7 +156,7 @@ def test_bench_remote_state_under_w_chunks_json(tmp_path):
     # A subprocess: its loopback pool lives in a network namespace of its own, apart
     # from the module's pool (Mooncake keeps one transfer engine per process).
     out = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "bsr_io.cli", *_remote("--size", "3KiB", "--window", "8")]
+    cmd = [sys.executable, "-m", "bsr_lab.cli", *_remote("--size", "3KiB", "--window", "8")]
     proc = subprocess.run([*cmd, "--json", str(out)], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr == ""
@@ -180,11 +181,11 @@ def test_bench_remote_state_under_w_chunks_json(tmp_path):
     ],
 )
 def test_bench_remote_bad_arguments_refused_before_a_pool(capsys, extra, says):
-    assert main(_remote("--size", "64KiB", *extra)) == 2
+    assert lab_main(_remote("--size", "64KiB", *extra)) == 2
     assert says in _one_line(capsys.readouterr().err)
 
 
 def test_bench_remote_unreachable_pool_is_one_line(capfd):
-    assert main(_remote("--size", "64KiB", *_dead_pool(), "--pool-timeout", "2")) == 2
+    assert lab_main(_remote("--size", "64KiB", *_dead_pool(), "--pool-timeout", "2")) == 2
     line = _one_line(capfd.readouterr().err)
     assert line.startswith("bsr-io: error: cannot reach the Mooncake master at 127.0.0.1:")

@@ -12,6 +12,7 @@ import pytest
 
 from bsr_io.cli import main, scratch
 from bsr_io.cli.scratch import fs_type, make_scratch, scratch_base, scratch_dir
+from bsr_lab.cli import main as lab_main
 
 SHM = Path("/dev/shm")
 needs_shm = pytest.mark.skipif(
@@ -73,13 +74,13 @@ def test_scratch_dir_is_removed_unless_kept(tmp_path):
 def test_benches_refuse_a_dir_in_memory_and_the_cwd_is_untouched(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     if SHM.is_dir() and fs_type(SHM) == "tmpfs":
-        for argv in (
-            ["bench", "ssd", "--size", "1MiB"],
-            ["bench", "store", "--size", "16MiB", "--layout", "tiny"],
-            ["bench", "sweep", "--layout", "tiny", "--tokens", "64"],
+        for run, argv in (
+            (lab_main, ["bench", "ssd", "--size", "1MiB"]),
+            (main, ["bench", "store", "--size", "16MiB", "--layout", "tiny"]),
+            (lab_main, ["bench", "sweep", "--layout", "tiny", "--tokens", "64"]),
         ):
-            assert main([*argv, "--dir", str(SHM)]) == 2, argv
+            assert run([*argv, "--dir", str(SHM)]) == 2, argv
             assert "in memory" in capsys.readouterr().err
-    assert main(["bench", "paper", "--tokens", str(1 << 34), "--quiet"]) == 2
+    assert lab_main(["bench", "paper", "--tokens", str(1 << 34), "--quiet"]) == 2
     assert "bytes) free in" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

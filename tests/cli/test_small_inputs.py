@@ -13,6 +13,7 @@ from bsr_io.cli import main
 from bsr_io.cli.demo.report import print_report
 from bsr_io.cli.fio import fio_available
 from bsr_io.model.layout import preset
+from bsr_lab.cli import main as lab_main
 
 TINY = preset("tiny")
 
@@ -60,7 +61,7 @@ def test_bench_store_size_under_a_chunk_is_refused(tmp_path, capsys):
 # -- bench ssd --------------------------------------------------------------------------
 @pytest.mark.parametrize("size", ["64KiB", "5000"])
 def test_bench_ssd_file_under_fios_request_refused_in_one_line(tmp_path, capsys, size):
-    assert main(["bench", "ssd", "--size", size, "--rounds", "1", "--dir", str(tmp_path)]) == 2
+    assert lab_main(["bench", "ssd", "--size", size, "--rounds", "1", "--dir", str(tmp_path)]) == 2
     line = _one_line(capsys.readouterr().err)
     assert "must be at least 1.00 MiB (fio's request)" in line and line.count("--size") == 1
     assert not list(tmp_path.iterdir())  # refused before the test file was written
@@ -69,7 +70,7 @@ def test_bench_ssd_file_under_fios_request_refused_in_one_line(tmp_path, capsys,
 # -- bench stripe -----------------------------------------------------------------------
 def test_bench_stripe_tiny_layout_refused_in_one_clear_line(tmp_path, capsys):
     dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
-    assert main(["bench", "stripe", "--layout", "tiny", "--dirs", *dirs, "--quiet"]) == 2
+    assert lab_main(["bench", "stripe", "--layout", "tiny", "--dirs", *dirs, "--quiet"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("bsr-io: error: --layout tiny: its 2112-byte chunk")
     assert "deepseek-v4-flash, llama-3.1-8b" in line
@@ -155,7 +156,7 @@ def test_bench_sweep_tiny_reference_scales_with_the_state(tmp_path, capsys):
     out = tmp_path / "sweep.json"
     argv = ["bench", "sweep", "--layout", "tiny", "--tokens", "64,256", "--window", "4"]
     argv += ["--dir", str(tmp_path / "s"), "--json", str(out), "--quiet"]
-    assert main(argv) == 0, capsys.readouterr().err
+    assert lab_main(argv) == 0, capsys.readouterr().err
     doc = json.loads(out.read_text())
     top = doc["rows"][-1]["state_bytes"]  # 16 chunks of 2,112 B
     assert top == 16 * TINY.chunk_bytes
@@ -166,11 +167,11 @@ def test_bench_sweep_tiny_reference_scales_with_the_state(tmp_path, capsys):
 
 def test_bench_sweep_refuses_tokens_under_a_chunk_and_unknown_layouts(tmp_path, capsys):
     argv = ["bench", "sweep", "--layout", "tiny", "--tokens", "8,64", "--dir", str(tmp_path)]
-    assert main(argv) == 2
+    assert lab_main(argv) == 2
     line = _one_line(capsys.readouterr().err)
     assert "--tokens 8 is less than one chunk (16 tokens of tiny)" in line
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "sweep", "--layout", "nope", "--dir", str(tmp_path)])
+        lab_main(["bench", "sweep", "--layout", "nope", "--dir", str(tmp_path)])
     assert exc.value.code == 2
     assert "argument --layout: invalid choice: 'nope'" in capsys.readouterr().err
     assert not list(Path(tmp_path).iterdir())
@@ -182,7 +183,7 @@ def test_bench_ttft_small_input_says_target_not_applicable(tmp_path, capsys):
     out = tmp_path / "ttft.json"
     argv = ["bench", "ttft", "--layout", "tiny", "--tokens", "64", "--window", "2"]
     argv += ["--rounds", "1", "--dir", str(tmp_path), "--quiet", "--json", str(out)]
-    assert main(argv) == 0
+    assert lab_main(argv) == 0
     text = capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert "chunks are under 1.00 MiB" in doc["target_not_applicable"]
@@ -196,7 +197,7 @@ def test_bench_ttft_small_input_says_target_not_applicable(tmp_path, capsys):
 def test_bench_ceiling_small_input_says_target_not_applicable(tmp_path, capsys):
     out = tmp_path / "ceiling.json"
     argv = ["bench", "ceiling", "--tokens", "1024", "--window", "2", "--rounds", "1"]
-    assert main([*argv, "--quiet", "--json", str(out)]) == 0
+    assert lab_main([*argv, "--quiet", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     doc = json.loads(out.read_text())
     # 4 chunks of deepseek-v4-flash: 62.59 MiB, far from a steady state.
@@ -209,7 +210,7 @@ def test_bench_ceiling_small_input_says_target_not_applicable(tmp_path, capsys):
 
 
 def test_targets_apply_to_a_steady_state_only():
-    from bsr_io.cli.targets import not_applicable, verdict
+    from bsr_lab.targets import not_applicable, verdict
 
     ds = preset("deepseek-v4-flash")
     assert not_applicable(ds, 128, 32) is None  # 2 GiB, the window refilled 4 times

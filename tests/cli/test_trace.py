@@ -1,5 +1,5 @@
 """Request traces: the engine's I/O thread stamps each request; `bench ssd --trace`
-summarises the engine's and fio's runs the same way (cli/trace.py)."""
+summarises the engine's and fio's runs the same way (bsr_lab/trace.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from bsr_io._core import Engine
-from bsr_io.cli import main
 from bsr_io.cli.fio import fio_available, fio_read
-from bsr_io.cli.trace import engine_summary
+from bsr_lab.cli import main
+from bsr_lab.trace import engine_summary, fio_summary
 
 KiB = 1 << 10
 
@@ -70,7 +70,7 @@ def test_the_pread_pool_refuses_to_trace() -> None:
 @pytest.mark.skipif(not fio_available(), reason="fio not installed")
 def test_fio_trace_counts_every_io(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"\1" * (8 << 20))
-    r = fio_read(tmp_path / "f", block_bytes=1 << 20, iodepth=4, trace_dir=tmp_path)
+    r = fio_read(tmp_path / "f", block_bytes=1 << 20, iodepth=4, lat_log=fio_summary)
     assert r.trace is not None and r.trace["requests"] == 8
     assert 0 < r.trace["mean_depth"] <= 4 + 1  # +-1 ms of fio's log resolution
     assert not list(tmp_path.glob("*.log")), "the latency logs are removed"

@@ -22,7 +22,7 @@ KW = {
 
 
 def test_vmhwm_growth_bounded_by_window(tmp_path):
-    (bsr,) = launch(1, "bsr_io.cli.scenarios:restore_on_rank", {"root": str(tmp_path), **KW})
+    (bsr,) = launch(1, "bsr_lab.scenarios:restore_on_rank", {"root": str(tmp_path), **KW})
     assert bsr["outcome"] == "complete", bsr
     state = bsr["l1_required_bytes"]
     assert state >= 16 * bsr["rws_peak_bytes"]
@@ -33,7 +33,7 @@ def test_vmhwm_growth_bounded_by_window(tmp_path):
     # so this measurement can tell the two apart.
     (wp,) = launch(
         1,
-        "bsr_io.cli.scenarios:restore_on_rank",
+        "bsr_lab.scenarios:restore_on_rank",
         {"root": str(tmp_path), **KW, "fill": False, "mode": "whole_plan"},
     )
     assert wp["outcome"] == "complete", wp
@@ -46,7 +46,7 @@ def test_direct_reads_stage_nothing(tmp_path):
     # the whole ring when the arena was populated at the engine's start). The bytes are
     # checked.
     kw = {"root": str(tmp_path), **KW, "window": 8, "direct_reads": True, "check_data": True}
-    (bsr,) = launch(1, "bsr_io.cli.scenarios:restore_on_rank", kw)
+    (bsr,) = launch(1, "bsr_lab.scenarios:restore_on_rank", kw)
     assert bsr["outcome"] == "complete" and bsr["data_ok"], bsr
     assert bsr["rws_peak_bytes"] == 0 and bsr["timings"]["direct_chunks"] == 64
     assert 8 * bsr["slot_bytes"] > 16 * MiB

@@ -145,7 +145,7 @@ def _probe(code: str) -> subprocess.CompletedProcess[str]:
 def test_the_restore_api_needs_no_tqdm_matplotlib_cli_or_lab():
     """`import bsr_io` (the whole restore API) works with tqdm and matplotlib unimportable
     and loads neither the CLI nor the lab; the control shows the block holds
-    (the CLI's plots cannot get matplotlib) and that its progress bars degrade to none."""
+    (the lab's plots cannot get matplotlib) and that its progress bars degrade to none."""
     ok = _probe(
         "import bsr_io\n"
         "assert bsr_io.Restorer and bsr_io.open_store\n"
@@ -153,7 +153,7 @@ def test_the_restore_api_needs_no_tqdm_matplotlib_cli_or_lab():
     )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == "[]"
-    plots = _probe("from bsr_io.cli import plots\nplots._pyplot()")
+    plots = _probe("from bsr_lab import plots\nplots._pyplot()")
     assert plots.returncode != 0 and "matplotlib" in plots.stderr
     bars = _probe("from bsr_io.cli.progress import bar\nb = bar(3)\nb.update(2)\nprint(b.n)")
     assert bars.returncode == 0, bars.stderr

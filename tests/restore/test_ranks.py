@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from bsr_io.cli.ranks import launch
-from bsr_io.cli.scenarios import FAULT_MATRIX
+from bsr_lab.scenarios import FAULT_MATRIX
 
-TARGET = "bsr_io.cli.scenarios:restore_on_rank"
+TARGET = "bsr_lab.scenarios:restore_on_rank"
 TOKENS = 12 * 16  # 12 chunks of the tiny layout
 
 

@@ -1,6 +1,6 @@
 """`bsr-lab bench faults`: the fault matrix on real ranks, outcome and data per scenario.
 
-Every scenario (bsr_io.cli.scenarios.FAULT_MATRIX) starts its ranks as processes
+Every scenario (bsr_lab.scenarios.FAULT_MATRIX) starts its ranks as processes
 in one gloo group, injects its faults (bsr_io.faults, a documented test double)
 and restores. A scenario passes when every surviving rank ends with the expected
 outcome, all ranks agree, and a complete restore installed exactly the saved bytes.
@@ -15,10 +15,10 @@ from typing import Any
 
 from bsr_io.cli.ranks import launch
 from bsr_io.cli.report import write_json
-from bsr_io.cli.scenarios import FAULT_MATRIX
 from bsr_io.cli.scratch import make_scratch
+from bsr_lab.scenarios import FAULT_MATRIX
 
-RESTORE = "bsr_io.cli.scenarios:restore_on_rank"  # one rank's restore, run by launch
+RESTORE = "bsr_lab.scenarios:restore_on_rank"  # one rank's restore, run by launch
 
 
 def register(bench_subparsers: Any) -> None:

@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
 def plot_vllm(doc: dict[str, Any], path: str | os.PathLike[str]) -> Path:
     """TTFT (restore, recompute) and per-worker staging vs state, against prompt length."""
-    from bsr_io.cli.plots import _pyplot, _save
+    from bsr_lab.plots import _pyplot, _save
 
     plt = _pyplot()
     rows = doc["rows"]

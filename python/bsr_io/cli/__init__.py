@@ -13,19 +13,10 @@ import os
 import sys
 
 # Modules that add top-level subcommands, and modules that add `bench` subcommands: the
-# drive-level benchmarks a user sizes a deployment with. Benchmarks that need a serving
-# stack, a model or the fault scenarios are the lab's (`bsr-lab bench`, not installed).
+# drive-level benchmark a user sizes a deployment with (a store on their drive against
+# fio). Every other benchmark is the lab's (`bsr-lab bench`, not installed).
 COMMANDS = ("bsr_io.cli.demo", "bsr_io.cli.store")
-BENCHES = (
-    "bsr_io.cli.bench_ssd",
-    "bsr_io.cli.bench_store",
-    "bsr_io.cli.bench_sweep",
-    "bsr_io.cli.bench_ttft",
-    "bsr_io.cli.bench_ceiling",
-    "bsr_io.cli.bench_paper",
-    "bsr_io.cli.bench_remote",
-    "bsr_io.cli.bench_stripe",
-)
+BENCHES = ("bsr_io.cli.bench_store",)
 
 
 def build_parser(

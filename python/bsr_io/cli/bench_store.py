@@ -19,13 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bsr_io._core import Engine
-from bsr_io.cli.bench_ssd import FIO_DEPTH, engine_read
+from bsr_io._core import Engine, File
 from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read, huge_page_buffers
 from bsr_io.cli.host import process_cpu_s, process_switches
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import scratch_dir
-from bsr_io.cli.synthetic import fill_random, synthetic_tokens
 from bsr_io.engine import as_numpy
 from bsr_io.model.keys import ChunkKey, chunk_keys
 from bsr_io.model.layout import PRESETS, KVLayout, preset
@@ -34,6 +32,7 @@ from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.tiers import SSDTier
 
 ALIGN = 4096  # the O_DIRECT block the raw file's chunks are placed on
+FIO_DEPTH = 32  # fio's queue depth, as the engine's
 
 
 def register(bench_subparsers: Any) -> None:
@@ -53,9 +52,35 @@ def register(bench_subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def engine_read(eng: Engine, f: File, size: int) -> tuple[float, int]:
+    """Read the whole file through the window, every slot's read in flight; each slot is
+    released as soon as it has been consumed. Returns (seconds, peak live bytes)."""
+    slot, window = eng.slot_bytes, eng.window
+    eng.reset_peak()
+    inflight: deque[Any] = deque()
+    off = 0
+    t0 = time.perf_counter()
+    while off < size or inflight:
+        while off < size and len(inflight) < window:
+            n = min(slot, size - off)
+            inflight.append(eng.submit_read(f, off, n))
+            off += n
+        s = inflight.popleft().wait()
+        # Consume: the slot's bytes are there to be installed; a read of one byte keeps
+        # the loop honest without adding a copy. Then straight back to the ring.
+        with memoryview(s) as view:
+            _ = view[len(s) - 1]
+        s.release()
+        del s
+    elapsed = time.perf_counter() - t0
+    return elapsed, eng.peak_bytes()
+
+
 def _fill_slots(engine: Engine, layout: KVLayout, n: int) -> list[Any]:
     """`n` leased slots of pseudo-random chunk bytes (made once: generating 16 MiB of
     random bytes per chunk would cost more than writing it)."""
+    from bsr_io.cli.synthetic import fill_random  # imports torch: not for `--help`
+
     slots = []
     for i in range(n):
         s = engine.lease()
@@ -183,6 +208,8 @@ def measure(
     work: Path,
     huge: HugeMem | None = None,
 ) -> dict[str, Any]:
+    from bsr_io.cli.synthetic import synthetic_tokens
+
     keys = chunk_keys(synthetic_tokens(1, count * layout.chunk_tokens), layout, "bench")
     raw_path = work / "raw.bin"
     # The raw file: the same chunks on whole blocks (a tiny chunk pads to 4 KiB, as the

@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +47,7 @@ class FioResult:
     seconds: float  # fio's own runtime of the job(s) (ms resolution)
     command: list[str]
     wall_s: float = 0.0  # the fio process, start to exit (open, buffer setup included)
-    trace: dict[str, Any] | None = None  # with `trace_dir`: depth and latency (cli/trace.py)
+    trace: dict[str, Any] | None = None  # with `lat_log`: what it made of fio's latency log
 
 
 @dataclass(frozen=True)
@@ -196,12 +196,13 @@ def fio_read(
     size: int | None = None,
     timeout_s: float = 600.0,
     iomem: str | None = None,
-    trace_dir: str | os.PathLike[str] | None = None,
+    lat_log: Callable[[Path], dict[str, Any]] | None = None,
 ) -> FioResult:
     """One sequential O_DIRECT read of `path` (whole file unless `size`) with fio's
     io_uring engine, fixed buffers and registered files. `iomem`: fio's buffer memory
-    (e.g. `HugeMem.iomem(...)`; None is fio's default, 4 KiB pages). `trace_dir`: log
-    every I/O's latency there and summarise depth and latency (`FioResult.trace`)."""
+    (e.g. `HugeMem.iomem(...)`; None is fio's default, 4 KiB pages). `lat_log`: fio logs
+    every I/O's latency beside `path`, and `lat_log(log)` summarises it (`FioResult.trace`;
+    the lab's `bsr_lab.trace.fio_summary`); the log is removed afterwards."""
     size = os.path.getsize(path) if size is None else size
     if size <= 0:
         raise ValueError(f"nothing to read: {path} is empty")
@@ -224,16 +225,14 @@ def fio_read(
     if iomem:
         cmd.append(f"--iomem={iomem}")
     prefix = None
-    if trace_dir is not None:
-        prefix = Path(trace_dir) / f"bsr-io-fio-{os.getpid()}-{time.monotonic_ns()}"
+    if lat_log is not None:
+        prefix = Path(path).parent / f"bsr-io-fio-{os.getpid()}-{time.monotonic_ns()}"
         cmd += [f"--write_lat_log={prefix}", "--log_avg_msec=0"]
     try:
         report, wall = _run(cmd, timeout_s)
         trace = None
-        if prefix is not None:
-            from bsr_io.cli.trace import fio_summary
-
-            trace = fio_summary(Path(f"{prefix}_lat.1.log"))
+        if lat_log is not None and prefix is not None:
+            trace = lat_log(Path(f"{prefix}_lat.1.log"))
             trace["iodepth_level_pct"] = report["jobs"][0].get("iodepth_level")
     finally:
         if prefix is not None:

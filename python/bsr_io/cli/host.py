@@ -1,5 +1,6 @@
 """What the host can give a command before it starts: memory (disk room is the scratch
-policy's, bsr_io.cli.scratch); and what a measured path took from it: CPU time."""
+policy's, bsr_io.cli.scratch); and what a measured path took from it: CPU time and
+peak resident memory."""
 
 from __future__ import annotations
 
@@ -59,3 +60,19 @@ def process_switches() -> int:
     """This process's context switches so far, voluntary and not (every thread)."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_nvcsw + ru.ru_nivcsw
+
+
+def vmhwm_bytes() -> int:
+    """Peak resident set of this process (VmHWM), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("VmHWM not found in /proc/self/status")
+
+
+def vmhwm_reset() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS and return it, so the
+    next `vmhwm_bytes()` minus this is one phase's growth (Linux 4.0+)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return vmhwm_bytes()

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
+import tempfile
 from typing import TYPE_CHECKING, Any
 
-from bsr_io._core import Engine
-from bsr_io.cli.bench_remote import add_pool_args, close_client, open_tier, pool_config
-from bsr_io.cli.synthetic import synthetic_chunk, synthetic_tokens
-from bsr_io.errors import ChunkError
-from bsr_io.model.keys import ChunkKey, chunk_keys
-from bsr_io.model.layout import PRESETS, KVLayout, preset
+from bsr_io.model.layout import PRESETS
 
 if TYPE_CHECKING:
-    from bsr_io.tiers.mooncake import MooncakeTier
+    from bsr_io.model.keys import ChunkKey
+    from bsr_io.model.layout import KVLayout
+    from bsr_io.tiers.mooncake import MooncakeConfig, MooncakeTier
 
 
 def register_pool(store_sub: Any) -> None:
@@ -47,7 +47,94 @@ def register_pool(store_sub: Any) -> None:
         s.set_defaults(func=func)
 
 
+def add_pool_args(p: argparse.ArgumentParser) -> None:
+    """The pool options shared by the commands that talk to Mooncake Store."""
+    g = p.add_argument_group("Mooncake Store pool (default: start one on loopback)")
+    g.add_argument("--master", default=None, help="master RPC address host:port")
+    g.add_argument("--metadata-server", default=None, help="e.g. http://HOST:PORT/metadata")
+    g.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
+    g.add_argument("--device-name", default="", help="RDMA devices")
+    g.add_argument(
+        "--local-hostname",
+        default="127.0.0.1",
+        help="this host's address as the pool's nodes reach it",
+    )
+    g.add_argument(
+        "--pool-timeout", type=float, default=10.0, help="deadline of each pool call, seconds"
+    )
+
+
+def check_pool_args(args: argparse.Namespace) -> None:
+    """Refuse bad pool options before a pool is started or joined, naming the option."""
+    if not args.pool_timeout > 0:  # NaN too
+        raise ValueError(f"--pool-timeout {args.pool_timeout:g}: must be positive (seconds)")
+    threads = getattr(args, "io_threads", None)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--io-threads {threads}: must be at least 1")
+
+
+def open_tier(cfg: MooncakeConfig, layout: KVLayout) -> MooncakeTier:
+    """Join the pool: its tier, or one line (OSError) when the pool cannot be joined.
+
+    Stderr (fd 2) goes to a file meanwhile: Mooncake's client logs INFO lines and an
+    ERROR for its own segment not yet registered (a 404) on every successful join. The
+    file is kept, and named, only when the join failed and Mooncake wrote to it."""
+    from bsr_io.errors import TierDown
+    from bsr_io.tiers.mooncake import MooncakeTier
+
+    # Mooncake logs each failed put or read at WARNING besides the error the command
+    # reports in its one line; MC_LOG_LEVEL=INFO (or WARNING) in the environment shows them.
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    fd, log = tempfile.mkstemp(prefix="bsr-mooncake-setup-", suffix=".log")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(fd, 2)
+    os.close(fd)
+    keep = False
+    try:
+        return MooncakeTier(cfg, layout=layout, name="L3")
+    except TierDown as exc:
+        keep = os.path.getsize(log) > 0
+        raise OSError(f"{exc}" + (f" (Mooncake's log: {log})" if keep else "")) from None
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        if not keep:
+            os.unlink(log)
+
+
+def close_client(tier: MooncakeTier) -> None:
+    """Close the tier, then its Mooncake client while the pool is still up: left to its
+    destructor at exit, a client of a loopback pool already stopped logs failed DELETEs
+    to the gone metadata server. Only once no transfer is in flight (closing during one
+    to a stalled node crashed Mooncake 0.3.13; see `MooncakeTier.close`)."""
+    tier.close()
+    tier.client.close()
+
+
+def pool_config(args: argparse.Namespace) -> MooncakeConfig | None:
+    from bsr_io.tiers.mooncake import MooncakeConfig
+
+    check_pool_args(args)
+    if args.master is None:
+        return None
+    if not args.metadata_server:
+        raise ValueError("--master needs --metadata-server too (e.g. http://HOST:PORT/metadata)")
+    return MooncakeConfig(
+        master=args.master,
+        metadata_server=args.metadata_server,
+        protocol=args.protocol,
+        device_name=args.device_name,
+        local_hostname=args.local_hostname,
+        timeout_s=args.pool_timeout,
+    )
+
+
 def _open(args: argparse.Namespace) -> tuple[MooncakeTier, KVLayout, list[ChunkKey]]:
+    from bsr_io.cli.synthetic import synthetic_tokens
+    from bsr_io.model.keys import chunk_keys
+    from bsr_io.model.layout import preset
+
     cfg = pool_config(args)
     if cfg is None:
         raise ValueError("give the pool: --master HOST:PORT --metadata-server URL")
@@ -69,6 +156,9 @@ def _open(args: argparse.Namespace) -> tuple[MooncakeTier, KVLayout, list[ChunkK
 
 
 def run_fill(args: argparse.Namespace) -> int:
+    from bsr_io.cli.synthetic import synthetic_chunk
+    from bsr_io.errors import ChunkError
+
     tier, layout, keys = _open(args)
     new = done = 0
     try:
@@ -85,6 +175,8 @@ def run_fill(args: argparse.Namespace) -> int:
 
 
 def run_probe(args: argparse.Namespace) -> int:
+    from bsr_io.errors import ChunkError
+
     tier, layout, keys = _open(args)
     try:
         held = tier.probe(keys)
@@ -102,6 +194,10 @@ def run_probe(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from bsr_io._core import Engine
+    from bsr_io.cli.synthetic import synthetic_chunk
+    from bsr_io.errors import ChunkError
+
     tier, layout, keys = _open(args)
     bad: list[dict[str, str]] = []
     ok = 0

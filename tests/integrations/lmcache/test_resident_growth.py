@@ -30,7 +30,7 @@ def _retrieve(path: str, bounded: bool) -> dict[str, object]:
     records and retrieve them once; VmHWM growth from before the engine existed."""
     import logging
 
-    from bsr_io.cli.scenarios import vmhwm_bytes, vmhwm_reset
+    from bsr_io.cli.host import vmhwm_bytes, vmhwm_reset
     from bsr_io.integrations.lmcache.config import lmcache_settings
     from bsr_lab.lmcache import harness as h
 

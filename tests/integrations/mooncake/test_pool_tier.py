@@ -299,7 +299,7 @@ def test_writes_from_slots_and_tensors(tier, engine):
 
 
 def test_unreachable_master_is_tier_down(netns):
-    from bsr_io.cli.loopback_pool import free_port
+    from bsr_lab.loopback_pool import free_port
 
     port = free_port()
     cfg = MooncakeConfig(

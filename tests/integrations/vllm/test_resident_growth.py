@@ -54,7 +54,7 @@ def _run(kind: str, store: str, window: int) -> dict[str, Any]:
 
     import torch
 
-    from bsr_io.cli.scenarios import vmhwm_bytes, vmhwm_reset
+    from bsr_io.cli.host import vmhwm_bytes, vmhwm_reset
     from bsr_io.integrations.vllm import kv_shapes
     from bsr_io.integrations.vllm.config import ConnectorConfig
     from bsr_io.integrations.vllm.layout import group_layouts

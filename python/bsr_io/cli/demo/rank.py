@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from bsr_io._core import Engine, xxh3_64
+from bsr_io.cli.host import vmhwm_bytes, vmhwm_reset
 from bsr_io.cli.progress import RankProgress
-from bsr_io.cli.scenarios import vmhwm_bytes, vmhwm_reset
 from bsr_io.cli.synthetic import fill_destination, synthetic_tokens
 from bsr_io.cli.whole_plan import WholePlanRestorer
 from bsr_io.commit import Agreement

@@ -10,8 +10,7 @@ from typing import Any
 
 from bsr_io._core import Engine, xxh3_runs
 from bsr_io.cli.fio import HugeMem, fio_read, fio_read_payloads
-from bsr_io.cli.host import process_cpu_s
-from bsr_io.cli.scenarios import vmhwm_bytes, vmhwm_reset
+from bsr_io.cli.host import process_cpu_s, vmhwm_bytes, vmhwm_reset
 from bsr_io.cli.synthetic import synthetic_chunk, synthetic_tokens
 from bsr_io.cli.whole_plan import WholePlanRestorer
 from bsr_io.load.kvcache import PagedKVCache

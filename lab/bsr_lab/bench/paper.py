@@ -1,4 +1,4 @@
-"""`bsr-io bench paper`: the paper's scale on this machine.
+"""`bsr-lab bench paper`: the paper's scale on this machine.
 
 DeepSeek-V4-Flash, TP=2, 524,288 tokens: 31.28 GiB of KV state per rank, 62.55 GiB on
 disk for both ranks, restored with W=32 by two real ranks (one process each, one gloo
@@ -18,11 +18,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from bsr_io.cli import bench_sweep
 from bsr_io.cli.scratch import scratch_base
 from bsr_io.model.layout import PRESETS, preset
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.model.sizes import GiB, fmt_size, parse_size
+from bsr_lab.bench import sweep as bench_sweep
 
 
 def register(bench_subparsers: Any) -> None:

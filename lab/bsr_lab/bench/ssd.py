@@ -1,4 +1,4 @@
-"""`bsr-io bench ssd`: the engine reading a file through W slots against fio on the same
+"""`bsr-lab bench ssd`: the engine reading a file through W slots against fio on the same
 file and a plain buffered Python read, interleaved, cold cache, median of rounds.
 The paths run in a fresh random order each round (`--seed`), so none always follows
 another, and the machine's load is recorded before and after every round.
@@ -25,16 +25,17 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from bsr_io._core import Engine, File
+from bsr_io._core import Engine
+from bsr_io.cli.bench_store import engine_read
 from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read, huge_page_buffers
 from bsr_io.cli.host import huge_page_bytes
-from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import make_scratch
 from bsr_io.cli.synthetic import fill_random
-from bsr_io.cli.trace import engine_summary
 from bsr_io.engine import as_numpy
 from bsr_io.model.sizes import GiB, fmt_size, parse_size
+from bsr_lab.machine_load import snapshot, summary
+from bsr_lab.trace import engine_summary, fio_summary
 
 FIO_BLOCK, FIO_DEPTH = 1 << 20, 32  # fio_read's request size and queue depth
 METHODS = ("fio", "fio_hugemem", "bsr_io", "buffered")
@@ -85,30 +86,6 @@ def write_test_file(path: Path, size: int, window: int, slot: int) -> None:
             pending.popleft().wait()
         f.sync()
         f.close()
-
-
-def engine_read(eng: Engine, f: File, size: int) -> tuple[float, int]:
-    """Read the whole file through the window, every slot's read in flight; each slot is
-    released as soon as it has been consumed. Returns (seconds, peak live bytes)."""
-    slot, window = eng.slot_bytes, eng.window
-    eng.reset_peak()
-    inflight: deque[Any] = deque()
-    off = 0
-    t0 = time.perf_counter()
-    while off < size or inflight:
-        while off < size and len(inflight) < window:
-            n = min(slot, size - off)
-            inflight.append(eng.submit_read(f, off, n))
-            off += n
-        s = inflight.popleft().wait()
-        # Consume: the slot's bytes are there to be installed; a read of one byte keeps
-        # the loop honest without adding a copy. Then straight back to the ring.
-        with memoryview(s) as view:
-            _ = view[len(s) - 1]
-        s.release()
-        del s
-    elapsed = time.perf_counter() - t0
-    return elapsed, eng.peak_bytes()
 
 
 def buffered_read(path: Path, slot: int) -> float:
@@ -186,7 +163,7 @@ def measure(
     rng = random.Random(seed)
     orders: list[list[str]] = []
     loads = [snapshot()]
-    trace_dir = path.parent if args.trace else None
+    lat_log = fio_summary if args.trace else None
     cold = True
     peak = 0
     with Engine(
@@ -212,9 +189,7 @@ def measure(
                 if method == "fio":
                     gib_s = fio_read(path, size=args.size).gib_s
                 elif method == "fio_hugemem":
-                    res = fio_read(
-                        path, size=args.size, iomem=huge.iomem("ssd"), trace_dir=trace_dir
-                    )
+                    res = fio_read(path, size=args.size, iomem=huge.iomem("ssd"), lat_log=lat_log)
                     gib_s = res.gib_s
                     if res.trace is not None:
                         traces[method].append(res.trace)

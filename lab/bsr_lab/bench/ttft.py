@@ -1,9 +1,9 @@
-"""`bsr-io bench ttft`: time from the restore request to a committed prefix, cold cache.
+"""`bsr-lab bench ttft`: time from the restore request to a committed prefix, cold cache.
 
 One run writes a long prefix of a KV layout through the L2 tier once, then, with
 the page cache dropped before each measurement:
 
-- naive: the whole-plan baseline (cli/whole_plan.py) as LMCache 0.5.6's local disk
+- naive: the whole-plan baseline (bsr_io/cli/whole_plan.py) as LMCache 0.5.6's local disk
   backend runs it: an L1 buffer for every hit chunk from a resident pool, one buffered
   Python `readinto` per chunk file on 4 reader threads (its `disk_io_threads`), then
   the install of every staged chunk;
@@ -34,7 +34,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bsr_io.cli.bench_state import write_fio_file, write_state
 from bsr_io.cli.fio import (
     HugeMem,
     drop_caches,
@@ -42,16 +41,17 @@ from bsr_io.cli.fio import (
     huge_page_buffers,
 )
 from bsr_io.cli.host import check_memory, huge_page_bytes
-from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.progress import bar
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import check_room, scratch_base, scratch_dir
-from bsr_io.cli.targets import not_applicable, verdict
-from bsr_io.cli.ttft_paths import FIO_DEPTH, TtftPaths, records_readable_by_fio
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.model.layout import PRESETS, KVLayout, preset
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.model.sizes import GiB, fmt_size
+from bsr_lab.bench_state import write_fio_file, write_state
+from bsr_lab.machine_load import snapshot, summary
+from bsr_lab.targets import not_applicable, verdict
+from bsr_lab.ttft_paths import FIO_DEPTH, TtftPaths, records_readable_by_fio
 
 METHODS = ("naive", "naive_engine", "fio", "fast", "fio_hugemem")
 DONE_RATIO = 1.15  # the issue's target: fast_s within this factor of fio_s
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(doc)
     write_json(args.json, doc)
     if args.plot:
-        from bsr_io.cli.plots import plot_ttft
+        from bsr_lab.plots import plot_ttft
 
         plot_ttft(doc, args.plot)
         print(f"wrote {args.plot}")

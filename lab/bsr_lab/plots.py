@@ -1,9 +1,9 @@
 """Figures from benchmark JSON (matplotlib, written as PNG without a display).
 
 - `plot_sweep(doc, path)`: staging bytes against state size for BSR and the whole-plan
-  baseline (the paper's figure), from the JSON of `bsr-io bench sweep`.
+  baseline (the paper's figure), from the JSON of `bsr-lab bench sweep`.
 - `plot_ttft(doc, path)`: restore time of the naive path, the fast path and fio, and the
-  two paths' staging peaks, from the JSON of `bsr-io bench ttft`.
+  two paths' staging peaks, from the JSON of `bsr-lab bench ttft`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`bsr-io bench remote`: restore a state from a Mooncake Store pool through a window
+"""`bsr-lab bench remote`: restore a state from a Mooncake Store pool through a window
 of W reads, against the Mooncake client's own bulk read of the same objects into one
 registered buffer, in the same run.
 
@@ -21,8 +21,6 @@ import dataclasses
 import os
 import random
 import statistics
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -35,11 +33,15 @@ import numpy.typing as npt
 
 from bsr_io._core import Engine
 from bsr_io.cli.host import check_memory, process_cpu_s
-from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
+from bsr_io.cli.store_pool import (
+    add_pool_args,
+    close_client,
+    open_tier,
+    pool_config,
+)
 from bsr_io.cli.synthetic import fill_random, synthetic_tokens
 from bsr_io.engine import as_numpy
-from bsr_io.errors import TierDown
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.model.keys import ChunkKey, chunk_keys
 from bsr_io.model.layout import PRESETS, KVLayout, preset
@@ -48,7 +50,8 @@ from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.restore import Restorer, RestoreResult
 from bsr_io.store import Store
 from bsr_io.tiers.base import Tier
-from bsr_io.tiers.mooncake import IO_PRIORITIES, MooncakeConfig, lower_thread_priority
+from bsr_io.tiers.mooncake import IO_PRIORITIES, lower_thread_priority
+from bsr_lab.machine_load import snapshot, summary
 
 if TYPE_CHECKING:
     import subprocess
@@ -87,86 +90,6 @@ def register(bench_subparsers: Any) -> None:
     add_pool_args(p)
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.set_defaults(func=run)
-
-
-def add_pool_args(p: argparse.ArgumentParser) -> None:
-    """The pool options shared by the commands that talk to Mooncake Store."""
-    g = p.add_argument_group("Mooncake Store pool (default: start one on loopback)")
-    g.add_argument("--master", default=None, help="master RPC address host:port")
-    g.add_argument("--metadata-server", default=None, help="e.g. http://HOST:PORT/metadata")
-    g.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
-    g.add_argument("--device-name", default="", help="RDMA devices")
-    g.add_argument(
-        "--local-hostname",
-        default="127.0.0.1",
-        help="this host's address as the pool's nodes reach it",
-    )
-    g.add_argument(
-        "--pool-timeout", type=float, default=10.0, help="deadline of each pool call, seconds"
-    )
-
-
-def check_pool_args(args: argparse.Namespace) -> None:
-    """Refuse bad pool options before a pool is started or joined, naming the option."""
-    if not args.pool_timeout > 0:  # NaN too
-        raise ValueError(f"--pool-timeout {args.pool_timeout:g}: must be positive (seconds)")
-    threads = getattr(args, "io_threads", None)
-    if threads is not None and threads < 1:
-        raise ValueError(f"--io-threads {threads}: must be at least 1")
-
-
-def open_tier(cfg: MooncakeConfig, layout: KVLayout) -> MooncakeTier:
-    """Join the pool: its tier, or one line (OSError) when the pool cannot be joined.
-
-    Stderr (fd 2) goes to a file meanwhile: Mooncake's client logs INFO lines and an
-    ERROR for its own segment not yet registered (a 404) on every successful join. The
-    file is kept, and named, only when the join failed and Mooncake wrote to it."""
-    from bsr_io.tiers.mooncake import MooncakeTier
-
-    # Mooncake logs each failed put or read at WARNING besides the error the command
-    # reports in its one line; MC_LOG_LEVEL=INFO (or WARNING) in the environment shows them.
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    fd, log = tempfile.mkstemp(prefix="bsr-mooncake-setup-", suffix=".log")
-    sys.stderr.flush()
-    saved = os.dup(2)
-    os.dup2(fd, 2)
-    os.close(fd)
-    keep = False
-    try:
-        return MooncakeTier(cfg, layout=layout, name="L3")
-    except TierDown as exc:
-        keep = os.path.getsize(log) > 0
-        raise OSError(f"{exc}" + (f" (Mooncake's log: {log})" if keep else "")) from None
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        if not keep:
-            os.unlink(log)
-
-
-def close_client(tier: MooncakeTier) -> None:
-    """Close the tier, then its Mooncake client while the pool is still up: left to its
-    destructor at exit, a client of a loopback pool already stopped logs failed DELETEs
-    to the gone metadata server. Only once no transfer is in flight (closing during one
-    to a stalled node crashed Mooncake 0.3.13; see `MooncakeTier.close`)."""
-    tier.close()
-    tier.client.close()
-
-
-def pool_config(args: argparse.Namespace) -> MooncakeConfig | None:
-    check_pool_args(args)
-    if args.master is None:
-        return None
-    if not args.metadata_server:
-        raise ValueError("--master needs --metadata-server too (e.g. http://HOST:PORT/metadata)")
-    return MooncakeConfig(
-        master=args.master,
-        metadata_server=args.metadata_server,
-        protocol=args.protocol,
-        device_name=args.device_name,
-        local_hostname=args.local_hostname,
-        timeout_s=args.pool_timeout,
-    )
 
 
 def check_json_path(path: Path | None) -> None:
@@ -208,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         where = "given pool"
         if cfg is None:
-            from bsr_io.cli.loopback_pool import LoopbackPool, loopback_netns
+            from bsr_lab.loopback_pool import LoopbackPool, loopback_netns
 
             inside = stack.enter_context(loopback_netns())
             segment = n * record + max(n * record // 4, 256 << 20)

@@ -1,5 +1,5 @@
 """A Mooncake Store pool on loopback: a real master and a real storage node, for tests,
-`bsr-io bench remote` and demos.
+`bsr-lab bench remote` and demos.
 
 Both processes come from the installed `mooncake-transfer-engine*` package, listen on
 127.0.0.1 with free ports, and are stopped by PID. `MC_TCP_BIND_ADDRESS=127.0.0.1`

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import torch
 
 from bsr_io._core import Engine
+from bsr_io.cli.host import vmhwm_bytes
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk, synthetic_tokens
 from bsr_io.cli.whole_plan import WholePlanRestorer
 from bsr_io.commit import Agreement
@@ -57,22 +58,6 @@ class _KillAt:
 
     def synchronize(self) -> None:
         self.inner.synchronize()
-
-
-def vmhwm_bytes() -> int:
-    """Peak resident set of this process (VmHWM), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise OSError("VmHWM not found in /proc/self/status")
-
-
-def vmhwm_reset() -> int:
-    """Reset this process's peak RSS (VmHWM) to its current RSS and return it, so the
-    next `vmhwm_bytes()` minus this is one phase's growth (Linux 4.0+)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return vmhwm_bytes()
 
 
 def _destination(lay: KVLayout, tokens: int, cap_tokens: int | None) -> PagedKVCache:

@@ -1,4 +1,4 @@
-"""`bsr-io bench sweep`: staging memory against state size, BSR vs whole-plan.
+"""`bsr-lab bench sweep`: staging memory against state size, BSR vs whole-plan.
 
 For each state size: the state is on L2 (written once, the largest first: smaller
 states are prefixes of it), the page cache is dropped, and each rank restores in
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine
-from bsr_io.cli.bench_ssd import engine_read, write_test_file
+from bsr_io.cli.bench_store import engine_read
 from bsr_io.cli.fio import (
     HugeMem,
     drop_caches,
@@ -44,8 +44,9 @@ from bsr_io.cli.scratch import make_scratch
 from bsr_io.model.layout import PRESETS, KVLayout, preset
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.model.sizes import GiB, fmt_size, parse_size
+from bsr_lab.bench.ssd import write_test_file
 
-RESTORE = "bsr_io.cli.scenarios:restore_on_rank"  # one rank's restore, run by launch
+RESTORE = "bsr_lab.scenarios:restore_on_rank"  # one rank's restore, run by launch
 REF_MAX = 2 * GiB  # the default reference read's cap
 
 
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         filled = launch(
             args.ranks,
-            "bsr_io.cli.scenarios:fill_on_rank",
+            "bsr_lab.scenarios:fill_on_rank",
             {**common, "tokens": tokens[-1]},
             timeout_s=7200,
         )
@@ -199,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     _print(doc)
     write_json(args.json, doc)
     if args.plot:
-        from bsr_io.cli.plots import plot_sweep
+        from bsr_lab.plots import plot_sweep
 
         plot_sweep(doc, args.plot)
         print(f"wrote {args.plot}")

@@ -1,4 +1,4 @@
-"""`bsr-io bench stripe`: a restore from L2 striped over several drives against fio
+"""`bsr-lab bench stripe`: a restore from L2 striped over several drives against fio
 reading the same record files on all of them at once.
 
 The state is written through `StripedSSDTier` (one directory per drive, chunks placed
@@ -29,11 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine
-from bsr_io.cli.bench_ceiling import _destination
-from bsr_io.cli.bench_state import write_state
 from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read_payloads, huge_page_buffers
 from bsr_io.cli.host import mem_available
-from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import fs_type, scratch_base
 from bsr_io.cli.synthetic import synthetic_tokens
@@ -44,6 +41,9 @@ from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.restore import Restorer
 from bsr_io.store import Store
 from bsr_io.tiers import StripedSSDTier
+from bsr_lab.bench.ceiling import _destination
+from bsr_lab.bench_state import write_state
+from bsr_lab.machine_load import snapshot, summary
 
 MODEL = "bsr-io-bench-stripe"
 FIO_DEPTH = 32

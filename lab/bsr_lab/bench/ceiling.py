@@ -1,4 +1,4 @@
-"""`bsr-io bench ceiling`: how fast the restore loop can go when the drive is not the limit.
+"""`bsr-lab bench ceiling`: how fast the restore loop can go when the drive is not the limit.
 
 The state's record files live on a RAM-backed filesystem that accepts O_DIRECT (tmpfs
 does on current kernels), so reads cost a kernel copy and no device time. In the same
@@ -39,13 +39,10 @@ from typing import Any
 import torch
 
 from bsr_io._core import Engine, xxh3_64
-from bsr_io.cli.bench_state import write_state
 from bsr_io.cli.host import mem_available, process_cpu_s
-from bsr_io.cli.load import snapshot, summary
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import fs_type, scratch_base, scratch_dir
 from bsr_io.cli.synthetic import synthetic_tokens
-from bsr_io.cli.targets import not_applicable, verdict
 from bsr_io.load.kvcache import Fence, PagedKVCache
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import PRESETS, KVLayout, preset
@@ -54,6 +51,9 @@ from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.restore import Restorer
 from bsr_io.store import Store
 from bsr_io.tiers import SSDTier
+from bsr_lab.bench_state import write_state
+from bsr_lab.machine_load import snapshot, summary
+from bsr_lab.targets import not_applicable, verdict
 
 MODEL = "bsr-io-bench-ceiling"
 GOAL = 0.85  # restore / engine at W=32 with the deepseek-v4-flash chunk
