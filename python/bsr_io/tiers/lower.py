@@ -72,10 +72,14 @@ class LowerTier(FileTier):
     ) -> RecordHeader:
         view: memoryview = staged
         header = make_header(key, layout, xxh3_64(view))
+        # Read by the closure from a list emptied on the way out: an error's traceback
+        # keeps `write` (its frame's function), and a view it held would keep the
+        # staging slot out of the ring as long as the caller keeps the error.
+        payload = [view]
 
         def write(fd: int, stop: threading.Event) -> None:
             pwrite_all(fd, memoryview(header.encode()), 0, stop)
-            pwrite_all(fd, view, HEADER_BYTES, stop)
+            pwrite_all(fd, payload[0], HEADER_BYTES, stop)
             if not stop.is_set():
                 os.fdatasync(fd)
 
@@ -90,9 +94,7 @@ class LowerTier(FileTier):
                 cause=exc,
             ) from None
         finally:
-            # The closure's cell: an error's traceback keeps `write` (its frame's
-            # function), and through it this view would keep the staging slot leased.
-            del view
+            payload.clear()
         return header
 
     def submit_read(self, key: ChunkKey, engine: Engine) -> PendingChunk:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from abc import abstractmethod
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,9 @@ class FileTier(Tier):
         self._room.reserve(nbytes, self._evict)
         try:
             entry = self._publish(key, layout, staged)
+        except BaseException as exc:
+            _unpin(exc)
+            raise
         finally:
             staged.clear()  # even on error
             self._room.release(nbytes)
@@ -363,3 +367,18 @@ class FileTier(Tier):
         return ChunkReadError(
             f"cannot read {path}", key=key, tier=self.name, cause=exc, record=record
         )
+
+
+def _unpin(exc: BaseException) -> None:
+    """Drop the locals of the ended frames an error and its causes carry: a view of the
+    staging slot in one of them (the payload being written) would keep the slot out of
+    the ring for as long as the caller keeps the error."""
+    seen: set[int] = set()
+    todo: list[object] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # the running frames are left alone
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
