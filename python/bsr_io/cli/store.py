@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine
-from bsr_io.cli.synthetic import fill_state
 from bsr_io.errors import ChunkError
 from bsr_io.model.layout import PRESETS, preset
 from bsr_io.model.record import HEADER_BYTES
@@ -122,6 +121,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_fill(args: argparse.Namespace) -> int:
+    from bsr_io.cli.synthetic import fill_state  # imports torch: fill's alone
+
     layout = preset(args.layout)
     if args.tokens < layout.chunk_tokens:
         raise ValueError(

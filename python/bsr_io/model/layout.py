@@ -15,11 +15,12 @@ import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from bsr_io.errors import BsrValueError, LayoutError
+
+if TYPE_CHECKING:
+    import torch
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
@@ -36,6 +37,8 @@ class AllocatorGroup:
     block_tokens: int
 
     def __post_init__(self) -> None:
+        import torch  # on use, not with the module: layout names and sizes do not need it
+
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
             raise LayoutError(
                 f"group name must be 1-128 chars of [A-Za-z0-9_.:-], got {self.name!r}"
@@ -60,6 +63,8 @@ class AllocatorGroup:
     def check_paged(self, tensor: torch.Tensor) -> None:
         """Raise LayoutError unless `tensor` is this group's paged cache
         `[num_blocks, block_tokens, *token_shape]` of `dtype`."""
+        import torch
+
         want = ("num_blocks", self.block_tokens, *self.token_shape)
         if not isinstance(tensor, torch.Tensor):
             raise LayoutError(f"group {self.name}: expected a torch.Tensor, got {type(tensor)}")
@@ -194,6 +199,8 @@ class KVLayout:
         return views
 
     def check_payload(self, payload: torch.Tensor) -> None:
+        import torch
+
         if payload.dtype != torch.uint8 or payload.dim() != 1:
             raise LayoutError(
                 f"chunk payload must be a 1-D uint8 tensor, got {_dtype_name(payload.dtype)} "
@@ -235,6 +242,8 @@ class KVLayout:
         group_names: Sequence[str] | None = None,
     ) -> KVLayout:
         """Layout of paged caches `[num_blocks, block_tokens, *token_shape]`, one per group."""
+        import torch
+
         tensors = list(tensors)
         if not tensors:
             raise LayoutError("from_tensors needs at least one tensor")
@@ -267,7 +276,7 @@ class KVLayout:
         cls,
         config: Any,
         world_size: int = 1,
-        dtype: torch.dtype = torch.bfloat16,
+        dtype: torch.dtype | None = None,
         chunk_tokens: int = 256,
         block_tokens: int = 16,
         name: str | None = None,
@@ -278,8 +287,12 @@ class KVLayout:
         Configs with `layer_types` (hybrid sliding/full attention) get one group per type.
         MLA configs (DeepSeek-V2/V3: `kv_lora_rank`) get one `compressed_kv` group: per
         layer the latent and the rotary key, `kv_lora_rank + qk_rope_head_dim` wide,
-        whole on every rank (it has no heads to split).
+        whole on every rank (it has no heads to split). `dtype` None: bfloat16.
         """
+        import torch
+
+        if dtype is None:
+            dtype = torch.bfloat16
         if world_size < 1:
             raise BsrValueError(f"world_size must be >= 1, got {world_size}")
         cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -314,6 +327,8 @@ class KVLayout:
 
 
 def _deepseek_v4_flash(chunk_tokens: int, block_tokens: int | None) -> KVLayout:
+    import torch
+
     # TP=2, per rank. The paper gives 64,096 B/token/rank; the split into a compressed
     # latent KV group and a sliding-window group is illustrative (two groups, two
     # sizes, two block sizes), the total is exact.
@@ -328,6 +343,8 @@ def _deepseek_v4_flash(chunk_tokens: int, block_tokens: int | None) -> KVLayout:
 
 
 def _llama_31_8b(chunk_tokens: int, block_tokens: int | None) -> KVLayout:
+    import torch
+
     # 32 layers x (K, V) x 8 KV heads x 128 x bf16 = 131,072 B/token, TP=1.
     return KVLayout(
         "llama-3.1-8b-tp1",
@@ -337,6 +354,8 @@ def _llama_31_8b(chunk_tokens: int, block_tokens: int | None) -> KVLayout:
 
 
 def _tiny(chunk_tokens: int, block_tokens: int | None) -> KVLayout:
+    import torch
+
     # Three groups of different dtypes and sizes; 132 B/token, so a 16-token chunk is
     # 2,112 bytes: not a multiple of 4096, which exercises O_DIRECT padding.
     return KVLayout(

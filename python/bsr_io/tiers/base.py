@@ -7,14 +7,13 @@ advertises it again. Probing reads metadata only.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextvars import ContextVar, Token
 from typing import Any
-
-import torch
 
 from bsr_io._core import Engine, EngineBrokenError, EngineClosedError, NoFreeSlot, Slot
 from bsr_io.errors import CapacityError, LayoutError
@@ -282,7 +281,10 @@ def read_waiting(tier: Tier, key: ChunkKey, engine: Engine, deadline: float) -> 
 def payload_view(payload: Payload, layout: KVLayout) -> memoryview:
     """A flat byte view of `payload`, checked to be exactly one chunk of `layout`."""
     want = layout.chunk_bytes
-    if isinstance(payload, torch.Tensor):
+    # A tensor exists only once torch is loaded; asking sys.modules keeps this module
+    # (and the commands that read a store without writing it) from loading torch.
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(payload, torch.Tensor):
         if payload.dtype != torch.uint8:
             raise LayoutError(
                 f"payload tensor must be uint8 chunk bytes, got dtype "
