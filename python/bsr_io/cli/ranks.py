@@ -64,7 +64,20 @@ def launch(
     # its pipe while another is waited on would block (and, through the rank-0 exit
     # wait below, hold the others) until the timeout.
     pipes = [(_Drain(p.stdout), _Drain(p.stderr)) for p in procs]
-    deadline = time.monotonic() + timeout_s
+    try:
+        return _collect(procs, pipes, time.monotonic() + timeout_s)
+    finally:
+        # Interrupted (Ctrl-C, or a signal the caller turned into an exception): no rank
+        # outlives the call, so none writes into a directory the caller then removes.
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _collect(
+    procs: list[subprocess.Popen[bytes]], pipes: list[tuple[_Drain, _Drain]], deadline: float
+) -> list[dict[str, Any]]:
     results = []
     for rank, (p, (out, err)) in enumerate(zip(procs, pipes, strict=True)):
         try:

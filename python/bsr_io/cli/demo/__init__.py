@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,12 @@ from bsr_io.model.sizes import fmt_size, parse_size
 
 RANKS = 2
 TARGET = "bsr_io.cli.demo.rank:demo_rank"
+DEFAULT_STATE = 1 << 30
+# Each record is a file with a 4 KiB header: 1 GiB of tiny's 2 KiB chunks would be half a
+# million files per rank and tier (minutes, and 4 KiB of header per 2 KiB record). The
+# demo keeps to this many records per rank: the default state shrinks to fit, and a
+# --state beyond it is refused.
+MAX_RECORDS = 4096
 
 
 def register(subparsers: Any) -> None:
@@ -49,9 +59,11 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--state",
         type=parse_size,
-        default=parse_size("1GiB"),
-        help="KV state per rank (whole chunks are kept, at least 2 x --window of them; "
-        "default 1GiB)",
+        default=None,
+        help="KV state per rank (whole chunks are kept, at least 2 x --window of them and "
+        f"at most {MAX_RECORDS:,} records; default 1GiB, or {MAX_RECORDS:,} chunks where "
+        "the layout's chunks are smaller than 1GiB / "
+        f"{MAX_RECORDS:,}: tiny's 2 KiB chunks make {fmt_size(MAX_RECORDS * 2112)})",
     )
     p.add_argument("--window", type=int, default=32, help="W: staging slots per rank")
     p.add_argument(
@@ -65,15 +77,14 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bsr_io.cli.ranks import launch
-
     if args.window < 1:
         raise ValueError(f"--window must be at least 1, got {args.window}")
     lay = preset(args.layout)
-    chunks = args.state // lay.chunk_bytes
+    chunks = state_chunks(args.state, lay.chunk_bytes, lay.name)
+    asked = fmt_size(DEFAULT_STATE if args.state is None else args.state)
     if chunks < 2:
         raise ValueError(
-            f"--state {fmt_size(args.state)} holds {chunks} chunk(s) of {fmt_size(lay.chunk_bytes)}"
+            f"--state {asked} holds {chunks} chunk(s) of {fmt_size(lay.chunk_bytes)}"
             f" ({lay.name}); the demo needs at least 2"
         )
     if chunks < 2 * args.window:
@@ -81,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         # baseline at BSR's budget (W slots of L1) can stage the state: the comparison
         # the demo prints would not hold, so it is refused rather than shown.
         raise ValueError(
-            f"--state {fmt_size(args.state)} holds {chunks} chunk(s) of "
+            f"--state {asked} holds {chunks} chunk(s) of "
             f"{fmt_size(lay.chunk_bytes)} ({lay.name}); with --window {args.window} the demo "
             f"needs at least 2 x W = {2 * args.window} so that half the state still fills "
             f"the window: pass --state >= {fmt_size(2 * args.window * lay.chunk_bytes)} or "
@@ -98,42 +109,100 @@ def run(args: argparse.Namespace) -> int:
         f"the demo ({RANKS} ranks x (source + destination + whole-plan L1) of {fmt_size(state)})",
         "a smaller --state",
     )
-    root = make_scratch(
-        args.dir, "bsr-io-demo-", need_bytes=disk, what="the demo's store", hint=hint
-    )
+    root: Path | None = None
     t0 = time.perf_counter()
-    try:
-        kwargs = {
-            "root": str(root),
-            "layout": args.layout,
-            "chunks": chunks,
-            "window": args.window,
-            "seed": args.seed,
-            "fault_chunk": chunks // 2,
-            "fault_rank": RANKS - 1,
-            "progress_dir": None if args.quiet else str(root / "progress"),
-        }
-        if not args.quiet:
-            print(
-                f"bsr-io demo: {RANKS} ranks saving and restoring "
-                f"{fmt_size(state)} each under {root} ...",
-                file=sys.stderr,
-                flush=True,
+    with _signals_exit():
+        try:
+            root = make_scratch(
+                args.dir, "bsr-io-demo-", need_bytes=disk, what="the demo's store", hint=hint
             )
-        with ProgressWatcher(root / "progress", RANKS, quiet=args.quiet):
-            results = launch(RANKS, TARGET, kwargs, timeout_s=900, env={"BSR_IO_EXIT_WAIT_S": "20"})
-        failed = [r for r in results if "runs" not in r]
-        if failed:
-            for r in failed:
-                print(
-                    f"rank {r.get('rank')} failed ({r.get('exit_code')}):\n{r.get('stderr', '')}",
-                    file=sys.stderr,
-                )
-            return 1
-    finally:
-        if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+            results = _run_ranks(args, root, chunks, state)
+        finally:
+            if root is not None and not args.keep:
+                shutil.rmtree(root, ignore_errors=True)
+    if results is None:
+        return 1
+    assert root is not None
     doc = summarize(results, time.perf_counter() - t0, root, args.keep)
     print_report(doc)
     write_json(args.json, doc)
     return 0 if doc["checks"]["all_ok"] else 1
+
+
+def state_chunks(state: int | None, chunk_bytes: int, layout: str) -> int:
+    """Chunks per rank: `state` in whole chunks, or the default's, within MAX_RECORDS."""
+    if state is None:
+        chunks = min(DEFAULT_STATE // chunk_bytes, MAX_RECORDS)
+        if chunks < DEFAULT_STATE // chunk_bytes:
+            print(
+                f"bsr-io demo: {layout}'s {fmt_size(chunk_bytes)} chunks: the state is "
+                f"{chunks:,} chunks ({fmt_size(chunks * chunk_bytes)}) per rank, not "
+                f"{fmt_size(DEFAULT_STATE)} (at most {MAX_RECORDS:,} records)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return chunks
+    chunks = state // chunk_bytes
+    if chunks > MAX_RECORDS:
+        raise ValueError(
+            f"--state {fmt_size(state)} with --layout {layout} is {chunks:,} records of "
+            f"{fmt_size(chunk_bytes)} per rank; the demo writes at most {MAX_RECORDS:,}: "
+            f"pass --state <= {fmt_size(MAX_RECORDS * chunk_bytes)}, or leave --state out"
+        )
+    return chunks
+
+
+@contextmanager
+def _signals_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP (a timeout, a service manager, a closed terminal) end the
+    demo as Ctrl-C does: through its `finally`, which removes the store, and `launch`'s,
+    which stops the ranks. Exit status 128 + the signal, as if it had killed us."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; a caller's thread keeps its own
+        return
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _run_ranks(
+    args: argparse.Namespace, root: Path, chunks: int, state: int
+) -> list[dict[str, Any]] | None:
+    """The ranks' results, or None (said on stderr) when a rank failed."""
+    from bsr_io.cli.ranks import launch  # imports torch: not for `--help`
+
+    kwargs = {
+        "root": str(root),
+        "layout": args.layout,
+        "chunks": chunks,
+        "window": args.window,
+        "seed": args.seed,
+        "fault_chunk": chunks // 2,
+        "fault_rank": RANKS - 1,
+        "progress_dir": None if args.quiet else str(root / "progress"),
+    }
+    if not args.quiet:
+        print(
+            f"bsr-io demo: {RANKS} ranks saving and restoring "
+            f"{fmt_size(state)} each under {root} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    with ProgressWatcher(root / "progress", RANKS, quiet=args.quiet):
+        results: list[dict[str, Any]] = launch(
+            RANKS, TARGET, kwargs, timeout_s=900, env={"BSR_IO_EXIT_WAIT_S": "20"}
+        )
+    failed = [r for r in results if "runs" not in r]
+    for r in failed:
+        print(
+            f"rank {r.get('rank')} failed ({r.get('exit_code')}):\n{r.get('stderr', '')}",
+            file=sys.stderr,
+        )
+    return None if failed else results
