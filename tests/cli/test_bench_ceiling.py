@@ -1,5 +1,5 @@
-"""`bsr-io bench ceiling` (restore vs the engine alone from a RAM-backed O_DIRECT
-source) at a tiny size, and `bsr-io bench paper`'s refusal when the disk is too small."""
+"""`bsr-lab bench ceiling` (restore vs the engine alone from a RAM-backed O_DIRECT
+source) at a tiny size, and `bsr-lab bench paper`'s refusal when the disk is too small."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`bsr-io bench remote` end to end at a tiny size: it starts its own loopback pool,
+"""`bsr-lab bench remote` end to end at a tiny size: it starts its own loopback pool,
 restores through W slots, measures the client's bulk read in the same run, and stops
 the pool again."""
 

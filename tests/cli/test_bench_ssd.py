@@ -1,4 +1,4 @@
-"""`bsr-io bench ssd` end to end at a small size, and the fio driver."""
+"""`bsr-lab bench ssd` end to end at a small size, and the fio driver."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`bsr-io bench stripe` end to end at a small size: a striped restore against fio
+"""`bsr-lab bench stripe` end to end at a small size: a striped restore against fio
 reading the same records on every directory at once."""
 
 from __future__ import annotations

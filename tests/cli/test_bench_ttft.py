@@ -1,4 +1,4 @@
-"""`bsr-io bench ttft` at a tiny size: real files, real engine, fio, cold cache."""
+"""`bsr-lab bench ttft` at a tiny size: real files, real engine, fio, cold cache."""
 
 from __future__ import annotations
 

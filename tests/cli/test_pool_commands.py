@@ -1,4 +1,4 @@
-"""`bsr-io store pool fill|probe|verify` and `bsr-io bench remote` on small and bad
+"""`bsr-io store pool fill|probe|verify` and `bsr-lab bench remote` on small and bad
 inputs, against a real loopback pool (mooncake_master + a storage node): a successful
 run prints its result and nothing from Mooncake on stderr (no setup log, no teardown
 errors); a bad argument, a pool that cannot be reached or is too small, a --json path

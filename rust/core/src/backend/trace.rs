@@ -1,5 +1,5 @@
 //! Request timings of the io_uring thread, for finding what keeps the queue below its
-//! depth (`bsr-io bench ssd --trace`). Off unless asked for: then the I/O thread stamps
+//! depth (`bsr-lab bench ssd --trace`). Off unless asked for: then the I/O thread stamps
 //! each request when it takes it from the channel, when it hands it to the kernel (with
 //! how many are in flight and how many wait behind it), and when its completion is
 //! reaped, up to a fixed number of events.
