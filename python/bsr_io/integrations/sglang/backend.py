@@ -8,7 +8,10 @@ and backup threads, where an exception or a None silently ends the storage tier 
 process: they always return, a failure being `False` (or 0 hits).
 
 - `batch_exists`: the leading pages the in-memory catalog holds (no file-system call);
-  0 while a given-up read may still write the pool (see below).
+  0 while a given-up read may still write the pool (see below). The catalog is this
+  rank's records by the store's one listing (`NamespaceView`), listed again every
+  `rescan_s` on a thread: a rank that does not write (MLA) sees the writer's pages, and
+  every rank sees records removed, within that interval.
 - `batch_get_v1`: the leading pages some tier holds are read through the window of W,
   straight into the host pool's pages with O_DIRECT where the memory allows it (hashed
   where they landed), through a slot otherwise (hashed while copied). A page is `True`
@@ -38,6 +41,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +60,7 @@ from bsr_io.model.keys import ChunkKey
 from bsr_io.save.records import save_records
 from bsr_io.store import Store, open_store
 from bsr_io.tiers.base import Tier
+from bsr_io.tiers.files.fresh import NamespaceView
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +90,7 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         self._write_engine: Engine | None = None
         self._registration: MemoryRegistration | None = None
         self._fingerprint = ""
-        self._catalog: set[int] = set()  # page hashes this rank's records are stored under
+        self._catalog: NamespaceView | None = None  # this rank's records, by page hash
         self._lock = threading.Lock()
         self._read_lock = threading.Lock()  # the read engine's W slots serve one batch
         # Batches waiting for the kernel to return pages of reads given up: while any
@@ -111,10 +116,12 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         store = open_store(
             self._write_engine, ssd, layout=layout, ssd_bytes=s.capacity, lower_dir=s.lower_dir
         )
+        pool: Tier | None = None
         if s.mooncake is not None:
             from bsr_io.tiers.mooncake import MooncakeTier  # imports Mooncake only here
 
-            store = Store([*store.tiers, MooncakeTier(s.mooncake, layout=layout)])
+            pool = MooncakeTier(s.mooncake, layout=layout)
+            store = Store([*store.tiers, pool])
         self.pages, self.store, self._fingerprint = pages, store, layout.fingerprint()
         if s.direct_reads:
             try:  # once: the kernel pins the pool's pages now, not per read
@@ -122,18 +129,21 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
                 self._registration = self._read_engine.register_memory(bufs, REGISTER_TIMEOUT_S)
             except (OSError, ValueError) as exc:
                 logger.info("bsr HiCache: pool memory not registered (%s); reads still direct", exc)
-        ours = self._key("")  # the namespace: model, world, rank, layout
-        with self._lock:
-            self._catalog = {
-                k.chunk_hash
-                for k in store.keys()
-                if (k.model, k.world_size, k.rank, k.layout_fingerprint)
-                == (ours.model, ours.world_size, ours.rank, ours.layout_fingerprint)
-            }
+        ours = self._key("").namespace()  # model, world, rank, layout
+        dirs = [Path(d) / "chunks" for d in s.store_dirs]
+        if s.lower_dir is not None:
+            dirs.append(Path(s.lower_dir) / "chunks")
+        catalog = NamespaceView(dirs, ours)
+        if pool is not None:  # a pool no listing sees: its records are pinned
+            for k in pool.keys():
+                if k.namespace() == ours:
+                    catalog.saved(k.chunk_hash, pinned=True)
+        catalog.start(s.rescan_s)
+        self._catalog = catalog
         logger.info(
             "bsr HiCache: %s, %d records of %d bytes held, W=%d, engine %s",
             layout.name,
-            len(self._catalog),
+            len(catalog),
             nbytes,
             s.window,
             self._read_engine.backend,
@@ -160,13 +170,9 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         try:
             with self._lock:
-                if self._kernel_waits:
-                    return 0  # unhealthy: a given-up read may still write the pool
-                held = self._catalog
-                for i, k in enumerate(keys):
-                    if self._key(k).chunk_hash not in held:
-                        return i
-            return len(keys)
+                if self._kernel_waits or self._catalog is None:
+                    return 0  # unhealthy (a given-up read may still write the pool), or no pool
+                return self._catalog.leading([self._key(k).chunk_hash for k in keys])
         except Exception:
             logger.exception("bsr HiCache: batch_exists failed; reporting no hit")
             return 0
@@ -269,13 +275,21 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
 
     def _forget(self, keys: Sequence[ChunkKey]) -> None:
         """Drop pages no tier delivered from the catalog, so batch_exists stops
-        offering them (a record that was only slow is found again by the next write)."""
-        with self._lock:
+        offering them (a record that was only slow is found again by the next listing
+        or write)."""
+        if self._catalog is not None:
             for k in keys:
-                self._catalog.discard(k.chunk_hash)
+                self._catalog.forget(k.chunk_hash)
 
     def _set(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        if not keys or self.pages is None or self.store is None or self._write_engine is None:
+        catalog = self._catalog
+        if (
+            not keys
+            or self.pages is None
+            or self.store is None
+            or self._write_engine is None
+            or catalog is None
+        ):
             return [False] * len(keys)
         self._count(set_pages=len(keys))
         if not self.identity.writer:
@@ -284,8 +298,7 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         if len(runs) != len(keys):
             raise ValueError(f"{len(keys)} keys for {len(runs)} pages of host indices")
         ckeys = [self._key(k) for k in keys]
-        with self._lock:
-            todo = [i for i, k in enumerate(ckeys) if k.chunk_hash not in self._catalog]
+        todo = [i for i, k in enumerate(ckeys) if k.chunk_hash not in catalog]
         result = [True] * len(keys)
         if not todo:
             return result
@@ -305,12 +318,12 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
             deadline=time.monotonic() + self.settings.timeout_s,
             on_done=done,
         )
-        with self._lock:
-            for j, i in enumerate(todo):
-                if j in failed:
-                    result[i] = False
-                else:
-                    self._catalog.add(ckeys[i].chunk_hash)
+        pooled = self.settings.mooncake is not None  # also in a pool no listing sees
+        for j, i in enumerate(todo):
+            if j in failed:
+                result[i] = False
+            else:
+                catalog.saved(ckeys[i].chunk_hash, pinned=pooled)
         if failed:
             first = next(iter(failed.values()))
             logger.warning(
@@ -363,13 +376,15 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
                 ours.layout_fingerprint,
             ):
                 self.store.remove(k)
-        with self._lock:
+        if self._catalog is not None:
             self._catalog.clear()
 
     def get_stats(self) -> None:
         return None  # SGLang's metrics object is its own backends'; see `stats`
 
     def close(self) -> None:
+        if self._catalog is not None:
+            self._catalog.close()  # its thread lists the store: stopped first
         if self.store is not None:
             self.store.close()
         if self._registration is not None:
