@@ -32,7 +32,7 @@ from pathlib import Path
 IN_HEADER = struct.Struct("<IIQQIIIHH")  # len, opcode, unique, nodeid, uid, gid, pid, ext, pad
 OUT_HEADER = struct.Struct("<IiQ")  # len, error, unique
 ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr (88 bytes)
-LOOKUP, FORGET, GETATTR, OPEN, READ, RELEASE, FLUSH = 1, 2, 3, 14, 15, 18, 25
+LOOKUP, FORGET, GETATTR, OPEN, READ, STATFS, RELEASE, FLUSH = 1, 2, 3, 14, 15, 17, 18, 25
 INIT, INTERRUPT, DESTROY, BATCH_FORGET = 26, 36, 38, 42
 NO_REPLY = (FORGET, INTERRUPT, BATCH_FORGET)
 FOPEN_DIRECT_IO = 1
@@ -120,6 +120,10 @@ class _Server:
                     ).start()
                 else:
                     self.reply(unique, self.data[offset : offset + size])
+            elif op == STATFS:
+                # fuse_kstatfs: blocks, bfree, bavail, files, ffree, bsize, namelen, frsize,
+                # padding, spare[6]: a real server answers, so fstatfs says "fuse".
+                self.reply(unique, struct.pack("<QQQQQIIII24x", 1, 0, 0, 1, 0, 4096, 255, 4096, 0))
             elif op in (RELEASE, FLUSH):
                 self.reply(unique)
             elif op == DESTROY:

@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 
 use crate::align::{self, DioAlign};
 use crate::error::{last_errno, Error, Result};
+use crate::fstype::{self, Submission};
 
 /// How to open.
 #[derive(Debug, Clone, Copy, Default)]
@@ -32,6 +33,9 @@ pub struct EngineFile {
     direct: bool,
     writable: bool,
     align: DioAlign,
+    /// Inline, or straight to a kernel worker where the file system may hold io_uring's
+    /// submitting thread (FUSE, network: fstype.rs).
+    submission: Submission,
     /// Logical size: at open, then the furthest end written through the engine.
     size: AtomicU64,
     closed: AtomicBool,
@@ -47,6 +51,7 @@ impl std::fmt::Debug for EngineFile {
             .field("path", &self.path)
             .field("fd", &self.fd.as_raw_fd())
             .field("direct", &self.direct)
+            .field("submission", &self.submission)
             .finish()
     }
 }
@@ -295,12 +300,14 @@ impl EngineFile {
         }
         clear_nonblock(fd.as_raw_fd(), path)?;
         let align = align::probe_fd(fd.as_raw_fd())?;
+        let submission = fstype::submission_of(fd.as_raw_fd());
         Ok(EngineFile {
             fd,
             path: path.to_owned(),
             direct,
             writable: write,
             align,
+            submission,
             size: AtomicU64::new(st.st_size as u64),
             closed: AtomicBool::new(false),
             registration_tried: AtomicBool::new(false),
@@ -322,6 +329,11 @@ impl EngineFile {
 
     pub fn writable(&self) -> bool {
         self.writable
+    }
+
+    /// How io_uring issues this file's requests (decided at open, fstype.rs).
+    pub fn submission(&self) -> Submission {
+        self.submission
     }
 
     /// Offset/length alignment for I/O on this file (1 when buffered).

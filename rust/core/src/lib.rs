@@ -12,6 +12,7 @@ pub mod claims;
 pub mod engine;
 pub mod error;
 pub mod file;
+pub mod fstype;
 pub mod install;
 pub mod prefix;
 pub mod publish;

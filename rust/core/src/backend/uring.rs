@@ -32,6 +32,7 @@ use super::{panic_message, Health, Request};
 use crate::arena::{Arena, SlotLease};
 use crate::error::{describe_errno, Error, Result};
 use crate::file::{EngineFile, Registration};
+use crate::fstype::Submission;
 
 /// The kernel's limits on registered buffers.
 const MAX_FIXED_BUFFERS: usize = 1 << 14;
@@ -703,7 +704,14 @@ impl RingLoop {
             (Some(i), false) => build!(types::Fixed(i)),
             (None, false) => build!(types::Fd(req.op.file.fd())),
         };
-        e.user_data(user_data)
+        let e = e.user_data(user_data);
+        match req.op.file.submission() {
+            Submission::Inline => e,
+            // Its file system may hold this thread in io_uring_enter for the whole
+            // request, and every other file's requests with it: a kernel worker waits
+            // instead (fstype.rs).
+            Submission::Async => e.flags(squeue::Flags::ASYNC),
+        }
     }
 
     /// io_uring_enter, waiting for `want` completions (through the fault double in tests).
