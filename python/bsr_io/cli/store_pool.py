@@ -49,7 +49,7 @@ def register_pool(store_sub: Any) -> None:
 
 def add_pool_args(p: argparse.ArgumentParser) -> None:
     """The pool options shared by the commands that talk to Mooncake Store."""
-    g = p.add_argument_group("Mooncake Store pool (default: start one on loopback)")
+    g = p.add_argument_group("Mooncake Store pool")
     g.add_argument("--master", default=None, help="master RPC address host:port")
     g.add_argument("--metadata-server", default=None, help="e.g. http://HOST:PORT/metadata")
     g.add_argument("--protocol", default="tcp", choices=("tcp", "rdma"))
