@@ -344,10 +344,16 @@ def test_a_directory_swapped_for_a_link_after_the_probe_is_never_read(tmp_path, 
     assert res.source_tiers == ["L3"] * CHUNKS, res.source_tiers
     assert "symbolic link" in str(res.fallbacks[0]), res.fallbacks
     assert all(dest.chunk_bytes(i) == synthetic_chunk(LAYOUT, 7, i).tobytes() for i in (0, 5))
-    # Without a lower copy the same link ends the restore zero.
+    # Without a lower copy: a probe while the link is there finds nothing (the listing's
+    # rules: no link below chunks/); one made before the swap, the restore ends zero.
     alone = Restorer(Store([store.tier("L2")]), LAYOUT, window=2, engine=engine, model="m")
+    assert alone.probe(tokens).hit_chunks == 0
+    os.unlink(records)
+    os.rename(moved, records)
     plan = alone.probe(tokens)
-    assert plan.hit_chunks == CHUNKS  # the probe's lstat sees regular files through it
+    assert plan.hit_chunks == CHUNKS
+    os.rename(records, moved)
+    os.symlink(moved, records)
     res = _restore_in_thread(alone, plan, PagedKVCache.allocate(LAYOUT, CHUNKS * 16))
     assert res.outcome == "zero" and res.committed_chunks == 0, res
     assert "symbolic link" in res.reason, res.reason
