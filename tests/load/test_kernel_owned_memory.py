@@ -32,8 +32,8 @@ from fuse_stall import late_file  # noqa: E402
 LAYOUT = KVLayout("owned", (AllocatorGroup("kv", torch.bfloat16, (1024,), 16),), chunk_tokens=16)
 CHUNKS = 3
 STALLED = 1
-# PREAD: on io_uring a held FUSE read holds the ring's submitting thread too, so the
-# healthy chunk beside it is given up as well; the pread pool keeps the stall to its chunk.
+# Every backend: io_uring sends a FUSE file's requests to a kernel worker (IOSQE_ASYNC), so
+# the held read keeps the stall to its chunk there as the pread pool does.
 
 
 def _views(cache: PagedKVCache) -> PagedKVCache:
@@ -41,14 +41,16 @@ def _views(cache: PagedKVCache) -> PagedKVCache:
     return PagedKVCache(LAYOUT, cache.tensors, [list(range(CHUNKS))])
 
 
-def test_a_range_the_kernel_owns_is_refused_through_a_new_view(tmp_path: Path) -> None:
+def test_a_range_the_kernel_owns_is_refused_through_a_new_view(
+    backend: str, tmp_path: Path
+) -> None:
     """Chunk 1's payload read is held by FUSE past the restore's deadline: the restore
     ends `zero` with chunk 1's blocks unusable. A second restore through a NEW cache
     object over the same memory is refused before reading anything (KernelOwnedMemory,
     not a bad chunk); before, only the first object was refused and the second read
     into the kernel's range again. Once FUSE answers, the range is returned and the same
     new view restores complete. Control: a view over other memory is not refused."""
-    with Engine(2, LAYOUT.chunk_bytes, backend="pread") as engine:  # see PREAD
+    with Engine(2, LAYOUT.chunk_bytes, backend=backend) as engine:
         tier = SSDTier(tmp_path / "l2", None, engine)
         tokens, keys = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens * CHUNKS, seed=4, model="m")
         r = Restorer(Store([tier]), LAYOUT, engine=engine, model="m", timeout_s=1.0)
@@ -85,10 +87,12 @@ def test_a_range_the_kernel_owns_is_refused_through_a_new_view(tmp_path: Path) -
             assert second.chunk_bytes(i) == synthetic_chunk(LAYOUT, 4, i).tobytes()
 
 
-def test_owned_ranges_are_found_by_address_through_any_buffer_object(tmp_path: Path) -> None:
+def test_owned_ranges_are_found_by_address_through_any_buffer_object(
+    backend: str, tmp_path: Path
+) -> None:
     """The owner is keyed by address range: a flat buffer view made independently of the
     cache (LMCache's staging buffers, `HostBuffers`) over the same bytes is refused too."""
-    with Engine(2, LAYOUT.chunk_bytes, backend="pread") as engine:  # see PREAD
+    with Engine(2, LAYOUT.chunk_bytes, backend=backend) as engine:
         tier = SSDTier(tmp_path / "l2", None, engine)
         tokens, keys = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens * CHUNKS, seed=9, model="m")
         r = Restorer(Store([tier]), LAYOUT, engine=engine, model="m", timeout_s=1.0)
