@@ -7,11 +7,16 @@ request (an O_DIRECT read through io_uring or pread) is held in the kernel meanw
 cannot be withdrawn, and its memory is written when the answer comes. Opens reply
 FOPEN_DIRECT_IO, so the page cache never answers for the server.
 
+`late_dir(path, delay_s, ops, suffix)` serves a whole directory (a save's temp file has a
+fresh name, so no one-file mount can stand where it will be) and answers the chosen calls
+(lookup, open, read, write, fsync, getattr) on the files whose name ends with `suffix` late.
+
 The server speaks the kernel's FUSE protocol itself (<linux/fuse.h>, protocol 7.31 replies):
 no libfuse, no Python package. It needs root and /dev/fuse. `release()` answers held reads
 at once; leaving the block unmounts (`umount -l`) and waits for the server.
 
     python fuse_stall.py SOURCE MOUNTPOINT DELAY_S FROM_OFFSET READY_FILE
+    python fuse_stall.py --dir DIRECTORY DELAY_S OPS SUFFIX READY_FILE
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -133,15 +138,18 @@ class _Server:
                 self.reply(unique, error=errno.ENOSYS)
 
 
-def _mount(fd: int, target: str) -> None:
+def _mount(fd: int, target: str, rootmode: int = S_IFREG) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    opts = f"fd={fd},rootmode={S_IFREG:o},user_id=0,group_id=0,allow_other".encode()
+    opts = f"fd={fd},rootmode={rootmode:o},user_id=0,group_id=0,allow_other".encode()
     if libc.mount(b"bsrstall", target.encode(), b"fuse", 0, opts) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount fuse on {target}: {os.strerror(err)}")
 
 
 def main() -> None:
+    if sys.argv[1] == "--dir":
+        dir_main(sys.argv[2:])
+        return
     source, target, delay, offset, ready = sys.argv[1:6]
     server = _Server(source, float(delay), int(offset))
     signal.signal(signal.SIGUSR1, lambda *_: server.released.set())
@@ -175,7 +183,16 @@ def late_file(path: Path, delay_s: float, from_offset: int = 4096) -> Iterator[L
     os.link(path, source)  # the server reads the real bytes from here
     ready = path.with_name(path.name + ".fuse-ready")
     args = [sys.executable, __file__, str(source), str(path), str(delay_s), str(from_offset)]
-    proc = subprocess.Popen([*args, str(ready)])
+    try:
+        with _serving(subprocess.Popen([*args, str(ready)]), path, ready) as late:
+            yield late
+    finally:
+        source.unlink(missing_ok=True)
+
+
+@contextmanager
+def _serving(proc: subprocess.Popen[bytes], path: Path, ready: Path) -> Iterator[LateFile]:
+    """The server `proc` once it has mounted `path`; unmounted and ended afterwards."""
     try:
         for _ in range(500):
             if ready.exists() and _mounted(path):
@@ -194,8 +211,260 @@ def late_file(path: Path, delay_s: float, from_offset: int = 4096) -> Iterator[L
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        source.unlink(missing_ok=True)
         ready.unlink(missing_ok=True)
+
+
+# -- a directory whose chosen calls are answered late (`late_dir`) ---------------------------
+SETATTR, MKDIR, UNLINK, RMDIR, RENAME, WRITE, FSYNC = 4, 9, 10, 11, 12, 16, 20
+OPENDIR, READDIR, RELEASEDIR, FSYNCDIR, ACCESS, CREATE = 27, 28, 29, 30, 34, 35
+S_IFDIR = 0o040000
+FATTR_MODE, FATTR_SIZE = 1, 8
+LATE_OPS = {
+    "lookup": LOOKUP,  # a path's component: with suffix "", every path walk (a hung mount)
+    "open": OPEN,
+    "read": READ,
+    "write": WRITE,
+    "fsync": FSYNC,
+    "getattr": GETATTR,
+}
+ENTRY = struct.Struct("<QQQQII")  # nodeid, generation, entry/attr valid (s, ns): all 0
+OPEN_OUT = struct.Struct("<QIi")  # fh, open_flags, backing id
+
+
+def _name(body: bytes, at: int = 0) -> str:
+    return body[at : body.index(b"\0", at)].decode()
+
+
+class _DirServer(_Server):
+    """A pass-through of the directory `root_fd` (nodes by relative path, open files by
+    backing descriptor); the calls named in `ops` on files whose name ends with `suffix`
+    are answered after `delay_s` (or at `release()`), each on a thread of its own."""
+
+    def __init__(self, root_fd: int, delay_s: float, ops: set[int], suffix: str) -> None:
+        self.root = root_fd
+        self.delay_s = delay_s
+        self.ops = ops
+        self.suffix = suffix
+        self.released = threading.Event()
+        self.fd = os.open("/dev/fuse", os.O_RDWR)
+        self.lock = threading.Lock()
+        self.paths: dict[int, str] = {1: "."}
+        self.ids: dict[str, int] = {".": 1}
+        self.files: dict[int, int] = {}  # fh -> backing descriptor
+        self.listings: dict[int, list[tuple[str, int]]] = {}
+        self.next_id = 2
+
+    def node(self, path: str) -> int:
+        with self.lock:
+            got = self.ids.get(path)
+            if got is None:
+                got = self.ids[path] = self.next_id
+                self.paths[got] = path
+                self.next_id += 1
+            return got
+
+    def child(self, parent: int, name: str) -> str:
+        base = self.paths[parent]
+        return name if base == "." else f"{base}/{name}"
+
+    def stat_attr(self, st: os.stat_result, ino: int) -> bytes:
+        times = [divmod(t, 10**9) for t in (st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns)]
+        return ATTR.pack(
+            ino, st.st_size, st.st_blocks, *(s for s, _ in times), *(ns for _, ns in times),
+            st.st_mode, st.st_nlink, 0, 0, 0, 4096, 0,
+        )  # fmt: skip
+
+    def entry(self, path: str) -> bytes:
+        st = os.stat(path, dir_fd=self.root, follow_symlinks=False)
+        nid = self.node(path)
+        return ENTRY.pack(nid, 0, 0, 0, 0, 0) + self.stat_attr(st, nid)
+
+    def opened(self, fd: int) -> bytes:
+        with self.lock:
+            fh = self.next_id
+            self.next_id += 1
+            self.files[fh] = fd
+        return OPEN_OUT.pack(fh, FOPEN_DIRECT_IO, 0)
+
+    def late(self, op: int, node: int, body: bytes) -> bool:
+        if op not in self.ops or self.released.is_set():
+            return False
+        if op in (LOOKUP, CREATE):
+            path = self.child(node, _name(body, 16 if op == CREATE else 0))
+        else:
+            path = self.paths.get(node, "")
+        return path.endswith(self.suffix)
+
+    def answer(self, op: int, unique: int, node: int, body: bytes, late: bool) -> None:
+        if late:
+            self.released.wait(self.delay_s)
+        try:
+            self.reply(unique, self.handle(op, node, body))
+        except OSError as exc:
+            self.reply(unique, error=exc.errno or errno.EIO)
+
+    def handle(self, op: int, node: int, body: bytes) -> bytes:  # noqa: C901, PLR0911, PLR0912
+        path = self.paths.get(node)
+        if path is None:
+            raise OSError(errno.ESTALE, "unknown node")
+        if op == LOOKUP:
+            return self.entry(self.child(node, _name(body)))
+        if op == GETATTR:
+            st = os.stat(path, dir_fd=self.root, follow_symlinks=False)
+            return struct.pack("<QII", 0, 0, 0) + self.stat_attr(st, node)
+        if op == SETATTR:
+            valid, _, _, size = struct.unpack_from("<IIQQ", body)
+            mode = struct.unpack_from("<I", body, 68)[0]
+            if valid & FATTR_SIZE:
+                fd = os.open(path, os.O_WRONLY, dir_fd=self.root)
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+            if valid & FATTR_MODE:
+                os.chmod(path, mode & 0o7777, dir_fd=self.root)
+            st = os.stat(path, dir_fd=self.root, follow_symlinks=False)
+            return struct.pack("<QII", 0, 0, 0) + self.stat_attr(st, node)
+        if op in (OPEN, CREATE):
+            flags = struct.unpack_from("<I", body)[0] & (os.O_ACCMODE | os.O_APPEND)
+            if op == OPEN:
+                return self.opened(os.open(path, flags, dir_fd=self.root))
+            mode = struct.unpack_from("<I", body, 4)[0]
+            new = self.child(node, _name(body, 16))
+            fd = os.open(new, flags | os.O_CREAT | os.O_EXCL, mode & 0o7777, dir_fd=self.root)
+            return self.entry(new) + self.opened(fd)
+        if op == READ:
+            fh, offset, size = struct.unpack_from("<QQI", body)
+            return os.pread(self.files[fh], size, offset)
+        if op == WRITE:
+            fh, offset, size = struct.unpack_from("<QQI", body)
+            n = os.pwrite(self.files[fh], body[40 : 40 + size], offset)
+            return struct.pack("<II", n, 0)
+        if op == FSYNC:
+            fh, flags = struct.unpack_from("<QI", body)
+            (os.fdatasync if flags & 1 else os.fsync)(self.files[fh])
+            return b""
+        if op == RELEASE:
+            with self.lock:
+                fd = self.files.pop(struct.unpack_from("<Q", body)[0], -1)
+            if fd >= 0:
+                os.close(fd)
+            return b""
+        if op == MKDIR:
+            mode = struct.unpack_from("<I", body)[0]
+            new = self.child(node, _name(body, 8))
+            os.mkdir(new, mode & 0o7777, dir_fd=self.root)
+            return self.entry(new)
+        if op in (UNLINK, RMDIR):
+            gone = self.child(node, _name(body))
+            (os.unlink if op == UNLINK else os.rmdir)(gone, dir_fd=self.root)
+            with self.lock:
+                self.paths.pop(self.ids.pop(gone, 0), None)
+            return b""
+        if op == RENAME:
+            (newdir,) = struct.unpack_from("<Q", body)
+            old_end = body.index(b"\0", 8)
+            src = self.child(node, body[8:old_end].decode())
+            dst = self.child(newdir, _name(body, old_end + 1))
+            os.rename(src, dst, src_dir_fd=self.root, dst_dir_fd=self.root)
+            with self.lock:  # the nodes below `src` now live below `dst`
+                self.paths.pop(self.ids.pop(dst, 0), None)
+                for p, nid in list(self.ids.items()):
+                    if p == src or p.startswith(src + "/"):
+                        del self.ids[p]
+                        self.ids[dst + p[len(src) :]] = nid
+                        self.paths[nid] = dst + p[len(src) :]
+            return b""
+        if op == OPENDIR:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY, dir_fd=self.root)
+            try:
+                names = [".", "..", *sorted(os.listdir(fd))]
+            finally:
+                os.close(fd)
+            kinds = [S_IFDIR >> 12] * 2 + [
+                os.stat(self.child(node, n), dir_fd=self.root, follow_symlinks=False).st_mode >> 12
+                for n in names[2:]
+            ]
+            with self.lock:
+                fh = self.next_id
+                self.next_id += 1
+                self.listings[fh] = list(zip(names, kinds, strict=True))
+            return OPEN_OUT.pack(fh, 0, 0)
+        if op == READDIR:
+            fh, offset, size = struct.unpack_from("<QQI", body)
+            out = b""
+            for i, (name, kind) in enumerate(self.listings.get(fh, [])[offset:], offset + 1):
+                raw = name.encode()
+                dirent = struct.pack("<QQII", 1, i, len(raw), kind) + raw
+                dirent += b"\0" * (-len(dirent) % 8)
+                if len(out) + len(dirent) > size:
+                    break
+                out += dirent
+            return out
+        if op == RELEASEDIR:
+            with self.lock:
+                self.listings.pop(struct.unpack_from("<Q", body)[0], None)
+            return b""
+        if op == STATFS:
+            v = os.fstatvfs(self.root)
+            return struct.pack(
+                "<QQQQQIIII24x", v.f_blocks, v.f_bfree, v.f_bavail, v.f_files, v.f_ffree,
+                v.f_bsize, v.f_namemax, v.f_frsize, 0,
+            )  # fmt: skip
+        if op in (FLUSH, FSYNCDIR, ACCESS):
+            return b""
+        raise OSError(errno.ENOSYS, "not served")
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = os.read(self.fd, 1 << 20 | 4096)
+            except OSError as exc:
+                if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
+                    continue
+                return  # ENODEV: unmounted
+            _len, op, unique, node, *_ = IN_HEADER.unpack_from(msg)
+            body = msg[IN_HEADER.size :]
+            if op in NO_REPLY:
+                continue
+            if op == INIT:
+                out = struct.pack("<IIIIHHIIHHI", 7, 31, 0, 0, 16, 12, 1 << 17, 1, 0, 0, 0)
+                self.reply(unique, out.ljust(64, b"\0"))
+            elif op == DESTROY:
+                self.reply(unique)
+                return
+            elif self.late(op, node, body):
+                args = (op, unique, node, body, True)
+                threading.Thread(target=self.answer, args=args, daemon=True).start()
+            else:
+                self.answer(op, unique, node, body, False)
+
+
+def dir_main(argv: list[str]) -> None:
+    target, delay, ops, suffix, ready = argv
+    root = os.open(target, os.O_RDONLY | os.O_DIRECTORY)  # what the mount will cover
+    server = _DirServer(root, float(delay), {LATE_OPS[o] for o in ops.split(",")}, suffix)
+    signal.signal(signal.SIGUSR1, lambda *_: server.released.set())
+    _mount(server.fd, target, S_IFDIR)
+    Path(ready).write_text("mounted")
+    server.serve()
+
+
+@contextmanager
+def late_dir(path: Path, delay_s: float, ops: Iterable[str], suffix: str) -> Iterator[LateFile]:
+    """The directory `path` served through the kernel's FUSE from its own contents until
+    the block ends; each of `ops` ("lookup", "open", "read", "write", "fsync", "getattr")
+    on a file below it whose name ends with `suffix` is answered `delay_s` seconds late (at once
+    after `release()`). Files open through the mount reply FOPEN_DIRECT_IO, as in
+    `late_file`: every read and write is a request the server answers."""
+    path = path.resolve()
+    unknown = set(ops) - set(LATE_OPS)
+    if unknown:
+        raise ValueError(f"cannot answer {sorted(unknown)} late; one of {sorted(LATE_OPS)}")
+    ready = path.with_name(path.name + ".fuse-ready")
+    args = [sys.executable, __file__, "--dir", str(path), str(delay_s), ",".join(ops), suffix]
+    with _serving(subprocess.Popen([*args, str(ready)]), path, ready) as late:
+        yield late
 
 
 if __name__ == "__main__":

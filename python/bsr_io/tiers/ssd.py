@@ -23,6 +23,7 @@ from bsr_io._core import (
 )
 from bsr_io.errors import (
     BsrValueError,
+    ChunkReadError,
     ChunkWriteError,
     DestinationUnusable,
     LayoutError,
@@ -158,14 +159,16 @@ class SSDTier(FileTier):
         An AlignmentError from `submit` (a direct read the memory does not suit) passes
         through: the record is fine, the caller reads it another way."""
         path = self.path_of(key)
+        st: os.stat_result | None = None
         try:
             if self._index.get(key) is None:
-                # Not indexed: the header is read too. A stalled drive can block even the
-                # open (a path lookup it must read): both have the read's deadline.
-                f = run_within(
+                # Not indexed: the header is read too. A stalled drive or mount can block
+                # even the open (a path lookup it must read) and the fstat after it (a
+                # network file system revalidates): all have the read's deadline.
+                f, st = run_within(
                     read_deadline() - time.monotonic(),
-                    lambda: engine.open(path, root=self.root),
-                    late=lambda f: f.close(),
+                    lambda: _open_stat(engine, path, self.root),
+                    late=lambda got: got[0].close(),
                 )
             else:
                 f = engine.open(path, root=self.root)  # the hot path: no thread hop
@@ -175,12 +178,13 @@ class SSDTier(FileTier):
             raise self._missing(key, exc) from None
         except TimeoutError:
             late = TimeoutError("the open did not end by the read's deadline (device stalled?)")
-            raise self._read_error(key, path, late) from None
+            raise self._given_up(key, path, late) from None
         except OSError as exc:
             raise self._read_error(key, path, exc) from exc
+        record: RecordId | None = None
         try:
-            fd = f.fileno()
-            st = os.fstat(fd)
+            if st is None:
+                st = os.fstat(f.fileno())
             record = RecordId.of(st)
             header = self._known_header(key, st)
             if header is None:
@@ -192,6 +196,9 @@ class SSDTier(FileTier):
         except (*ENGINE_ERRORS, AlignmentError):
             f.close()
             raise
+        except TimeoutError as exc:  # the header read
+            f.close()
+            raise self._given_up(key, path, exc) from None
         except OSError as exc:
             f.close()
             raise self._read_error(key, path, exc, record) from exc
@@ -199,6 +206,12 @@ class SSDTier(FileTier):
             f.close()
             raise
         return f, path, record, header, pending
+
+    def _given_up(self, key: ChunkKey, path: Path, late: TimeoutError) -> ChunkReadError:
+        """The read error of a call on the drive given up at the read's deadline; it
+        proves nothing against the record. No other call on the drive here (not even
+        `_read_error`'s look at the directory): a stalled drive or mount holds that too."""
+        return ChunkReadError(f"cannot read {path}", key=key, tier=self.name, cause=late)
 
     def _payload_wait(
         self, key: ChunkKey, path: Path, record: RecordId, f: File, wait: Callable[[], Any]
@@ -304,6 +317,15 @@ class SSDTier(FileTier):
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:
         return self.submit_read(key, engine).wait()
+
+
+def _open_stat(engine: Engine, path: Path, root: Path) -> tuple[File, os.stat_result]:
+    f = engine.open(path, root=root)
+    try:
+        return f, os.fstat(f.fileno())
+    except BaseException:
+        f.close()
+        raise
 
 
 def _read_header(engine: Engine, f: File, size: int) -> bytes:

@@ -5,20 +5,23 @@ renamed over its final name and the directory fsynced: it is visible only once i
 complete. On any failure the temp file is removed and nothing is published.
 
 All of it has the record's deadline (the tier's `write_timeout_s`, from the start). The
-directory calls (creating the temp file, the rename, the directory's fsync, removing the
-temp file) block in the kernel as long as a stalled drive likes, so they run on a thread
-of their own (bounded.py) and the save fails (ChunkWriteError) at the deadline, the
-caller touching the directory no more. Two such calls per record, not one per syscall:
-each hand-off to a thread costs about as much CPU as the syscalls it carries (GIL
-hand-overs, wake-ups), so the rename takes the directory's fsync. That fsync is a group
-commit (`DirSyncs`): records renamed in one directory while its fsync runs share the
-next one, as a journal commits many transactions at once. (L2 records do all of it in
-one native call instead: the engine's `publish`, used by `SSDTier`.)
+file calls (creating the temp file, its fstat and close, the rename, the directory's
+fsync, removing the temp file) block in the kernel as long as a stalled drive or mount
+likes (on NFS and FUSE even an fstat or a close asks the server), so they run on a
+thread of their own (bounded.py) and the save fails (ChunkWriteError) at the deadline,
+the caller touching the file and directory no more. Two such calls per record, not one
+per syscall: each hand-off to a thread costs about as much CPU as the syscalls it
+carries (GIL hand-overs, wake-ups), so the rename takes the temp file's fstat and close
+before it and the directory's fsync after it. That fsync is a group commit
+(`DirSyncs`): records renamed in one directory while its fsync runs share the next one,
+as a journal commits many transactions at once. (L2 records do all of it in one native
+call instead: the engine's `publish`, used by `SSDTier`.)
 
-A rename given up on may still complete on its thread: it then publishes the temp file,
-which was written whole and fdatasynced before the rename began (a record like one
-another process wrote: found by the next scan or read, its header checked and its
-payload verified on every read); one that fails there removes the temp file. A temp
+A publication given up before its rename removes its temp file when the call it was in
+returns. A rename given up on may still complete on its thread: it then publishes the
+temp file, which was written whole and fdatasynced before the rename began (a record
+like one another process wrote: found by the next scan or read, its header checked and
+its payload verified on every read); one that fails there removes the temp file. A temp
 file created after its caller gave up is removed.
 """
 
@@ -114,19 +117,26 @@ def publish(
     except OSError as exc:
         raise write_error(tier, key, final, exc) from exc
     try:
-        try:
-            header = write(fd, tmp, deadline)
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        run_within(deadline - time.monotonic(), lambda: _rename(tmp, final))
-    except TimeoutError:
-        # The rename (or fsync) goes on alone; it removes the temp file if it fails.
-        raise _late(tier, key, final, "rename", timeout, " (it may yet publish it whole)") from None
+        header = write(fd, tmp, deadline)
     except (OSError, ChunkError) as exc:
-        _remove(tmp, max(CLEANUP_S, deadline - time.monotonic()))
+        _remove(tmp, max(CLEANUP_S, deadline - time.monotonic()), fd)
         if isinstance(exc, ChunkError):
             raise
+        raise write_error(tier, key, final, exc) from exc
+    except BaseException:
+        _remove(tmp, CLEANUP_S, fd)
+        raise
+    stop = threading.Event()
+    step = ["fstat"]
+    try:
+        st = run_within(deadline - time.monotonic(), lambda: _finish(fd, tmp, final, stop, step))
+    except TimeoutError:
+        stop.set()
+        # Goes on alone: it removes the temp file if it fails or was given up before
+        # the rename; a rename under way may still publish the whole record.
+        note = " (it may yet publish it whole)" if step[0] == "rename" else ""
+        raise _late(tier, key, final, step[0], timeout, note) from None
+    except OSError as exc:
         raise write_error(tier, key, final, exc) from exc
     return header, st
 
@@ -142,18 +152,47 @@ def _drop(fd: int, tmp: Path) -> None:
     _unlink_quietly(tmp)
 
 
-def _rename(tmp: Path, final: Path) -> None:
+def _finish(
+    fd: int, tmp: Path, final: Path, stop: threading.Event, step: list[str]
+) -> os.stat_result:
+    """The written temp file's fstat (its identity for the index) and close, its rename
+    and the directory's fsync. The first two wait on some file systems as long as a
+    stalled device likes (NFS flushes on both), so they are the runner's, not the
+    caller's. `step` says where it is; `stop`, set when the caller gave up, ends it
+    before the rename, the temp file removed."""
+    try:
+        try:
+            st = os.fstat(fd)
+            step[0] = "close"
+        finally:
+            os.close(fd)
+    except OSError:
+        _unlink_quietly(tmp)
+        raise
+    step[0] = "rename"  # before looking at `stop`: the caller reads it after setting it
+    if stop.is_set():
+        _unlink_quietly(tmp)
+        raise TimeoutError("publication given up before its rename")
     try:
         os.rename(tmp, final)
     except OSError:
         _unlink_quietly(tmp)
         raise
     _dir_syncs.sync(final.parent)
+    return st
 
 
-def _remove(tmp: Path, timeout: float) -> None:
+def _remove(tmp: Path, timeout: float, fd: int | None = None) -> None:
+    """Close `fd` (the temp file's, when given) and remove the temp file on a runner,
+    waited for `timeout` at most: a close too may wait for a write still stalled."""
+
+    def remove() -> None:
+        if fd is not None:
+            os.close(fd)
+        _unlink_quietly(tmp)
+
     try:
-        run_within(timeout, lambda: _unlink_quietly(tmp))
+        run_within(timeout, remove)
     except TimeoutError:
         pass  # goes on alone; a temp file left behind is never read as a record
 
