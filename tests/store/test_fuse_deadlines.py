@@ -119,24 +119,37 @@ def _l3(root: Path, engine: Engine) -> LowerTier:
 
 
 @pytest.mark.parametrize(
-    ("make", "call"),
-    [(_l2, "write"), (_l2, "fsync"), (_l3, "write"), (_l3, "fsync"), (_l3, "getattr")],
-    ids=["L2-write", "L2-fsync", "L3-write", "L3-fsync", "L3-fstat"],
+    ("make", "call", "suffix"),
+    [
+        (_l2, "write", ".tmp"),
+        (_l2, "fsync", ".tmp"),
+        (_l3, "write", ".tmp"),
+        (_l3, "fsync", ".tmp"),
+        (_l3, "getattr", ".tmp"),
+        (_l3, "lookup", ""),
+    ],
+    ids=["L2-write", "L2-fsync", "L3-write", "L3-fsync", "L3-fstat", "L3-hung-mount"],
 )
-def test_a_stalled_save_fails_by_its_deadline_and_publishes_nothing(tmp_path, make, call):
+def test_a_stalled_save_fails_by_its_deadline_and_publishes_nothing(tmp_path, make, call, suffix):
     """`L3-fstat`: the temp file's fstat after its write (the record's identity for the
-    index) is held, as on NFS, where it first flushes the file's dirty pages."""
+    index) is held. `L3-hung-mount`: every path lookup is held, so the save's first call,
+    the look for a copy already stored, is."""
     root = tmp_path / "tier"
     window = 2
     with Engine(window, LAYOUT.chunk_bytes) as engine:
         tier: FileTier = make(root, engine)
         _, first = fill_state(tier, LAYOUT, 64, seed=1)
-        with late_dir(root, STALL_S, [call], ".tmp") as late:
+        with late_dir(root, STALL_S, [call], suffix) as late:
             took, exc = ends_within(
                 lambda: fill_state(tier, LAYOUT, 64, seed=2) and None, DEADLINE_S + SLACK_S, "save"
             )
             assert isinstance(exc, ChunkWriteError), exc
-            says = {"write": "the write of", "fsync": "the write of", "getattr": "the fstat of"}
+            says = {
+                "write": "the write of",
+                "fsync": "the write of",
+                "getattr": "the fstat of",
+                "lookup": "the look for a stored copy of",
+            }
             if make is _l2:
                 says["fsync"] = "the fdatasync of"
             assert says[call] in str(exc) and "did not end within" in str(exc), exc

@@ -39,7 +39,9 @@ class LowerTier(FileTier):
     A record's writes and its fdatasync run on a thread of their own and are waited for
     `write_timeout_s` at most, together (as L2's): a stalled mount fails the save
     (ChunkWriteError, nothing published, earlier records intact) instead of holding the
-    caller."""
+    caller. The look for a stored copy before it (two lstats, and a header read for a
+    record another process wrote) has `write_timeout_s` of its own: a save waits twice
+    that at most."""
 
     def __init__(
         self,
@@ -57,6 +59,20 @@ class LowerTier(FileTier):
         self._stuck = 0  # reads given up on whose file calls have not returned yet
         self._stuck_lock = threading.Lock()
         super().__init__(root, capacity_bytes, name=name, layout=layout)
+
+    def _stored(self, key: ChunkKey) -> bool:
+        try:
+            return run_within(self.write_timeout_s, lambda: self.contains(key))
+        except TimeoutError:
+            # It goes on alone; what it finds, it records as a probe would.
+            raise ChunkWriteError(
+                f"the look for a stored copy of {key.short()} did not end within "
+                f"{self.write_timeout_s} s (mount stalled?); record not stored, earlier "
+                "records intact",
+                key=key,
+                tier=self.name,
+                cause=TimeoutError("contains"),
+            ) from None
 
     def _stage(self, payload: Payload, layout: KVLayout) -> memoryview:
         return payload_view(payload, layout)

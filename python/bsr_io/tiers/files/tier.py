@@ -219,7 +219,7 @@ class FileTier(Tier):
             )
         check_capacity(self.name, self.capacity_bytes, HEADER_BYTES + layout.chunk_bytes)
         check_payload(payload, layout)  # bad input is refused before the disk is touched
-        if self.contains(key):
+        if self._stored(key):
             self._index.touch(key)
             return False
         # Held in a list the record writer empties, so a leased staging slot goes back
@@ -287,6 +287,10 @@ class FileTier(Tier):
         return header
 
     # -- what subclasses provide --------------------------------------------------------
+    def _stored(self, key: ChunkKey) -> bool:
+        """Whether a save of `key` finds it stored already (it then only touches it)."""
+        return self.contains(key)
+
     @abstractmethod
     def _stage(self, payload: Payload, layout: KVLayout) -> Any:
         """Check `payload` and get it ready to write (before any file is created)."""
