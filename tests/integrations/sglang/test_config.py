@@ -74,12 +74,15 @@ def test_striped_over_several_directories(tmp_path: Path) -> None:
     r.close()
 
 
-def test_sidecar_pools_are_refused_when_the_attach_ends(store_dir: Path) -> None:
+def test_a_sidecar_pool_without_pages_is_refused_at_registration(store_dir: Path) -> None:
+    from sglang.srt.mem_cache.memory_pool_host import LogicalHostPool
+
     pool = mha_pool("page_first")
     b = make_backend(store_dir, pool)
-    b.register_mem_host_pool_v2(pool, "kv")
-    b.on_host_pools_registered()  # the KV pool alone is served
-    b.register_mem_host_pool_v2(pool, "mamba")
-    with pytest.raises(ValueError, match=r"KV pool only; this model also has \['mamba'\]"):
-        b.on_host_pools_registered()
+    b.register_mem_host_pool_v2(pool, "kv")  # the anchor again: served once
+    # A pool of indices only (no bytes) is no sidecar to store: refused, named.
+    with pytest.raises(ValueError, match=r"LogicalHostPool 'swa'.*no host KV buffer"):
+        b.register_mem_host_pool_v2(LogicalHostPool(64, 16, layout="page_first"), "swa")
+    b.on_host_pools_registered()
+    assert sorted(b.groups) == ["kv"]
     b.close()

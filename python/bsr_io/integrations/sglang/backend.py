@@ -40,27 +40,20 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, PoolTransferResult
 
-from bsr_io._core import Engine, MemoryRegistration
-from bsr_io.engine import REGISTER_TIMEOUT_S
 from bsr_io.integrations.sglang.config import Settings
+from bsr_io.integrations.sglang.group import PoolGroup
+from bsr_io.integrations.sglang.hybrid import PoolQuery, commit_cut, fold_hits, stored_together
 from bsr_io.integrations.sglang.identity import RankIdentity
 from bsr_io.integrations.sglang.pages import HostPages, PoolPages
-from bsr_io.load.discovery import sources_of
 from bsr_io.load.memory import owned_by_kernel, wait_returned
-from bsr_io.load.records import LoadOptions, windowed_install
 from bsr_io.load.window import chunk_ranges
 from bsr_io.model.keys import ChunkKey
-from bsr_io.save.records import save_records
-from bsr_io.store import Store, open_store
-from bsr_io.tiers.base import Tier
-from bsr_io.tiers.files.fresh import NamespaceView
+from bsr_io.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -83,18 +76,15 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
                 raise ValueError(f"'store_dir' {d!r} is not a directory")
         if s.lower_dir is not None and not os.path.isdir(s.lower_dir):
             raise ValueError(f"'lower_dir' {s.lower_dir!r} is not a directory")
+        self._config = storage_config
         self.identity = RankIdentity.of(storage_config, s.model)
-        self.pages: PoolPages | None = None
-        self.store: Store | None = None
-        self._read_engine: Engine | None = None
-        self._write_engine: Engine | None = None
-        self._registration: MemoryRegistration | None = None
-        self._fingerprint = ""
-        self._catalog: NamespaceView | None = None  # this rank's records, by page hash
+        # Every pool served, by SGLang's name: "kv" (the anchor, unless it is logical
+        # and holds no bytes: DeepSeek-V4) and each sidecar registered through v2.
+        self.groups: dict[str, PoolGroup] = {}
+        self._logical_kv = False
         self._lock = threading.Lock()
-        self._read_lock = threading.Lock()  # the read engine's W slots serve one batch
         # Batches waiting for the kernel to return pages of reads given up: while any
-        # is, batch_exists answers 0 (no new load into the pool).
+        # is, batch_exists answers 0 (no new load into any pool).
         self._kernel_waits = 0
         self.stats: dict[str, int] = dict.fromkeys(
             ("get_pages", "get_ok", "get_failed", "direct_pages", "set_pages", "set_written"), 0
@@ -102,77 +92,70 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
 
     # -- set-up -------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
-        """Open the engines and the store for this pool's pages; ValueError (naming what
-        does not fit) for a pool whose pages the backend cannot read."""
+        """Open the engines and the store for the anchor pool's pages; ValueError
+        (naming what does not fit) for a pool whose pages the backend cannot read. A
+        logical anchor (DeepSeek-V4's: indices only, its bytes in the v2 pools) opens
+        nothing."""
         super().register_mem_pool_host(mem_pool_host)
-        s = self.settings
-        pages = PoolPages.of(mem_pool_host)
-        layout = pages.layout
-        backend = None if s.io_backend == "auto" else s.io_backend
-        nbytes = layout.chunk_bytes
-        self._read_engine = Engine(s.window, nbytes, queue_depth=s.queue_depth, backend=backend)
-        self._write_engine = Engine(s.window, nbytes, queue_depth=s.queue_depth, backend=backend)
-        ssd: str | list[str] = s.store_dirs[0] if len(s.store_dirs) == 1 else list(s.store_dirs)
-        store = open_store(
-            self._write_engine, ssd, layout=layout, ssd_bytes=s.capacity, lower_dir=s.lower_dir
-        )
-        pool: Tier | None = None
-        if s.mooncake is not None:
-            from bsr_io.tiers.mooncake import MooncakeTier  # imports Mooncake only here
+        if getattr(mem_pool_host, "kv_buffer", None) is None and _is_logical(mem_pool_host):
+            self._logical_kv = True
+            logger.info("bsr HiCache: logical KV anchor; its pages live in the v2 pools")
+            return
+        self._open("kv", mem_pool_host)
 
-            pool = MooncakeTier(s.mooncake, layout=layout)
-            store = Store([*store.tiers, pool])
-        self.pages, self.store, self._fingerprint = pages, store, layout.fingerprint()
-        if s.direct_reads:
-            try:  # once: the kernel pins the pool's pages now, not per read
-                bufs: list[Any] = list(pages.views)  # numpy arrays: buffers to the engine
-                self._registration = self._read_engine.register_memory(bufs, REGISTER_TIMEOUT_S)
-            except (OSError, ValueError) as exc:
-                logger.info("bsr HiCache: pool memory not registered (%s); reads still direct", exc)
-        ours = self._key("").namespace()  # model, world, rank, layout
-        dirs = [Path(d) / "chunks" for d in s.store_dirs]
-        if s.lower_dir is not None:
-            dirs.append(Path(s.lower_dir) / "chunks")
-        catalog = NamespaceView(dirs, ours)
-        if pool is not None:  # a pool no listing sees: its records are pinned
-            for k in pool.keys():
-                if k.namespace() == ours:
-                    catalog.saved(k.chunk_hash, pinned=True)
-        catalog.start(s.rescan_s)
-        self._catalog = catalog
-        logger.info(
-            "bsr HiCache: %s, %d records of %d bytes held, W=%d, engine %s",
-            layout.name,
-            len(catalog),
-            nbytes,
-            s.window,
-            self._read_engine.backend,
-        )
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """A sidecar pool (at attach, or added later): its own allocator group."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(host_pool_name)
+        if name == "kv":
+            if "kv" not in self.groups and not self._logical_kv:
+                self._open("kv", host_pool)
+            return
+        if getattr(host_pool, "get_page_buffer_meta", None) is None:
+            raise ValueError(f"host pool {name!r} ({type(host_pool).__name__}) has no pages")
+        self._open(name, host_pool)
+
+    def _open(self, name: str, pool: Any) -> None:
+        old = self.groups.get(name)
+        # Mamba states are per TP rank even beside MLA's shared KV (SGLang backs them
+        # up on every rank).
+        identity = RankIdentity.of(self._config, self.settings.model, tp_sharded=name == "mamba")
+        self.groups[name] = PoolGroup(name, pool, self.settings, identity)
+        if old is not None:
+            old.close()
 
     def on_host_pools_registered(self) -> None:
-        """SGLang's attach is done registering pools: refuse sidecar pools (Mamba, SWA,
-        indexer), whose v2 calls this backend does not serve, so the attach fails
-        naming them instead of every prefetch finding no hit."""
-        extra = sorted(str(n) for n in getattr(self, "registered_pools", {}) if str(n) != "kv")
-        if extra:
-            raise ValueError(
-                f"the bsr HiCache backend stores the KV pool only; this model also has {extra}"
-            )
+        """SGLang's attach is done registering pools: each was opened (or refused,
+        naming it) as it came; say what is served."""
+        logger.info("bsr HiCache: pools %s", sorted(self.groups))
 
-    def _key(self, page_key: str) -> ChunkKey:
-        return self.identity.key(page_key, self._fingerprint or "0" * 32)
+    # The anchor pool's group, as the v1 calls and the tests see it.
+    @property
+    def pages(self) -> PoolPages | None:
+        g = self.groups.get("kv")
+        return g.pages if g is not None else None
 
-    def _tiers(self) -> list[Tier]:
-        assert self.store is not None
-        return list(self.store.tiers)
+    @property
+    def store(self) -> Store | None:
+        g = self.groups.get("kv")
+        return g.store if g is not None else None
+
+    def _key(self, page_key: str, pool: str = "kv") -> ChunkKey:
+        return self.groups[pool].key(page_key)
 
     # -- the v1 interface ---------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         try:
             with self._lock:
-                if self._kernel_waits or self._catalog is None:
-                    return 0  # unhealthy (a given-up read may still write the pool), or no pool
-                return self._catalog.leading([self._key(k).chunk_hash for k in keys])
+                if self._kernel_waits:
+                    return 0  # unhealthy: a given-up read may still write a pool
+            kv = self.groups.get("kv")
+            if kv is not None:
+                return kv.leading(keys)
+            if self._logical_kv and self.groups:
+                # No KV bytes: the pages every pool holds (v2's query is the real one).
+                return min(g.leading(keys) for g in self.groups.values())
+            return 0
         except Exception:
             logger.exception("bsr HiCache: batch_exists failed; reporting no hit")
             return 0
@@ -180,8 +163,14 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
+        if self._logical_kv:
+            return [True] * len(keys)  # no KV bytes; the v2 pools carry the page
         try:
-            ok = self._get(list(keys), host_indices)
+            kv = self.groups.get("kv")
+            ok = 0
+            if kv is not None:
+                deadline = time.monotonic() + self.settings.timeout_s
+                ok = kv.read(list(keys), host_indices, deadline, self._until_returned, self._count)
         except Exception:
             logger.exception("bsr HiCache: batch_get_v1 failed; no page reported")
             ok = 0
@@ -190,65 +179,105 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
+        if self._logical_kv:
+            return [True] * len(keys)  # no KV bytes; the v2 pools carry the page
         try:
-            return self._set(list(keys), host_indices)
+            kv = self.groups.get("kv")
+            if kv is None:
+                return [False] * len(keys)
+            return kv.write(list(keys), host_indices, self._count)
         except Exception:
             logger.exception("bsr HiCache: batch_set_v1 failed; no page stored")
             return [False] * len(keys)
 
-    # -- reads and writes ---------------------------------------------------------------
-    def _get(self, keys: list[str], host_indices: torch.Tensor) -> int:
-        """How many leading pages landed verified in the host pool."""
-        if not keys or self.pages is None or self._read_engine is None:
-            return 0
-        deadline = time.monotonic() + self.settings.timeout_s
-        ckeys = [self._key(k) for k in keys]
-        runs = self.pages.page_runs(host_indices)
-        if len(runs) != len(keys):
-            raise ValueError(f"{len(keys)} keys for {len(runs)} pages of host indices")
-        tiers = self._tiers()
-        sources = sources_of(tiers, ckeys)  # metadata only: the leading pages held
-        if not sources:
-            self._forget(ckeys[:1])
-            return 0
-        n = len(sources)
-        dest = HostPages(self.pages, runs[:n], self.settings.direct_reads)
-        opts = LoadOptions(deadline=deadline)
+    # -- the v2 interface: every pool of a page under one commit ------------------------
+    def batch_exists_v2(
+        self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None
+    ) -> PoolTransferResult:
+        """The prefixes on which every pool's policy holds, from the catalogs only."""
         try:
-            with self._read_lock:
-                report, error = windowed_install(
-                    self._read_engine,
-                    tiers,
-                    ckeys[:n],
-                    sources,
-                    dest,
-                    opts,
-                    self._read_engine.slot_bytes,
-                    self._read_engine.window,
+            with self._lock:
+                if self._kernel_waits:
+                    return PoolTransferResult(0, {}, [])
+            keys = list(keys)
+            kv = self.groups.get("kv")
+            kv_pages = len(keys) if self._logical_kv else (kv.leading(keys) if kv else 0)
+            queries = []
+            for t in pool_transfers or []:
+                name = str(t.name)
+                g = self.groups.get(name)
+                queries.append(
+                    PoolQuery(
+                        name,
+                        str(getattr(t.hit_policy, "value", t.hit_policy)),
+                        g.held(keys[:kv_pages]) if g is not None else [],
+                        window=len(t.keys) if t.keys else 1,
+                        group_pages=int(t.group_pages or 1),
+                    )
                 )
-        finally:
-            # However the load ended (an exception too: SGLang then frees every page of
-            # the batch), no page goes back while the kernel may still write it.
-            self._until_returned(dest)
-        # The window installs in order: its first `installed` pages are in place and
-        # verified; a failure or a timeout stops it at the page that failed.
-        ok = report.installed if report is not None else 0
-        if report is not None and (report.failed_chunks or report.unusable):
-            ok = min(ok, *report.failed_chunks, *report.unusable)
-        if error and ok >= n:
-            ok = 0  # an error the report does not place: trust no page
-        self._count(
-            get_pages=len(keys),
-            get_ok=ok,
-            get_failed=len(keys) - ok,
-            direct_pages=report.direct if report is not None else 0,
-        )
-        if ok < len(keys):
-            self._forget(ckeys[ok : ok + 1])  # the page that failed, or that no tier held
-            if error:
-                logger.warning("bsr HiCache: %d of %d pages read: %s", ok, len(keys), error)
-        return ok
+            hits = fold_hits(kv_pages, queries)
+            return PoolTransferResult(hits.kv_pages, hits.pool_pages, hits.restorable)
+        except Exception:
+            logger.exception("bsr HiCache: batch_exists_v2 failed; reporting no hit")
+            return PoolTransferResult(0, {}, [])
 
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Every pool's pages read and verified in place; the first page any pool
+        fails ends the batch for every pool."""
+        named = {str(t.name): list(t.keys or []) for t in transfers}
+        done = dict.fromkeys(named, 0)
+        try:
+            deadline = time.monotonic() + self.settings.timeout_s
+            cut = max((len(k) for k in named.values()), default=0)
+            chain = max(named.values(), key=len, default=[])
+            at = {k: i for i, k in enumerate(chain)}
+            # The longest pools first: a failure found early shortens every later read.
+            for t in sorted(transfers, key=lambda t: -len(t.keys or [])):
+                name, ks = str(t.name), named[str(t.name)]
+                g = self.groups.get(name)
+                if g is None:
+                    logger.warning("bsr HiCache: batch_get_v2 for unregistered pool %r", name)
+                    cut = 0
+                    break
+                want = sum(1 for k in ks if at.get(k, cut) < cut)  # pages before the cut
+                if want and t.host_indices is not None:
+                    per = g.pages.page_size
+                    if t.host_indices.numel() != len(ks) * per:
+                        raise ValueError(
+                            f"{name}: {t.host_indices.numel()} host indices for {len(ks)} pages"
+                        )
+                    done[name] = g.read(
+                        ks[:want],
+                        t.host_indices[: want * per],
+                        deadline,
+                        self._until_returned,
+                        self._count,
+                    )
+                if done[name] < len(ks):
+                    cut = min(cut, at.get(ks[done[name]], 0))
+            return commit_cut(named, done)
+        except Exception:
+            logger.exception("bsr HiCache: batch_get_v2 failed; no page reported")
+            return {n: [False] * len(k) for n, k in named.items()}
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        """Every pool's records written; a page is stored only when every pool's
+        record of it is published."""
+        named = {str(t.name): list(t.keys or []) for t in transfers}
+        ok: dict[str, list[bool]] = {}
+        for t in transfers:
+            name, ks = str(t.name), named[str(t.name)]
+            try:
+                g = self.groups.get(name)
+                if g is None or t.host_indices is None:
+                    raise ValueError(f"batch_set_v2: no registered pool {name!r} or no indices")
+                ok[name] = g.write(ks, t.host_indices, self._count)
+            except Exception:
+                logger.exception("bsr HiCache: batch_set_v2: %s not stored", name)
+                ok[name] = [False] * len(ks)
+        return stored_together(named, ok)
+
+    # -- kernel-owned pages ----------------------------------------------------------
     def _until_returned(self, dest: HostPages) -> None:
         """Return only once the kernel owns none of the batch's pages (reads given up
         may still write them): SGLang frees them when this batch answers. Unhealthy
@@ -272,65 +301,6 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         finally:
             with self._lock:
                 self._kernel_waits -= 1
-
-    def _forget(self, keys: Sequence[ChunkKey]) -> None:
-        """Drop pages no tier delivered from the catalog, so batch_exists stops
-        offering them (a record that was only slow is found again by the next listing
-        or write)."""
-        if self._catalog is not None:
-            for k in keys:
-                self._catalog.forget(k.chunk_hash)
-
-    def _set(self, keys: list[str], host_indices: torch.Tensor) -> list[bool]:
-        catalog = self._catalog
-        if (
-            not keys
-            or self.pages is None
-            or self.store is None
-            or self._write_engine is None
-            or catalog is None
-        ):
-            return [False] * len(keys)
-        self._count(set_pages=len(keys))
-        if not self.identity.writer:
-            return [True] * len(keys)  # MLA: the storage writer rank stores the page
-        runs = self.pages.page_runs(host_indices)
-        if len(runs) != len(keys):
-            raise ValueError(f"{len(keys)} keys for {len(runs)} pages of host indices")
-        ckeys = [self._key(k) for k in keys]
-        todo = [i for i, k in enumerate(ckeys) if k.chunk_hash not in catalog]
-        result = [True] * len(keys)
-        if not todo:
-            return result
-        failed: dict[int, BaseException] = {}
-
-        def done(i: int, error: BaseException | None) -> None:
-            if error is not None:
-                failed[i] = error
-
-        layout = self.pages.layout
-        written = save_records(
-            self._write_engine,
-            self.store,
-            [ckeys[i] for i in todo],
-            [layout] * len(todo),
-            HostPages(self.pages, [runs[i] for i in todo], direct_reads=False),
-            deadline=time.monotonic() + self.settings.timeout_s,
-            on_done=done,
-        )
-        pooled = self.settings.mooncake is not None  # also in a pool no listing sees
-        for j, i in enumerate(todo):
-            if j in failed:
-                result[i] = False
-            else:
-                catalog.saved(ckeys[i].chunk_hash, pinned=pooled)
-        if failed:
-            first = next(iter(failed.values()))
-            logger.warning(
-                "bsr HiCache: %d of %d pages not stored: %s", len(failed), len(todo), first
-            )
-        self._count(set_written=written)
-        return result
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -364,31 +334,21 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         return False
 
     def clear(self) -> None:
-        """Remove this rank's records (SGLang's flush of its cache)."""
-        if self.store is None:
-            return
-        ours = self._key("")
-        for k in self.store.keys():
-            if (k.model, k.world_size, k.rank, k.layout_fingerprint) == (
-                ours.model,
-                ours.world_size,
-                ours.rank,
-                ours.layout_fingerprint,
-            ):
-                self.store.remove(k)
-        if self._catalog is not None:
-            self._catalog.clear()
+        """Remove this rank's records of every pool (SGLang's flush of its cache)."""
+        for g in self.groups.values():
+            g.clear()
 
     def get_stats(self) -> None:
         return None  # SGLang's metrics object is its own backends'; see `stats`
 
     def close(self) -> None:
-        if self._catalog is not None:
-            self._catalog.close()  # its thread lists the store: stopped first
-        if self.store is not None:
-            self.store.close()
-        if self._registration is not None:
-            self._registration.close()
-        for e in (self._read_engine, self._write_engine):
-            if e is not None:
-                e.close()
+        for g in self.groups.values():
+            g.close()
+
+
+def _is_logical(pool: Any) -> bool:
+    """A pool of indices only (DeepSeek-V4's KV anchor): SGLang gives it no page meta."""
+    try:
+        return pool.get_page_buffer_meta(torch.arange(int(pool.page_size))) is None
+    except Exception:  # noqa: BLE001 - a real pool's meta may refuse these indices
+        return False

@@ -26,9 +26,13 @@ class RankIdentity:
     writer: bool  # this rank writes records (MLA: one writer per shared record)
 
     @classmethod
-    def of(cls, storage_config: Any, model: str | None = None) -> RankIdentity:
+    def of(
+        cls, storage_config: Any, model: str | None = None, *, tp_sharded: bool = False
+    ) -> RankIdentity:
         """From SGLang's `HiCacheStorageConfig`; ValueError, naming the field, for what
-        the backend does not support (split heads across heterogeneous TP, DCP)."""
+        the backend does not support (split heads across heterogeneous TP, DCP).
+        `tp_sharded`: a pool each TP rank holds its own shard of even in an MLA model
+        (a Mamba state pool): its records are per TP rank, and every rank writes."""
         c = storage_config
         name = model or getattr(c, "model_name", None)
         if not name:
@@ -47,10 +51,11 @@ class RankIdentity:
         tp, tp_n = int(c.tp_rank), int(c.tp_size)
         pp, pp_n = int(c.pp_rank), int(c.pp_size)
         cp, cp_n = int(getattr(c, "attn_cp_rank", 0)), int(getattr(c, "attn_cp_size", 1))
-        if bool(c.is_mla_model):
+        shared = bool(c.is_mla_model) and not tp_sharded
+        if shared:
             tp, tp_n = 0, 1  # one record per page, shared by every TP rank
         rank = (pp * cp_n + cp) * tp_n + tp
-        writer = bool(getattr(c, "is_storage_writer", True))
+        writer = not shared or bool(getattr(c, "is_storage_writer", True))
         return cls(model=f"sglang:{name}", rank=rank, world_size=tp_n * pp_n * cp_n, writer=writer)
 
     def key(self, page_key: str, fingerprint: str) -> ChunkKey:

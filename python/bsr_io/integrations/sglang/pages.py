@@ -23,9 +23,19 @@ from bsr_io.errors import BsrValueError
 from bsr_io.load.kvcache import Fence
 from bsr_io.model.layout import AllocatorGroup, KVLayout
 
-# Host tensors a pool may keep its pages in (the fused MHA/MLA buffer; split K and V;
-# a DSA indexer's keys and scales).
-_BUFFERS = ("kv_buffer", "k_buffer", "v_buffer", "index_k_buffer", "index_k_scale_buffer")
+# Host tensors (or lists of them) a pool may keep its pages in: the fused MHA/MLA
+# buffer (per layer in a DeepSeek-V4 pool's layer_first), split K and V, a DSA
+# indexer's keys and scales, a Mamba pool's temporal and conv states.
+_BUFFERS = (
+    "kv_buffer",
+    "k_buffer",
+    "v_buffer",
+    "index_k_buffer",
+    "index_k_scale_buffer",
+    "index_k_with_scale_buffer",
+    "temporal_buffer",
+    "conv_buffer",
+)
 # What decides a page's bytes besides its layout, page size and dtype.
 _GEOMETRY = (
     "layer_num",
@@ -44,11 +54,15 @@ def _buffers(pool: Any) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for name in _BUFFERS:
         try:
-            t = getattr(pool, name, None)
+            found = getattr(pool, name, None)
         except Exception:  # noqa: BLE001 - a property that does not apply to this layout
             continue
-        if isinstance(t, torch.Tensor) and t.numel() and all(t is not b for b in out):
-            out.append(t)
+        for t in found if isinstance(found, (list, tuple)) else [found]:
+            # Once each: a pool may name one tensor twice (Mamba's kv_buffer lists its
+            # temporal and conv buffers).
+            if isinstance(t, torch.Tensor) and t.numel() and all(t is not b for b in out):
+                if all(t.data_ptr() != b.data_ptr() for b in out):
+                    out.append(t)
     return out
 
 
@@ -63,10 +77,13 @@ class PoolPages:
     bases: list[int]  # their addresses
 
     @classmethod
-    def of(cls, pool: Any) -> PoolPages:
+    def of(cls, pool: Any, name: str = "kv") -> PoolPages:
         """ValueError naming what does not fit: a pool off the host, a layout SGLang's
-        meta cannot describe, pages outside the pool's buffers."""
+        meta cannot describe, pages outside the pool's buffers. `name`: SGLang's name
+        of the pool (its records are apart from every other pool's)."""
         kind, layout_name = type(pool).__name__, getattr(pool, "layout", "?")
+        if name != "kv":
+            kind = f"{kind} {name!r}"
         bufs = _buffers(pool)
         if not bufs:
             raise BsrValueError(f"{kind} ({layout_name}): no host KV buffer to read pages into")
@@ -85,8 +102,11 @@ class PoolPages:
                 "use page_first, page_first_direct, page_head or layer_first"
             ) from None
         nbytes = sum(r[3] for r in runs)
-        itemsize = pool.dtype.itemsize
-        if nbytes % (page * itemsize):
+        dtype = pool.dtype
+        if nbytes % (page * dtype.itemsize):
+            # A page of several dtypes (Mamba: temporal and conv states) is bytes.
+            dtype = torch.uint8
+        if nbytes % page:
             raise BsrValueError(f"{kind}: a page of {nbytes} bytes is not {page} whole tokens")
         geometry = {
             "pool": kind,
@@ -97,10 +117,10 @@ class PoolPages:
         digest = hashlib.blake2b(
             json.dumps(geometry, sort_keys=True).encode(), digest_size=8
         ).hexdigest()
-        per_token = nbytes // (page * itemsize)
+        per_token = nbytes // (page * dtype.itemsize)
         layout = KVLayout(
             f"sglang.{layout_name}.{digest}",
-            (AllocatorGroup("kv", pool.dtype, (per_token,), page),),
+            (AllocatorGroup(name, dtype, (per_token,), page),),
             chunk_tokens=page,
         )
         return cls(pool, layout, page, views, bases)
