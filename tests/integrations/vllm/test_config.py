@@ -12,6 +12,7 @@ import pytest
 from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig
 
 from bsr_io.integrations.vllm.config import ConfigError, ConnectorConfig
+from bsr_io.integrations.vllm.deadlines import LIMIT_ENV
 
 
 def _vllm_config(policy="recompute", prefix=True, block=32, parallel=None, **extra):
@@ -59,3 +60,52 @@ def test_accepts_errors_only_when_asked():
         _vllm_config(policy="fail", store_dir="/s", accept_load_errors=True, chunk_tokens=64)
     )
     assert (cfg.store_dir, cfg.chunk_tokens) == ("/s", 64)
+
+
+def test_the_deadlines_derive_from_vllms_step_limit(monkeypatch):
+    """Every deadline comes from VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS as vLLM reads it:
+    the same values as vLLM's own reading, its default when unset."""
+    from vllm import envs
+
+    def vllms() -> int:  # vLLM's own reader (not its cache, which engines may have set)
+        return int(envs.environment_variables[LIMIT_ENV]())
+
+    monkeypatch.delenv(LIMIT_ENV, raising=False)
+    d = ConnectorConfig.from_vllm(_vllm_config(store_dir="/s")).deadlines
+    assert d.limit_s == vllms() == 300
+    assert (d.step_s, d.write_s, d.hold_s, d.load_s, d.save_s) == (30, 10, 20, 30, 120)
+    monkeypatch.setenv(LIMIT_ENV, "40")
+    d = ConnectorConfig.from_vllm(_vllm_config(store_dir="/s")).deadlines
+    assert d.limit_s == vllms() == 40
+    assert (d.step_s, d.write_s, d.hold_s, d.load_s, d.save_s) == (4, 4, 8, 4, 16)
+    # A deadline the user set stays theirs.
+    cfg = _vllm_config(store_dir="/s", load_timeout_s=7.0, save_timeout_s=9.0)
+    d = ConnectorConfig.from_vllm(cfg).deadlines
+    assert (d.load_s, d.save_s) == (7.0, 9.0)
+
+
+@pytest.mark.parametrize(
+    ("limit", "extra", "message"),
+    [
+        (
+            "1",
+            {"step_save_budget_s": 0.1},
+            "step_save_budget_s 0.1 lets one step wait 0.2 s (release, then the window "
+            "cuts), more than 0.1 of vLLM's step limit VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS=1 s: "
+            "set step_save_budget_s to at most 0.05",
+        ),
+        ("soon", {}, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS='soon' is not a whole number"),
+        ("0", {}, "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS='0': vLLM's step limit must be > 0"),
+    ],
+)
+def test_refuses_waits_that_could_outlast_vllms_step_limit(monkeypatch, limit, extra, message):
+    monkeypatch.setenv(LIMIT_ENV, limit)
+    with pytest.raises(ConfigError) as err:
+        ConnectorConfig.from_vllm(_vllm_config(store_dir="/s", **extra))
+    assert message in str(err.value)
+
+
+def test_the_default_step_budget_fits_a_low_limit(monkeypatch):
+    """The control: the same low limit with the default budget starts."""
+    monkeypatch.setenv(LIMIT_ENV, "1")
+    assert ConnectorConfig.from_vllm(_vllm_config(store_dir="/s")).deadlines.step_s == 0.1

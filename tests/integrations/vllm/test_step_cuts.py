@@ -19,6 +19,7 @@ from step_records import STEP, expected, fill, gemma_worker, group_of, stored, w
 from bsr_io._core import NoFreeSlot
 from bsr_io.integrations.vllm import cuts
 from bsr_io.integrations.vllm.config import ConnectorConfig
+from bsr_io.integrations.vllm.deadlines import LIMIT_ENV
 from bsr_io.integrations.vllm.layout import FULL
 from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
 from bsr_io.integrations.vllm.worker import WorkerSide
@@ -208,16 +209,21 @@ def test_a_held_request_keeps_its_blocks_until_its_cut_has_copied(tmp_path):
         worker.close()
 
 
-def test_a_hold_ends_at_save_timeout(tmp_path):
-    """No slot frees within `save_timeout_s` of the hold: the request is named then, not
-    after each of its queued cuts has waited that long in turn (vLLM must get its blocks
-    back), and its cuts end skipped, never read from them after."""
+def test_a_hold_ends_at_its_short_bound(tmp_path, monkeypatch):
+    """No slot frees while the request is held: it is named once the hold's own bound
+    passed (two writes' deadlines, from vLLM's step limit: deadlines.py), far below
+    `save_timeout_s` (a stalled drive may not keep every finishing request's blocks for
+    a save's deadline), not after each of its queued cuts has waited in turn (vLLM must
+    get its blocks back), and its cuts end skipped, never read from them after."""
     store, events = tmp_path / "store", tmp_path / "events.jsonl"
-    timeout, window = 1.0, 2
-    worker = _logged_worker(tmp_path, window=window, save_timeout_s=timeout)
+    monkeypatch.setenv(LIMIT_ENV, "10")  # one write 1 s, a hold 2 s
+    save_timeout, window = 60.0, 2
+    worker = _logged_worker(tmp_path, window=window, save_timeout_s=save_timeout)
+    hold = worker.deadlines.hold_s
+    assert (hold, worker.ssd.write_timeout_s) == (2.0, 1.0)
     full = group_of(worker, FULL)
     held = []
-    n = 4 * window  # four writers' turns, each waiting out a slot's timeout
+    n = 4 * window  # four writers' turns, each waiting out a slot's bound
     try:
         fill(worker, 1)
         held = _all_slots(worker)
@@ -227,8 +233,8 @@ def test_a_hold_ends_at_save_timeout(tmp_path):
         worker.save_step(BsrMetadata(step_saves=[Transfer("h", "tiny", records)]))
         worker.submit(BsrMetadata(held={"h"}))
         assert "h" not in worker.results({"h"})[0]
-        waited = _sending(worker, "h", 10 * timeout)
-        assert timeout * 0.8 <= waited < 2.5 * timeout, waited  # not n / window timeouts
+        waited = _sending(worker, "h", save_timeout / 2)
+        assert hold * 0.8 <= waited < 2.5 * hold, waited  # not n / window bounds
         fill(worker, 2)  # the blocks are another request's now
         for slot in held:
             slot.release()
@@ -238,8 +244,8 @@ def test_a_hold_ends_at_save_timeout(tmp_path):
         assert stored(store) == []
         h = _done(events)["h"]
         assert (h["outcome"], h["skipped"]) == ("zero", n), h
-        hold = _lines(events, "hold")
-        assert [(e["request_id"], e["outcome"]) for e in hold] == [("h", "zero")], hold
+        holds = _lines(events, "hold")
+        assert [(e["request_id"], e["outcome"]) for e in holds] == [("h", "zero")], holds
     finally:
         for slot in held:
             slot.release()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from bsr_io.errors import BsrValueError
 from bsr_io.integrations.vllm.cpus import valid_setting
+from bsr_io.integrations.vllm.deadlines import Deadlines, LimitError, vllm_step_limit_s
 from bsr_io.settings import Key, Table, at_least, not_empty, parse, positive
 from bsr_io.tiers.mooncake import EXTRA_PREFIX, MooncakeConfig
 
@@ -59,8 +61,9 @@ KEYS = Table(
         Key("store_bytes", "int", None, _INT.format(1), at_least(1)),
         Key("window", "int", DEFAULT_WINDOW, _INT.format(1), at_least(1)),
         Key("chunk_tokens", "int", DEFAULT_CHUNK_TOKENS, _INT.format(1), at_least(1)),
-        Key("load_timeout_s", "float", 30.0, _POSITIVE, positive),
-        Key("save_timeout_s", "float", 120.0, _POSITIVE, positive),
+        # null: derived from vLLM's step limit (deadlines.py)
+        Key("load_timeout_s", "float", None, _POSITIVE, positive),
+        Key("save_timeout_s", "float", None, _POSITIVE, positive),
         Key("save", "bool", True, "true or false"),
         Key("step_save_budget_s", "float", 0.05, _POSITIVE, positive),
         Key("save_in_steps", "bool", True, "true or false"),
@@ -98,11 +101,14 @@ class ConnectorConfig:
     store_bytes: int | None = _D("store_bytes")
     window: int = _D("window")
     chunk_tokens: int = _D("chunk_tokens")
-    load_timeout_s: float = _D("load_timeout_s")
-    save_timeout_s: float = _D("save_timeout_s")
+    # None: a tenth of vLLM's step limit, at most 30 s; four tenths, at most 120 s
+    # (`deadlines`, which every user of a deadline reads).
+    load_timeout_s: float | None = _D("load_timeout_s")
+    save_timeout_s: float | None = _D("save_timeout_s")
     save: bool = _D("save")
     # Sliding-window records are cut in the step that computed them; a step waits at
-    # most this long for a free save slot, then skips the record (a future miss).
+    # most this long for a free save slot, then skips the record (a future miss). Twice
+    # this (the release's wait too) may not exceed a tenth of vLLM's step limit.
     step_save_budget_s: float = _D("step_save_budget_s")
     # Full-attention records cut in the step that completes them (as window records
     # always are), not read at the request's finish while vLLM holds its blocks: a
@@ -143,6 +149,13 @@ class ConnectorConfig:
     # A Mooncake Store pool below the SSD tier (`bsr.mooncake.*` keys, as the LMCache
     # plugin takes them): saves write through, loads read it where the SSD tier misses.
     mooncake: MooncakeConfig | None = None
+    # vLLM's step limit (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS) as this process read it.
+    vllm_limit_s: float = field(default_factory=vllm_step_limit_s)
+
+    @cached_property
+    def deadlines(self) -> Deadlines:
+        """Every deadline of the connector, derived from vLLM's step limit."""
+        return Deadlines.derive(self.vllm_limit_s, self.load_timeout_s, self.save_timeout_s)
 
     def replicate_once(self, nnodes: int) -> bool:
         """Whether a replicated group is stored once (by rank 0) for every rank."""
@@ -194,4 +207,12 @@ class ConnectorConfig:
             mooncake = MooncakeConfig.from_extra_config(extra)
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config {EXTRA_PREFIX}*: {exc}") from None
-        return cls(**values, mooncake=mooncake)
+        try:
+            limit = vllm_step_limit_s()
+        except LimitError as exc:
+            raise ConfigError(str(exc)) from None
+        cfg = cls(**values, mooncake=mooncake, vllm_limit_s=limit)
+        why = cfg.deadlines.step_waits_refused(cfg.step_save_budget_s)
+        if why:
+            raise ConfigError(why)
+        return cfg

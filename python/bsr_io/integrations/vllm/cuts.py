@@ -14,8 +14,11 @@ Two kinds, by how long their blocks stay theirs:
   after that is skipped, never read from blocks another request now owns. A request
   vLLM finished while a cut of it was still unreported is `held` instead: vLLM keeps
   its blocks until this rank names it in finished_sending, once its cuts have copied
-  (or `save_timeout_s` passed), so a writer held up behind a stalled write loses no
-  record. Preemption has no such hold in vLLM: a preempted request is released.
+  (or the hold's own bound passed: `hold_s`, two writes' deadlines, deadlines.py; its
+  cuts still waiting then are skipped and counted), so a writer held up behind a
+  stalled write loses no record, and a stalled drive keeps no finished request's blocks
+  longer than that. Preemption has no such hold in vLLM: a preempted request is
+  released. A queued cut waits at most `hold_s` for a save slot too.
 
 A cut record goes to one of W writers, which write it crash-safe and checksummed
 through the save tier; a finished request's save waits for its cuts' writes first. On a
@@ -154,7 +157,7 @@ class StepCuts:
                     "kind": "hold",
                     "request_id": rid,
                     "outcome": COMPLETE if copied else ZERO,
-                    "reason": "" if copied else "save_timeout_s passed with cuts not copied",
+                    "reason": "" if copied else "the hold's bound passed with cuts not copied",
                     "seconds": seconds,
                 },
             )
@@ -205,9 +208,9 @@ class StepCuts:
                 with clock("pace"):
                     self.w.gate.wait()  # the copy, while a forward runs (gate.py)
                 with clock("slot"):
-                    slot = lease(self.w.save_engine, time.monotonic() + self.cfg.save_timeout_s)
+                    slot = lease(self.w.save_engine, time.monotonic() + self.w.deadlines.hold_s)
             except EngineBusy:
-                self._lost(t, r, SKIPPED, "no save slot within save_timeout_s")
+                self._lost(t, r, SKIPPED, "no save slot within the hold's bound")
                 return
             except Exception as exc:  # noqa: BLE001 - counted: a cut never vanishes
                 log.warning("bsr-io: rank %d: step save got no slot: %s", self.w.rank, exc)

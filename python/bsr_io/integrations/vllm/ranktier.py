@@ -34,10 +34,18 @@ class RankTier(SSDTier):
         ranks: Iterable[int],
         evict_to: FileTier | None = None,
         durable: bool = True,
+        write_timeout_s: float = 30.0,
     ) -> None:
         # The key ranks this worker writes (its own; rank 0 also the shared groups' 0).
         self._owned = frozenset(f"-w{world_size}r{r}" for r in ranks)
-        super().__init__(root, capacity_bytes, engine, evict_to=evict_to, durable=durable)
+        super().__init__(
+            root,
+            capacity_bytes,
+            engine,
+            evict_to=evict_to,
+            durable=durable,
+            write_timeout_s=write_timeout_s,
+        )
 
     def owns(self, key: ChunkKey) -> bool:
         return f"-w{key.world_size}r{key.rank}" in self._owned

@@ -434,10 +434,10 @@ class SchedulerSide:
 
     def _settle_cuts(self) -> None:
         """Forget cuts now held on every rank, and any ordered longer ago than a worker
-        may take to end one (`save_timeout_s` for a slot, then its write)."""
+        may take to end one (`Deadlines.cut_s`: a slot, then its write), twice over."""
         if not self._cutting:
             return
-        old = time.monotonic() - 2 * self.cfg.save_timeout_s
+        old = time.monotonic() - 2 * self.cfg.deadlines.cut_s
         groups = self.groups_by_index
         for cut, since in list(self._cutting.items()):
             km, gi, h = cut

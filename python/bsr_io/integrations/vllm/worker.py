@@ -86,7 +86,6 @@ from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.ssd import SSDTier
 
 log = logging.getLogger("bsr_io.vllm")
-_GRACE_S = 2.0  # past a running job's deadline, the table gives up on it
 
 
 def _fault_double(tiers: list[Any], rank: int) -> list[Any]:
@@ -163,6 +162,7 @@ class WorkerSide:
         model: str,
     ) -> None:
         self.cfg = cfg
+        self.deadlines = cfg.deadlines  # every wait's bound, from vLLM's step limit
         self.model = model  # the model identity keys are made under (for the event log)
         self.groups = {g.index: g for g in groups}
         self.num_blocks = num_blocks
@@ -186,6 +186,7 @@ class WorkerSide:
             ranks=owned,
             evict_to=lower,
             durable=cfg.durable_saves,
+            write_timeout_s=self.deadlines.write_s,
         )
         self.save_tier: Any = self.ssd
         self.pool: Any = None
@@ -234,7 +235,7 @@ class WorkerSide:
         self.jobs = JobTable(
             {"load": self._load, "save": self._save},
             self._ended,
-            grace_s=_GRACE_S,
+            grace_s=self.deadlines.grace_s,
             # Only a destination that takes direct reads can be written after its load
             # was given up (blocks.py: RequestPages reads through slots today).
             hold_running_loads=bool(getattr(RequestPages, "direct_reads", False)),
@@ -277,7 +278,7 @@ class WorkerSide:
         """Queue this step's loads and finished requests' saves (start_load_kv)."""
         self.gate.opened()
         self.cuts.release(meta.released)  # before this step's forward may reuse them
-        self.cuts.hold(meta.held, self.cfg.save_timeout_s)
+        self.cuts.hold(meta.held, self.deadlines.hold_s)
         if self.rank in meta.resync:
             self.inventory.resync()
         for ns, hashes in meta.recheck.items():
@@ -289,9 +290,9 @@ class WorkerSide:
                 for g in self.groups.values()
             )
         for t in meta.loads:
-            self.jobs.submit("load", t, self.cfg.load_timeout_s)
+            self.jobs.submit("load", t, self.deadlines.load_s)
         for t in meta.finish_saves:
-            self.jobs.submit("save", t, self.cfg.save_timeout_s)
+            self.jobs.submit("save", t, self.deadlines.save_s)
         # vLLM names these requests finished in this same step (`results`).
         self._finish_saves = {t.request_id for t in meta.finish_saves}
 
