@@ -20,7 +20,7 @@ from bsr_io.integrations.vllm import kv_shapes, scheduler
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import key_model
 from bsr_io.integrations.vllm.layout import FULL, group_layouts
-from bsr_io.integrations.vllm.metadata import BsrWorkerMeta, Inventory
+from bsr_io.integrations.vllm.metadata import BsrHandshake, BsrWorkerMeta, Inventory
 from bsr_io.integrations.vllm.scheduler import SchedulerSide
 from bsr_io.model.keys import prefix_hashes
 from bsr_lab.vllm.harness import scheduler_request, tokens
@@ -186,3 +186,79 @@ def test_a_lookup_waits_for_cuts_in_flight_not_for_their_next_step(tmp_path, mon
     assert side.get_num_new_matched_tokens(repeat, 0) == (None, False)
     time.sleep(0.06)
     assert side.get_num_new_matched_tokens(repeat, 0) == (0, False)
+
+
+def _step_output(side: SchedulerSide, added=(), sending=(), synced=True) -> None:
+    """One idle step's output, as vLLM hands it over: rank 0's report of records written
+    (group, chunk hash), and the requests every worker named in finished_sending."""
+    km = key_model("m")
+    inv = Inventory(1, synced=synced)
+    for gi, h in added:
+        for ns in side.dirs(km, side.groups_by_index[gi]):
+            inv.added.setdefault(ns, []).append(h)
+    side.update_connector_output(
+        SimpleNamespace(
+            kv_connector_worker_meta=BsrWorkerMeta({0: inv}, ranks={0}),
+            finished_sending=set(sending),
+            finished_recving=None,
+            failed_recving=set(),
+        )
+    )
+
+
+def test_an_idle_engine_steps_until_the_hold_and_its_cuts_are_reported(tmp_path):
+    """The last request finishes with a cut in flight: vLLM keeps its blocks (a hold), and
+    the scheduler side asks vLLM to keep stepping (`has_pending_push_work`) until the
+    workers named it in finished_sending and reported its cuts written, so the next
+    request finds them in the catalog; then no more. While held, its blocks come back
+    without a preemption (`has_pending_block_frees`). A start listing still being
+    reported keeps it stepping too."""
+    groups = group_layouts(kv_shapes.gemma3(), CHUNK)
+    cfg = ConnectorConfig(store_dir=str(tmp_path), chunk_tokens=CHUNK, save_in_steps=True)
+    side = SchedulerSide(cfg, groups, "m", 1)
+    side.handshake({0: BsrHandshake(0, Inventory(1, synced=False))})
+    assert side.has_pending_push_work()  # rank 0's start listing is still coming
+    _step_output(side)
+    assert not side.has_pending_push_work()  # the control: an idle engine may sleep
+
+    toks = tokens(3, 3 * CHUNK + 10)
+    req = scheduler_request("a", toks)
+    side.get_num_new_matched_tokens(req, 0)
+    blocks = tuple(list(range(100 * (g.index + 1), 100 * (g.index + 1) + 8)) for g in groups)
+    meta = side.build_connector_meta(prefill_step("a", len(toks), blocks))
+    cuts = [(r.group, r.chunk_hash) for t in meta.step_saves for r in t.records]
+    req.num_computed_tokens = len(toks)
+    assert side.request_finished(req, blocks) == (True, None)  # held
+    step = prefill_step("b", 0, tuple([] for _ in groups))
+    step.finished_req_ids = {"a"}
+    assert side.build_connector_meta(step).held == {"a"}
+    assert side.has_pending_push_work() and side.has_pending_block_frees()
+
+    _step_output(side)  # an idle step: nothing reported yet
+    assert side.has_pending_push_work() and side.has_pending_block_frees()
+    _step_output(side, sending={"a"})  # its cuts copied: vLLM frees the blocks...
+    assert not side.has_pending_block_frees()
+    assert side.has_pending_push_work()  # ...but their records are not reported yet
+    _step_output(side, added=cuts)
+    assert not side.has_pending_push_work()
+
+
+def test_an_unreported_hold_stops_the_stepping_at_its_bound(tmp_path):
+    """A hold whose report never comes (a worker gone) keeps the engine stepping no
+    longer than twice its bound (two writes' deadlines of a 0.5 s step limit here)."""
+    groups = group_layouts(kv_shapes.gemma3(), CHUNK)
+    cfg = ConnectorConfig(
+        store_dir=str(tmp_path), chunk_tokens=CHUNK, save_in_steps=True, vllm_limit_s=0.5
+    )
+    side = SchedulerSide(cfg, groups, "m", 1)
+    toks = tokens(3, 3 * CHUNK + 10)
+    req = scheduler_request("a", toks)
+    side.get_num_new_matched_tokens(req, 0)
+    blocks = tuple(list(range(100 * (g.index + 1), 100 * (g.index + 1) + 8)) for g in groups)
+    side.build_connector_meta(prefill_step("a", len(toks), blocks))
+    req.num_computed_tokens = len(toks)
+    assert side.request_finished(req, blocks) == (True, None)
+    assert side.has_pending_block_frees()
+    time.sleep(2 * cfg.deadlines.cut_s + 0.05)  # past the hold's and the cuts' bounds
+    assert not side.has_pending_block_frees()
+    assert not side.has_pending_push_work()

@@ -135,3 +135,19 @@ def test_no_kv_checksum_option_asks_anything_of_the_connector():
         names = {f.name for f in dataclasses.fields(cls)}
         assert not {n for n in names if "checksum" in n}, cls.__name__
     assert not [n for n in dir(KVConnectorBase_V1) if "checksum" in n]
+
+
+def test_the_hooks_that_keep_an_idle_engine_stepping_are_asked_by_vllm():
+    """`has_pending_push_work` keeps vLLM's engine core stepping with nothing to schedule
+    (`Scheduler.has_requests`); `has_pending_block_frees` stands a preemption down while
+    blocks are about to come back (`Scheduler.schedule`). Both are the connector base's,
+    and vLLM's scheduler asks them, in every vLLM the connector is checked against."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    for hook in ("has_pending_push_work", "has_pending_block_frees"):
+        assert hook in vars(KVConnectorBase_V1), hook
+        assert hook in vars(BsrIoConnector), hook
+    assert "connector.has_pending_push_work()" in inspect.getsource(Scheduler.has_requests)
+    assert "connector.has_pending_block_frees()" in inspect.getsource(Scheduler.schedule)

@@ -129,6 +129,16 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 
+    def has_pending_push_work(self) -> bool:
+        # vLLM's engine core steps while this is true (`Scheduler.has_requests`), also
+        # with nothing to schedule: each such step carries the workers' reports.
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    def has_pending_block_frees(self) -> bool:
+        # Asked when a running request's blocks cannot be allocated: true, vLLM waits
+        # for a hold's blocks instead of preempting a request.
+        return self._scheduler is not None and self._scheduler.has_pending_block_frees()
+
     # -- worker side ------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None

@@ -22,6 +22,14 @@ request's first step. So a lookup whose hit a cut still in flight would lengthen
 "ask again" (None, as while a long prompt is hashed), for at most `_CUT_WAIT_S` per
 request, until the report lands or the cut is reported lost: vLLM steps meanwhile,
 and each step carries the workers' reports.
+
+An idle engine steps only while vLLM has work: a finished request whose blocks it keeps
+for a hold or a finish save is such work in vLLM 0.32 to 0.34 (`has_finished_requests`),
+but the reports that come after (the cuts' records written, lost, or a rank's start
+inventory still arriving) are not. `has_pending_push_work` keeps it stepping until each
+has arrived or its bound passed, so the next request finds the catalog current and does
+not wait for them. `has_pending_block_frees` says a hold is pending: vLLM then waits for
+its blocks (two writes' deadlines at most) rather than preempt a running request.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from bsr_io.integrations.vllm.metadata import (
     BsrMetadata,
     BsrWorkerMeta,
     Cut,
+    Inventory,
     RecordOrder,
     Transfer,
     cut_key,
@@ -103,6 +112,11 @@ class SchedulerSide:
         self._silent: dict[int, int] = {}  # worker rank -> steps in a row without its report
         self._cutting: dict[Cut, float] = {}  # cuts ordered, not yet reported -> when
         self._held: set[str] = set()  # finished, blocks kept for cuts in flight
+        # Finished requests whose blocks vLLM keeps for us, until the workers name them in
+        # finished_sending -> when we stop waiting for that (twice the workers' bound).
+        self._holding: dict[str, float] = {}  # held for cuts still copying
+        self._saving: dict[str, float] = {}  # given a finish save
+        self._unsynced: set[int] = set()  # worker ranks still reporting their start listing
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bsr-io-hash")
 
     def start(self) -> None:
@@ -113,7 +127,7 @@ class SchedulerSide:
         for hs in metadata.values():
             if isinstance(hs, BsrHandshake):
                 self.adopt_fingerprints(hs.fingerprints)
-                self.catalog.report(hs.rank, hs.inventory)
+                self._report(hs.rank, hs.inventory)
 
     def adopt_fingerprints(self, fingerprints: dict[int, str]) -> None:
         """The workers' group fingerprints. vLLM gives the scheduler one layer's spec for
@@ -126,6 +140,34 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._hasher.shutdown(wait=False, cancel_futures=True)
+
+    def _report(self, rank: int, inv: Inventory) -> None:
+        self.catalog.report(rank, inv)
+        if inv.synced:
+            self._unsynced.discard(rank)
+        else:
+            self._unsynced.add(rank)
+
+    # -- keeping an idle engine stepping -------------------------------------------------
+    def has_pending_push_work(self) -> bool:
+        """Whether a report the workers still owe needs vLLM to step: a held or saved
+        request not yet named in finished_sending, a cut not yet reported written or
+        lost, a rank's start listing not yet all reported. Each ends by its bound."""
+        self._expire()
+        return bool(self._holding or self._saving or self._cutting or self._unsynced)
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether blocks come back soon without a preemption: a hold (its bound is two
+        writes' deadlines). A finish save's may take `save_timeout_s`: not counted."""
+        self._expire()
+        return bool(self._holding)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for book in (self._holding, self._saving):
+            for rid in [r for r, until in book.items() if until < now]:
+                del book[rid]
+        self._settle_cuts()
 
     # -- names --------------------------------------------------------------------------
     def dirs(self, key_model: str, g: GroupLayout) -> list[str]:
@@ -383,7 +425,7 @@ class SchedulerSide:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, BsrWorkerMeta):
             for rank, inv in meta.inventory.items():
-                self.catalog.report(rank, inv)
+                self._report(rank, inv)
             for rank in range(self.world_size):
                 if rank in meta.ranks:
                     self._silent.pop(rank, None)
@@ -394,6 +436,7 @@ class SchedulerSide:
                 if self._silent[rank] == _SILENT_STEPS and rank in self.catalog.reporting():
                     log.warning("bsr-io: worker %d sent no report; it holds nothing now", rank)
                     self.catalog.forget(rank)
+                    self._unsynced.discard(rank)
                     self._resync.add(rank)
                     self._cutting.clear()  # its cuts' reports may never come
             for rank in meta.ranks:
@@ -413,6 +456,9 @@ class SchedulerSide:
             for cut in meta.lost_cuts:
                 self._cutting.pop(cut, None)
             self._settle_cuts()
+        for rid in getattr(output, "finished_sending", None) or ():
+            self._holding.pop(rid, None)
+            self._saving.pop(rid, None)
         for rid in output.finished_recving or ():
             st = self._reqs.get(rid)
             if st is not None:
@@ -489,6 +535,9 @@ class SchedulerSide:
             # out of these blocks (a writer held up behind a stalled write): vLLM keeps
             # them until every worker says its cuts are past that (cuts.py `hold`).
             self._held.add(request.request_id)
+            self._holding[request.request_id] = time.monotonic() + 2 * self.cfg.deadlines.hold_s
             return True, None
+        d = self.cfg.deadlines
+        self._saving[request.request_id] = time.monotonic() + 2 * (d.save_s + d.grace_s)
         self._finish.append(Transfer(request.request_id, st.key_model, tuple(records)))
         return True, None  # vLLM keeps the blocks until the workers report the save done
