@@ -336,8 +336,18 @@ def lease_raises(make: Make, tmp: Path) -> None:
 
 
 def hash_seeds(make: Make, tmp: Path) -> None:
-    """Placeholder: the vLLM adapter runs this case itself (three processes)."""
-    raise AssertionError("hash_seeds runs through the vLLM adapter's own test")
+    """One round of the hash-seed case: `run_case` runs it in three processes, under
+    PYTHONHASHSEED 1, 2 and 3 (a scheduler and its workers are processes with seeds of
+    their own). The first saves; the others must find and restore every chunk under
+    the model identity they derive (a set in the host's model config)."""
+    marker = tmp / "saved-by-the-first-seed"
+    with hosted(make, tmp / "store") as h:
+        if not marker.exists():
+            assert h.save(A).ok
+            marker.write_text(os.environ.get("PYTHONHASHSEED", ""))
+            return
+        assert h.offered(A) == CHUNKS, "another hash seed, another model identity"
+        _intact(h, A)
 
 
 _CORE_NO_SEEDS = NA("the caller names the model identity as a string (Restorer(model=...))")
@@ -361,7 +371,8 @@ CASES: list[Case] = [
     Case(
         "hash_seeds",
         hash_seeds,
-        {
+        child=True,
+        hosts={
             "core": _CORE_NO_SEEDS,
             "lmcache": NA("LMCache's key carries the model name as a string it hashes itself"),
             "sglang": NA("SGLang hands the backend model_name, a string"),
@@ -389,25 +400,32 @@ def applying(host: str) -> list[Case]:
     return [c for c in CASES if c.hosts.get(host, NA("")) is None]
 
 
-def check_table(host: str, own: set[str] = frozenset()) -> None:  # type: ignore[assignment]
-    """Every case names `host`: applies, or NA with a reason. `own`: cases the host's
-    test file runs itself (not through `Case.run`)."""
+def check_table(host: str) -> None:
+    """Every case names `host`: applies, or NA with a reason."""
     for c in CASES:
         assert host in c.hosts, f"case {c.name} says nothing of {host}"
         v = c.hosts[host]
         assert v is None or v.why.strip(), f"case {c.name}: NA for {host} without a reason"
-        if c.run is hash_seeds and v is None:
-            assert c.name in own, f"{host} must run {c.name} itself"
 
 
-def run_case(case: Case, make: Make, tmp: Path, child_args: list[str] | None = None) -> None:
+def run_case(
+    case: Case,
+    make: Make,
+    tmp: Path,
+    child_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> None:
     """Run `case` here, or, for a `child` case, in a process of its own (`child.py`
     with `child_args`: the adapter's module directory, module and factory names)."""
     if not case.child:
         case.run(make, tmp)
         return
     assert child_args is not None, f"{case.name} runs in a child: pass child_args"
-    run_child(case.name, tmp, child_args, seccomp=case.name == "openat2_eperm")
+    if case.run is hash_seeds:
+        for seed in ("1", "2", "3"):
+            run_child(case.name, tmp, child_args, env={**(env or {}), "PYTHONHASHSEED": seed})
+        return
+    run_child(case.name, tmp, child_args, seccomp=case.name == "openat2_eperm", env=env)
 
 
 def run_child(name: str, tmp: Path, child_args: list[str], *, seccomp: bool = False,
