@@ -228,9 +228,13 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         done = dict.fromkeys(named, 0)
         try:
             deadline = time.monotonic() + self.settings.timeout_s
-            cut = max((len(k) for k in named.values()), default=0)
             chain = max(named.values(), key=len, default=[])
             at = {k: i for i, k in enumerate(chain)}
+            kv = self.groups.get("kv")
+            # The KV pool's pages come through v1 just before (SGLang's order); a page
+            # it failed left its catalog then, so the same batch ends there for every
+            # pool here too.
+            cut = kv.leading(chain) if kv is not None and "kv" not in named else len(chain)
             # The longest pools first: a failure found early shortens every later read.
             for t in sorted(transfers, key=lambda t: -len(t.keys or [])):
                 name, ks = str(t.name), named[str(t.name)]
@@ -255,7 +259,11 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
                     )
                 if done[name] < len(ks):
                     cut = min(cut, at.get(ks[done[name]], 0))
-            return commit_cut(named, done)
+            verdict = commit_cut(named, done)
+            return {
+                n: [v and at.get(k, -1) < cut for k, v in zip(named[n], verdict[n], strict=True)]
+                for n in named
+            }
         except Exception:
             logger.exception("bsr HiCache: batch_get_v2 failed; no page reported")
             return {n: [False] * len(k) for n, k in named.items()}
