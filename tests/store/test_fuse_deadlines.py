@@ -6,10 +6,11 @@ after STALL_S (or when the test releases them): the calling thread waits in the 
 as on a hung NFS mount or FUSE store. The calls:
 
 - an L2 read of a record the tier has not indexed (another process's): its open, the
-  fstat after it (a GETATTR) and its header read. The chunk is a read error by the read's
-  deadline (nothing quarantined) and comes from L3.
+  fstat after it (a GETATTR), its header read, and a hung mount (every lookup held). The
+  chunk is a read error by the read's deadline (nothing quarantined) and comes from L3.
 - an L2 save (one native call): the write of its header and payload, its fdatasync.
-- an L3 save: the same two, buffered.
+- an L3 save: the same two, buffered; the temp file's fstat; and a hung mount, where
+  the save's first call (the look for a stored copy) is held.
 
 A save fails by its deadline (ChunkWriteError, the record not indexed), and once the
 stalled call returns nothing of it is published: no temp file is left, the records stored
