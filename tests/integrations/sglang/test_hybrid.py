@@ -189,3 +189,28 @@ def test_a_pool_added_after_attach_is_served(store_dir: Path) -> None:
     assert r.batch_get_v2([transfer(c, ks, INTO)]) == {"swa": [True] * N}
     assert page_bytes(c.pool, INTO) == page_bytes(late.pool, KV_AT)
     r.close()
+
+
+def test_block_groups_report_whole_groups_and_an_unknown_pool_gates_everything(
+    store_dir: Path,
+) -> None:
+    from bsr_io.integrations.sglang.hybrid import BLOCK_GROUPS, PoolQuery, fold_hits
+
+    # Groups of 2: pages 0-3 held, 4 missing: two whole groups; the KV is not gated.
+    held = [True, True, True, True, False, True]
+    hits = fold_hits(N, [PoolQuery("deepseek_v4_c128", BLOCK_GROUPS, held, group_pages=2)])
+    assert (hits.kv_pages, hits.pool_pages["deepseek_v4_c128"]) == (N, 4)
+    # A pool this backend never registered holds nothing: no prefix is restorable.
+    s = build("swa", 16)
+    ks = keys(N, "unknown")
+    b = _attach(store_dir, s)
+    _save(b, s, ks, windows=None)
+    ask = [*_query(s, ks), PoolTransfer(name="indexer", hit_policy=ALL)]
+    assert b.batch_exists_v2(ks, ask).kv_hit_pages == 0
+    assert b.batch_get_v2(
+        [
+            transfer(s.sidecar("swa"), ks, INTO),
+            PoolTransfer(name="indexer", host_indices=slots(s.kv, INTO), keys=ks),
+        ]
+    ) == {"swa": [False] * N, "indexer": [False] * N}
+    b.close()

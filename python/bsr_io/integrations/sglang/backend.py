@@ -1,4 +1,4 @@
-"""`BsrHiCacheStorage`: bsr-io's store as SGLang HiCache's storage tier (interface v1).
+"""`BsrHiCacheStorage`: bsr-io's store as SGLang HiCache's storage tier (interfaces v1, v2).
 
 SGLang builds it from `--hicache-storage-backend dynamic` and the extra config
 (`cls(storage_config, kwargs)`), then calls `register_mem_pool_host(pool)`; the engines
@@ -29,6 +29,10 @@ process: they always return, a failure being `False` (or 0 hits).
   kernel for good: the prefetch thread then stays here, and the storage tier serves no
   more hits, which is safe, where returning would not be). No later load reads into a
   range the kernel owns, through whatever page view (`bsr_io.load.memory`).
+- v2 (hybrid models): every registered host pool is its own allocator group
+  (`PoolGroup`); `batch_exists_v2` folds the pools' hit policies (`hybrid.fold_hits`),
+  `batch_get_v2` cuts every pool at the first page any pool (or the KV read just
+  before) failed, `batch_set_v2` counts a page stored only when every pool's record is.
 - `batch_set_v1`: pages already stored are `True` at once; the others are gathered
   into slots and written crash-safe (temp file, fdatasync, rename). Only the storage
   writer writes (MLA: one rank); the others report `True` (the writer holds them).
