@@ -85,6 +85,36 @@ def test_replicated_groups_per_rank_when_drives_are_node_local():
         parse(KEYS, {"store_dir": "/s", "replicated": "twice"})
 
 
+def test_auto_decides_across_nodes_from_what_the_workers_report(tmp_path):
+    """An executor that spans nodes while vLLM's nnodes stays 1: the workers' handshakes
+    name two nodes, and the scheduler side reads each rank's MLA records from that
+    rank's own directory, as the workers (which exchanged the same names at start)
+    write them. The control: two ranks reporting one node share rank 0's."""
+    from bsr_io.integrations.vllm.config import ConnectorConfig
+    from bsr_io.integrations.vllm.metadata import BsrHandshake, Inventory
+    from bsr_io.integrations.vllm.nodes import node_identity
+    from bsr_io.integrations.vllm.scheduler import SchedulerSide
+
+    cfg = ConnectorConfig(store_dir="/s")
+
+    def read_from(nodes: list[str]) -> list[str]:
+        groups = group_layouts(kv_shapes.dsv4(), 256, replicate_once=cfg.replicate_once(1))
+        side = SchedulerSide(cfg, groups, "m", 2, nnodes=1)
+        shakes = {
+            r: BsrHandshake(r, Inventory(1, synced=True), node=n) for r, n in enumerate(nodes)
+        }
+        side.handshake(shakes)
+        return [d.rsplit("-", 1)[1] for d in side.dirs("m", side.groups[3])]
+
+    a, b = (node_identity(str(tmp_path / d)) for d in ("a", "b"))
+    assert a == node_identity(str(tmp_path / "a")) != b  # one host, two drives' directories
+    assert read_from([a, a]) == ["w2r0"]
+    assert read_from([a, b]) == ["w2r0", "w2r1"]
+    assert (cfg.replicate_once(1, [a, a]), cfg.replicate_once(1, [a, b])) == (True, False)
+    once = ConnectorConfig(store_dir="/s", replicated="once")
+    assert once.replicate_once(1, [a, b])  # said by the user: a file system the nodes share
+
+
 @pytest.mark.parametrize("shape", ["gemma3", "dsv4"])
 def test_records_round_trip_through_vllm_tensors(shape):
     cfg = getattr(kv_shapes, shape)(num_blocks=20)

@@ -17,6 +17,7 @@ from typing import Any
 from bsr_io.errors import BsrValueError
 from bsr_io.integrations.vllm.cpus import valid_setting
 from bsr_io.integrations.vllm.deadlines import Deadlines, LimitError, vllm_step_limit_s
+from bsr_io.integrations.vllm.nodes import spans_nodes
 from bsr_io.settings import Key, Table, at_least, not_empty, parse, positive
 from bsr_io.tiers.mooncake import EXTRA_PREFIX, MooncakeConfig
 
@@ -141,7 +142,8 @@ class ConnectorConfig:
     # Groups every TP rank holds the same bytes of (MLA): "once" stores them by rank 0
     # for every rank to read (one drive, or a file system the nodes share); "per_rank"
     # has each rank store and read its own copy (node-local drives: another node's
-    # records are out of reach); "auto" is "per_rank" when the engine spans nodes.
+    # records are out of reach); "auto" is "per_rank" when the engine spans nodes, by
+    # vLLM's nnodes or by the nodes the workers report (nodes.py).
     replicated: str = _D("replicated")
     # The CPUs of the connector's threads in the worker (cpus.py): "auto" keeps them off
     # the cores vLLM bound its OpenMP threads to.
@@ -157,9 +159,12 @@ class ConnectorConfig:
         """Every deadline of the connector, derived from vLLM's step limit."""
         return Deadlines.derive(self.vllm_limit_s, self.load_timeout_s, self.save_timeout_s)
 
-    def replicate_once(self, nnodes: int) -> bool:
-        """Whether a replicated group is stored once (by rank 0) for every rank."""
-        return self.replicated == "once" or (self.replicated == "auto" and nnodes <= 1)
+    def replicate_once(self, nnodes: int, nodes: Sequence[str] = ()) -> bool:
+        """Whether a replicated group is stored once (by rank 0) for every rank; `nodes`:
+        the workers' reports of their node (`nodes.node_identity`)."""
+        return self.replicated == "once" or (
+            self.replicated == "auto" and not spans_nodes(nnodes, nodes)
+        )
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:

@@ -21,6 +21,7 @@ from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import model_identity
 from bsr_io.integrations.vllm.layout import REQUIRED_LAYOUT, group_layouts
 from bsr_io.integrations.vllm.metadata import BsrHandshake, BsrMetadata, BsrWorkerMeta
+from bsr_io.integrations.vllm.nodes import gather_nodes, node_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -37,17 +38,27 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = ConnectorConfig.from_vllm(vllm_config)
         nnodes = int(getattr(vllm_config.parallel_config, "nnodes", 1) or 1)
-        self.groups = group_layouts(
-            kv_cache_config, self.cfg.chunk_tokens, replicate_once=self.cfg.replicate_once(nnodes)
-        )
         world_size = vllm_config.parallel_config.tensor_parallel_size
+        self.node = ""
+        nodes: list[str] = []
+        if role != KVConnectorRole.SCHEDULER:
+            # Every rank's node, exchanged now: "auto" decides alike on every rank, and
+            # the scheduler side alike again from the handshakes (nodes.py).
+            self.node = node_identity(self.cfg.store_dir)
+            nodes = gather_nodes(self.node, world_size)
+        # The scheduler side's is provisional: its handshake brings the workers' nodes.
+        self.groups = group_layouts(
+            kv_cache_config,
+            self.cfg.chunk_tokens,
+            replicate_once=self.cfg.replicate_once(nnodes, nodes),
+        )
         model = model_identity(vllm_config, self.cfg.model)
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from bsr_io.integrations.vllm.scheduler import SchedulerSide
 
-            self._scheduler = SchedulerSide(self.cfg, self.groups, model, world_size)
+            self._scheduler = SchedulerSide(self.cfg, self.groups, model, world_size, nnodes=nnodes)
             self._scheduler.start()
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -180,6 +191,7 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         hs = self._worker.handshake()
         hs.fingerprints = {g.index: g.fingerprint() for g in self.groups}
+        hs.node = self.node
         return hs
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:

@@ -91,11 +91,13 @@ class BsrHandshake(KVConnectorHandshakeMetadata):
     """From each worker once, before serving: its rank, its inventory's first batch, and
     its groups' fingerprints (group index -> fingerprint): only a worker sees every
     layer's own spec (vLLM hands the scheduler one layer's spec per group), so the
-    record directories are named by the workers' fingerprints."""
+    record directories are named by the workers' fingerprints; and its node (nodes.py),
+    by which `replicated: "auto"` decides."""
 
     rank: int
     inventory: Inventory
     fingerprints: dict[int, str] = field(default_factory=dict)
+    node: str = ""
 
 
 @dataclass

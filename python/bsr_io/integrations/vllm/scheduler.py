@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bsr_io.integrations.vllm.catalog import RecordCatalog
@@ -90,11 +90,11 @@ class SchedulerSide:
         model: str,
         world_size: int,
         catalog: RecordCatalog | None = None,
+        nnodes: int = 1,
     ) -> None:
         self.cfg = cfg
-        self.groups = groups
-        self.full = [g for g in groups if g.kind == FULL]
-        self.window = [g for g in groups if g.kind == WINDOW]
+        self.nnodes = nnodes
+        self._set_groups(groups)
         self.model = model
         self.world_size = world_size
         self.chunk = cfg.chunk_tokens
@@ -122,12 +122,32 @@ class SchedulerSide:
     def start(self) -> None:
         """Nothing to list: the workers' handshakes bring what each rank holds."""
 
+    def _set_groups(self, groups: list[GroupLayout]) -> None:
+        self.groups = groups
+        self.full = [g for g in groups if g.kind == FULL]
+        self.window = [g for g in groups if g.kind == WINDOW]
+
     def handshake(self, metadata: dict[int, Any]) -> None:
         """Each worker's first inventory batch, gathered by vLLM before serving."""
-        for hs in metadata.values():
-            if isinstance(hs, BsrHandshake):
-                self.adopt_fingerprints(hs.fingerprints)
-                self._report(hs.rank, hs.inventory)
+        shakes = [hs for hs in metadata.values() if isinstance(hs, BsrHandshake)]
+        self.adopt_nodes([hs.node for hs in shakes if hs.node])
+        for hs in shakes:
+            self.adopt_fingerprints(hs.fingerprints)
+            self._report(hs.rank, hs.inventory)
+
+    def adopt_nodes(self, nodes: list[str]) -> None:
+        """The workers' nodes (nodes.py): "auto" decided here from vLLM's nnodes alone
+        before them stores a replicated group once; ranks on nodes of their own each
+        store their own copy, as the workers decided from the same reports."""
+        if self.cfg.replicate_once(self.nnodes, nodes) or not any(
+            g.replicated for g in self.groups
+        ):
+            return
+        log.info(
+            "bsr-io: the TP ranks report %d nodes: replicated groups per rank", len(set(nodes))
+        )
+        self._set_groups([replace(g, replicated=False) for g in self.groups])
+        self._ns.clear()
 
     def adopt_fingerprints(self, fingerprints: dict[int, str]) -> None:
         """The workers' group fingerprints. vLLM gives the scheduler one layer's spec for
