@@ -28,7 +28,7 @@ BLOCK = 16
 CHUNKS = 3
 TIMEOUT_S = 1.0  # the load's deadline
 HANG_S = 8.0  # chunk 1's read returns this long after it started
-GRACE_S = 2.0  # worker._GRACE_S: past it the table would give a running job up
+GRACE_S = 2.0  # deadlines.GRACE_S: past it the table would give a running job up
 
 
 def _setup() -> tuple[Any, Any, tuple[Any, ...]]:
