@@ -118,6 +118,10 @@ def _bad_calls(engine, s, tmp_path):
         "prefix_hashes({})": (TypeError, lambda: prefix_hashes({}, 4)),
         "prefix_hashes(0)": (ValueError, lambda: prefix_hashes(tokens, 0)),
         "Engine(window=0)": (ValueError, lambda: Engine(0, 4096)),
+        "Engine(window='a')": (TypeError, lambda: Engine("a", 4096)),
+        "Engine(slot_bytes=1.5)": (TypeError, lambda: Engine(2, 1.5)),
+        "Engine(queue_depth='8')": (TypeError, lambda: Engine(2, 4096, queue_depth="8")),
+        "Engine(backend=3)": (TypeError, lambda: Engine(2, 4096, backend=3)),
         "engine read offset -1": (ValueError, lambda: engine.submit_read(f, -1, 4096)),
     }
 

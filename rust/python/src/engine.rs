@@ -12,7 +12,7 @@ use bsr_io_core::publish::Spec;
 use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
 
 use crate::direct::{payload_runs, Held, PyDirectRead, PyMemoryRegistration};
-use crate::errors::{raise_wait, value_err, Raise};
+use crate::errors::{int_arg, opt_str_arg, raise_wait, value_err, Raise};
 use crate::file::PyFile;
 use crate::pending::{timeout_arg, Handoff, PyPending};
 use crate::slot::{Exported, PySlot};
@@ -83,16 +83,21 @@ impl PyEngine {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (window, slot_bytes, *, queue_depth = 32, request_bytes = 4 << 20, backend = None))]
+    #[pyo3(
+        signature = (window, slot_bytes, *, queue_depth = None, request_bytes = None, backend = None),
+        text_signature = "(window, slot_bytes, *, queue_depth=32, request_bytes=4194304, backend=None)"
+    )]
     fn new(
         py: Python<'_>,
-        window: i64,
-        slot_bytes: i64,
-        queue_depth: i64,
-        request_bytes: i64,
-        backend: Option<&str>,
+        window: &Bound<'_, PyAny>,
+        slot_bytes: &Bound<'_, PyAny>,
+        queue_depth: Option<&Bound<'_, PyAny>>,
+        request_bytes: Option<&Bound<'_, PyAny>>,
+        backend: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let as_usize = |name: &str, v: i64, min: i64| {
+        // Arguments converted here, not by PyO3, so a wrong type is a BsrTypeError.
+        let as_usize = |name: &str, arg: &Bound<'_, PyAny>, min: i64| {
+            let v = int_arg(arg, name)?;
             if v < min {
                 Err(value_err(format!("{name} must be at least {min}, got {v}")))
             } else {
@@ -102,9 +107,10 @@ impl PyEngine {
         let cfg = EngineConfig {
             window: as_usize("window", window, 1)?,
             slot_bytes: as_usize("slot_bytes", slot_bytes, 1)?,
-            queue_depth: as_usize("queue_depth", queue_depth, 1)?,
-            request_bytes: as_usize("request_bytes", request_bytes, 1)?,
-            backend: BackendChoice::resolve(backend).raise()?,
+            queue_depth: queue_depth.map_or(Ok(32), |a| as_usize("queue_depth", a, 1))?,
+            request_bytes: request_bytes
+                .map_or(Ok(4 << 20), |a| as_usize("request_bytes", a, 1))?,
+            backend: BackendChoice::resolve(opt_str_arg(backend, "backend")?.as_deref()).raise()?,
         };
         let inner = py.detach(|| Engine::new(cfg)).raise()?;
         Ok(PyEngine { inner })

@@ -231,6 +231,33 @@ pub(crate) fn type_err(msg: impl Into<String>) -> PyErr {
     Python::attach(|py| value_error_in(py, Exc::Type, msg))
 }
 
+/// The integer argument `name`, or `BsrTypeError` naming it: PyO3's own conversion of a
+/// typed parameter raises a plain `TypeError`, which is not a `BsrError`.
+pub(crate) fn int_arg(arg: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
+    arg.extract::<i64>().map_err(|_| {
+        let got = arg
+            .get_type()
+            .name()
+            .map_or_else(|_| "?".to_string(), |n| n.to_string());
+        type_err(format!("{name} must be an integer, got {got}"))
+    })
+}
+
+/// The optional string argument `name`, or `BsrTypeError` naming it.
+pub(crate) fn opt_str_arg(arg: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<String>> {
+    match arg {
+        None => Ok(None),
+        Some(a) if a.is_none() => Ok(None),
+        Some(a) => a.extract::<String>().map(Some).map_err(|_| {
+            let got = a
+                .get_type()
+                .name()
+                .map_or_else(|_| "?".to_string(), |n| n.to_string());
+            type_err(format!("{name} must be a string or None, got {got}"))
+        }),
+    }
+}
+
 /// The Python exception for a core error. (The orphan rule forbids `From<Error> for
 /// PyErr` outside the core crate, and the core has no Python in it.)
 pub(crate) fn py_err(e: Error) -> PyErr {
