@@ -19,12 +19,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
+
+import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
@@ -35,6 +38,7 @@ CHUNKS = 4  # chunks per prefix in every case
 STALLED = 1  # the chunk whose read the kernel holds
 A, B = 1, 2  # prefixes, by seed: each host derives its tokens and bytes from the seed
 HOSTS = ("core", "lmcache", "vllm", "sglang")
+D = TypeVar("D")  # a host's destination for a load
 
 
 @dataclass
@@ -82,20 +86,60 @@ class Host(Protocol):
     def close(self) -> None: ...
 
 
-class Make(Protocol):
-    """A host over `store` (and `lower`, a lower tier's directory) with a load deadline
-    of `timeout_s` and re-listing every `rescan_s`; `role`: "" (reads and writes),
-    "writer" or "reader" (a rank that does not write, started before the writer)."""
+@dataclass(frozen=True)
+class Options:
+    """What a case asks of a host beyond its store: `lower` (a lower tier's directory),
+    a load deadline of `timeout_s`, re-listing every `rescan_s`; `role`: "" (reads and
+    writes), "writer" or "reader" (a rank that does not write, started before the writer)."""
 
-    def __call__(
-        self,
-        store: Path,
-        *,
-        lower: Path | None = None,
-        timeout_s: float = 10.0,
-        rescan_s: float = 60.0,
-        role: str = "",
-    ) -> Host: ...
+    lower: Path | None = None
+    timeout_s: float = 10.0
+    rescan_s: float = 60.0
+    role: str = ""
+
+
+Make = Callable[[Path, Options], Host]  # a host over a store: every adapter's `make`
+
+
+class Background(Generic[D]):
+    """A load on a thread of its own (`Pending`): `load(seed, dest)` into `dest`, the
+    host's destination for it (its cache, blocks or pages), kept for `Host.reuse`."""
+
+    def __init__(self, load: Callable[[int, D], Loaded], seed: int, dest: D) -> None:
+        self.dest = dest
+        self._result: Loaded | None = None
+        self._thread = threading.Thread(target=self._run, args=(load, seed), daemon=True)
+        self._thread.start()
+
+    def _run(self, load: Callable[[int, D], Loaded], seed: int) -> None:
+        self._result = load(seed, self.dest)
+
+    def wait(self, timeout_s: float) -> bool:
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    @property
+    def ok(self) -> int:
+        """Chunks the load verified; 0 while it runs."""
+        return self._result.verified if self._result is not None else 0
+
+    @property
+    def result(self) -> Loaded:
+        assert self._result is not None
+        return self._result
+
+
+@contextmanager
+def failing_lease(*modules: object) -> Iterator[None]:
+    """Every `lease` in `modules` raises as a failing engine would (a fault double)."""
+
+    def broken(engine: object, deadline: float) -> object:
+        raise OSError(5, "fault double: the engine failed the lease")
+
+    with pytest.MonkeyPatch.context() as mp:
+        for m in modules:
+            mp.setattr(m, "lease", broken)
+        yield
 
 
 @dataclass(frozen=True)
@@ -112,8 +156,8 @@ class Case:
 
 
 @contextmanager
-def hosted(make: Make, store: Path, **kw: object) -> Iterator[Host]:
-    h = make(store, **kw)  # type: ignore[arg-type]
+def hosted(make: Make, store: Path, opts: Options = Options()) -> Iterator[Host]:
+    h = make(store, opts)
     try:
         yield h
     finally:
@@ -134,7 +178,7 @@ def stalled_read(make: Make, tmp: Path) -> None:
     host reused keep what it wrote when the late read lands; and the prefix itself
     restores exactly once the kernel answers."""
     store = tmp / "store"
-    with hosted(make, store, timeout_s=1.0) as h:
+    with hosted(make, store, Options(timeout_s=1.0)) as h:
         a = h.save(A)
         assert a.ok and h.save(B).ok, a
         with late_file(a.paths[STALLED], delay_s=120.0) as stall:
@@ -258,9 +302,9 @@ def non_writer_rank(make: Make, tmp: Path) -> None:
     """A rank that does not write, started before the writer stored anything, sees the
     records written after its start within a bounded staleness, and loads them."""
     store = tmp / "store"
-    with hosted(make, store, rescan_s=0.2, role="reader") as reader:
+    with hosted(make, store, Options(rescan_s=0.2, role="reader")) as reader:
         assert reader.offered(A) == 0
-        with hosted(make, store, rescan_s=0.2, role="writer") as writer:
+        with hosted(make, store, Options(rescan_s=0.2, role="writer")) as writer:
             assert writer.save(A).ok
         deadline = time.monotonic() + 10
         while reader.offered(A) < CHUNKS:
@@ -310,7 +354,7 @@ def enospc_l2(make: Make, tmp: Path) -> None:
 def enospc_l3(make: Make, tmp: Path) -> None:
     """The lower tier's drive is full: the write-through fails; the host is told (or
     every chunk restores), no slot is lost, and a load serves only verified bytes."""
-    with tiny_fs(tmp / "tiny") as full, hosted(make, tmp / "store", lower=full) as h:
+    with tiny_fs(tmp / "tiny") as full, hosted(make, tmp / "store", Options(lower=full)) as h:
         saved = h.save(A)
         assert h.free_slots() == h.window
         if saved.ok:

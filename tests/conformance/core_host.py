@@ -8,15 +8,13 @@ over the same memory (a per-request cache)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
-from conformance.cases import CHUNKS, Loaded, Saved
+from conformance.cases import CHUNKS, Background, Loaded, Options, Saved, failing_lease
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_destination, synthetic_chunk, synthetic_tokens
@@ -31,46 +29,18 @@ LAYOUT = KVLayout("conf", (AllocatorGroup("kv", torch.bfloat16, (1024,), 16),), 
 W = 4
 
 
-class _Load:
-    def __init__(self, host: CoreHost, seed: int) -> None:
-        self.cache = PagedKVCache.allocate(LAYOUT, CHUNKS * LAYOUT.chunk_tokens)
-        self._result: Loaded | None = None
-        self._thread = threading.Thread(target=self._run, args=(host, seed), daemon=True)
-        self._thread.start()
-
-    def _run(self, host: CoreHost, seed: int) -> None:
-        self._result = host.load_into(seed, self.cache)
-
-    def wait(self, timeout_s: float) -> bool:
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    @property
-    def result(self) -> Loaded:
-        assert self._result is not None
-        return self._result
-
-
 class CoreHost:
     window = W
 
-    def __init__(
-        self,
-        store: Path,
-        *,
-        lower: Path | None = None,
-        timeout_s: float = 10.0,
-        rescan_s: float = 60.0,
-        role: str = "",
-    ) -> None:
+    def __init__(self, store: Path, opts: Options) -> None:
         self.engine = Engine(W, LAYOUT.chunk_bytes)
         self.ssd = SSDTier(store, None, self.engine, layout=LAYOUT)
         tiers: list[Any] = [self.ssd]
-        if lower is not None:
-            tiers.append(LowerTier(lower, layout=LAYOUT))
+        if opts.lower is not None:
+            tiers.append(LowerTier(opts.lower, layout=LAYOUT))
         self.tiers = tiers
         self.r = Restorer(
-            Store(tiers), LAYOUT, window=W, engine=self.engine, model="m", timeout_s=timeout_s
+            Store(tiers), LAYOUT, window=W, engine=self.engine, model="m", timeout_s=opts.timeout_s
         )
 
     def _tokens(self, seed: int) -> Any:
@@ -98,15 +68,16 @@ class CoreHost:
     def load(self, seed: int) -> Loaded:
         return self.load_into(seed, PagedKVCache.allocate(LAYOUT, CHUNKS * LAYOUT.chunk_tokens))
 
-    def start_load(self, seed: int) -> _Load:
-        return _Load(self, seed)
+    def start_load(self, seed: int) -> Background[PagedKVCache]:
+        cache = PagedKVCache.allocate(LAYOUT, CHUNKS * LAYOUT.chunk_tokens)
+        return Background(self.load_into, seed, cache)
 
     def unhealthy(self) -> bool:
         return False  # a restore returns at its deadline: the caller never waits past it
 
     def reuse(self, pending: Any, seed: int) -> bool:
         """A restore of `seed` through a new view over the failed load's memory."""
-        view = PagedKVCache(LAYOUT, pending.cache.tensors, [list(range(CHUNKS))])
+        view = PagedKVCache(LAYOUT, pending.dest.tensors, [list(range(CHUNKS))])
         pending.view = view
         return self.load_into(seed, view).verified == CHUNKS
 
@@ -119,14 +90,8 @@ class CoreHost:
     def free_slots(self) -> int:
         return int(self.engine.free_slots())
 
-    @contextmanager
-    def broken_lease(self) -> Iterator[None]:
-        def broken(engine: Any, deadline: float) -> Any:  # fault double
-            raise OSError(5, "fault double: the engine failed the lease")
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(save_records_module, "lease", broken)
-            yield
+    def broken_lease(self) -> AbstractContextManager[None]:
+        return failing_lease(save_records_module)
 
     def close(self) -> None:
         for t in self.tiers:
@@ -138,5 +103,4 @@ def _holds(cache: PagedKVCache, seed: int, n: int) -> bool:
     return all(cache.chunk_bytes(i) == synthetic_chunk(LAYOUT, seed, i).tobytes() for i in range(n))
 
 
-def make(store: Path, **kw: Any) -> CoreHost:
-    return CoreHost(store, **kw)
+make = CoreHost

@@ -9,14 +9,13 @@ retrieve's objects go back to L1, whose next retrieve (another prefix) reuses th
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conformance.cases import CHUNKS, Loaded, Saved
+from conformance.cases import CHUNKS, Background, Loaded, Options, Saved, failing_lease
 
 from bsr_io.integrations.lmcache.config import lmcache_settings
 from bsr_io.integrations.lmcache.plugin import BsrStoragePlugin
@@ -27,40 +26,13 @@ SHAPE = h.Shape()
 W = 4
 
 
-class _Load:
-    def __init__(self, host: LMCacheHost, seed: int) -> None:
-        self._result: Loaded | None = None
-        self._thread = threading.Thread(target=self._run, args=(host, seed), daemon=True)
-        self._thread.start()
-
-    def _run(self, host: LMCacheHost, seed: int) -> None:
-        self._result = host.load(seed)
-
-    def wait(self, timeout_s: float) -> bool:
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    @property
-    def result(self) -> Loaded:
-        assert self._result is not None
-        return self._result
-
-
 class LMCacheHost:
     window = W
 
-    def __init__(
-        self,
-        store: Path,
-        *,
-        lower: Path | None = None,
-        timeout_s: float = 10.0,
-        rescan_s: float = 60.0,
-        role: str = "",
-    ) -> None:
-        assert lower is None, "the plugin has no lower file tier"
+    def __init__(self, store: Path, opts: Options) -> None:
+        assert opts.lower is None, "the plugin has no lower file tier"
         self.engines = h.Engines(SHAPE)
-        settings = lmcache_settings(store, window=W, timeout_s=timeout_s)
+        settings = lmcache_settings(store, window=W, timeout_s=opts.timeout_s)
         self.eng = self.engines(l1_chunks=4 * CHUNKS, settings=settings)
         plugin = self.eng.storage_manager.storage_backends.get("bsr")
         if not isinstance(plugin, BsrStoragePlugin):  # LMCache only logs a plugin's error
@@ -98,8 +70,8 @@ class LMCacheHost:
             n, h.restored_equal(src, dst, n * SHAPE.chunk_tokens), str(self.plugin.last_short_get)
         )
 
-    def start_load(self, seed: int) -> _Load:
-        return _Load(self, seed)
+    def start_load(self, seed: int) -> Background[None]:
+        return Background(lambda s, _: self.load(s), seed, None)
 
     def unhealthy(self) -> bool:
         return False  # a retrieve returns at its deadline
@@ -122,18 +94,11 @@ class LMCacheHost:
         engines = (self.plugin.read_engine, self.plugin.write_engine)
         return min(int(e.free_slots()) for e in engines)
 
-    @contextmanager
-    def broken_lease(self) -> Iterator[None]:
-        def broken(engine: Any, deadline: float) -> Any:  # fault double
-            raise OSError(5, "fault double: the engine failed the lease")
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(save_records_module, "lease", broken)
-            yield
+    def broken_lease(self) -> AbstractContextManager[None]:
+        return failing_lease(save_records_module)
 
     def close(self) -> None:
         self.engines.close()
 
 
-def make(store: Path, **kw: Any) -> LMCacheHost:
-    return LMCacheHost(store, **kw)
+make = LMCacheHost

@@ -10,15 +10,14 @@ the two ranks of an MLA model at TP=2 (rank 0 stores every page, rank 1 none).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conformance.cases import CHUNKS, Loaded, Saved
+from conformance.cases import CHUNKS, Background, Loaded, Options, Saved, failing_lease
 from pools import fill, keys, make_backend, mha_pool, mla_pool, page_bytes
 
 from bsr_io.save import records as save_records_module
@@ -33,46 +32,19 @@ def _pages(first: int) -> torch.Tensor:
     return torch.arange(first * 16, (first + CHUNKS) * 16)
 
 
-class _Load:
-    def __init__(self, host: SGLangHost, seed: int) -> None:
-        self.at = host.region()
-        self.ok = 0
-        self.reused: list[bytes] = []
-        self._result: Loaded | None = None
-        self._thread = threading.Thread(target=self._run, args=(host, seed), daemon=True)
-        self._thread.start()
-
-    def _run(self, host: SGLangHost, seed: int) -> None:
-        self._result = host.load_into(seed, self.at)
-        self.ok = self._result.verified
-
-    def wait(self, timeout_s: float) -> bool:
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    @property
-    def result(self) -> Loaded:
-        assert self._result is not None
-        return self._result
-
-
 class SGLangHost:
-    def __init__(
-        self,
-        store: Path,
-        *,
-        lower: Path | None = None,
-        timeout_s: float = 10.0,
-        rescan_s: float = 60.0,
-        role: str = "",
-    ) -> None:
+    def __init__(self, store: Path, opts: Options) -> None:
         store.mkdir(parents=True, exist_ok=True)
-        mla = bool(role)
+        mla = bool(opts.role)
         self.pool = mla_pool("page_first") if mla else mha_pool("page_first")
-        extra: dict[str, Any] = {"timeout_s": timeout_s, "rescan_s": rescan_s, "window": 4}
-        if lower is not None:
-            extra["lower_dir"] = str(lower)
-        rank = 1 if role == "reader" else 0
+        extra: dict[str, Any] = {
+            "timeout_s": opts.timeout_s,
+            "rescan_s": opts.rescan_s,
+            "window": 4,
+        }
+        if opts.lower is not None:
+            extra["lower_dir"] = str(opts.lower)
+        rank = 1 if opts.role == "reader" else 0
         self.b = make_backend(
             store, self.pool, tp_rank=rank, tp_size=2 if mla else 1, mla=mla, **extra
         )
@@ -114,8 +86,8 @@ class SGLangHost:
     def load(self, seed: int) -> Loaded:
         return self.load_into(seed, self.region())
 
-    def start_load(self, seed: int) -> _Load:
-        return _Load(self, seed)
+    def start_load(self, seed: int) -> Background[torch.Tensor]:
+        return Background(self.load_into, seed, self.region())
 
     def unhealthy(self) -> bool:
         # SGLang learns a backend's health only from batch_exists: no hit for a stored page.
@@ -123,7 +95,7 @@ class SGLangHost:
 
     def reuse(self, pending: Any, seed: int) -> bool:
         """SGLang frees the pages past the verified ones and writes another prefix there."""
-        tail = pending.at[pending.ok * 16 :]
+        tail = pending.dest[pending.ok * 16 :]
         fill(self.pool, tail, seed)
         pending.reused = page_bytes(self.pool, tail)
         pending.tail = tail
@@ -152,14 +124,8 @@ class SGLangHost:
         _, engines = _parts(self.b)
         return min(int(e.free_slots()) for e in engines)
 
-    @contextmanager
-    def broken_lease(self) -> Iterator[None]:
-        def broken(engine: Any, deadline: float) -> Any:  # fault double
-            raise OSError(5, "fault double: the engine failed the lease")
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(save_records_module, "lease", broken)
-            yield
+    def broken_lease(self) -> AbstractContextManager[None]:
+        return failing_lease(save_records_module)
 
     def close(self) -> None:
         self.b.close()
@@ -174,5 +140,4 @@ def _parts(b: Any) -> tuple[Any, list[Any]]:
     return b._catalog, [b._read_engine, b._write_engine]  # noqa: SLF001
 
 
-def make(store: Path, **kw: Any) -> SGLangHost:
-    return SGLangHost(store, **kw)
+make = SGLangHost

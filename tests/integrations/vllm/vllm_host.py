@@ -16,10 +16,9 @@ the request's blocks through the worker's own `RequestPages`.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conformance.cases import CHUNKS, Loaded, Saved
+from conformance.cases import CHUNKS, Background, Loaded, Options, Saved, failing_lease
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
 
 from bsr_io.integrations.vllm import cuts, kv_shapes
@@ -81,48 +80,19 @@ def _no_step(**kw: Any) -> SimpleNamespace:
     )
 
 
-class _Load:
-    def __init__(self, host: VLLMHost, seed: int) -> None:
-        self.blocks = host.region()
-        self.ok = 0
-        self._result: Loaded | None = None
-        self._thread = threading.Thread(target=self._run, args=(host, seed), daemon=True)
-        self._thread.start()
-
-    def _run(self, host: VLLMHost, seed: int) -> None:
-        self._result = host.load_into(seed, self.blocks)
-
-    def wait(self, timeout_s: float) -> bool:
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    @property
-    def result(self) -> Loaded:
-        assert self._result is not None
-        return self._result
-
-
 class VLLMHost:
     window = W
 
-    def __init__(
-        self,
-        store: Path,
-        *,
-        lower: Path | None = None,
-        timeout_s: float = 10.0,
-        rescan_s: float = 60.0,
-        role: str = "",
-    ) -> None:
+    def __init__(self, store: Path, opts: Options) -> None:
         plan = _plan()
         (self.group,) = self.groups = group_layouts(plan, CHUNK)
         self.cfg = ConnectorConfig(
             store_dir=str(store),
-            lower_dir=str(lower) if lower is not None else None,
+            lower_dir=str(opts.lower) if opts.lower is not None else None,
             chunk_tokens=CHUNK,
             window=W,
-            load_timeout_s=timeout_s,
-            rescan_s=rescan_s,
+            load_timeout_s=opts.timeout_s,
+            rescan_s=opts.rescan_s,
         )
         self.model = model_identity(_SET_CONFIG)
         self.w = WorkerSide(self.cfg, self.groups, REGIONS * SPAN + 1, 0, 1, model=self.model)
@@ -269,19 +239,19 @@ class VLLMHost:
     def load(self, seed: int) -> Loaded:
         return self.load_into(seed, self.region())
 
-    def start_load(self, seed: int) -> _Load:
-        return _Load(self, seed)
+    def start_load(self, seed: int) -> Background[list[int]]:
+        return Background(self.load_into, seed, self.region())
 
     def unhealthy(self) -> bool:
         return bool(self.w.health())
 
     def reuse(self, pending: Any, seed: int) -> bool:
         """vLLM recomputes the failed request into its blocks (or hands them on)."""
-        self._put(pending.blocks, seed)
+        self._put(pending.dest, seed)
         return True
 
     def holds(self, pending: Any, seed: int) -> bool:
-        return self._has(pending.blocks, seed, CHUNKS)
+        return self._has(pending.dest, seed, CHUNKS)
 
     def relist(self, during: Callable[[], object]) -> None:
         """The inventory's next re-listing, with `during` run after the listing read the
@@ -302,20 +272,12 @@ class VLLMHost:
     def free_slots(self) -> int:
         return min(int(self.w.load_engine.free_slots()), int(self.w.save_engine.free_slots()))
 
-    @contextmanager
-    def broken_lease(self) -> Iterator[None]:
-        def broken(engine: Any, deadline: float) -> Any:  # fault double
-            raise OSError(5, "fault double: the engine failed the lease")
-
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(cuts, "lease", broken)
-            mp.setattr(save_records_module, "lease", broken)
-            yield
+    def broken_lease(self) -> AbstractContextManager[None]:
+        return failing_lease(cuts, save_records_module)
 
     def close(self) -> None:
         self.s.close()
         self.w.close()
 
 
-def make(store: Path, **kw: Any) -> VLLMHost:
-    return VLLMHost(store, **kw)
+make = VLLMHost
