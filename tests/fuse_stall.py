@@ -90,7 +90,9 @@ class _Server:
         self.released.wait(self.delay_s)
         self.reply(unique, self.data[offset : offset + size])
 
-    def serve(self) -> None:
+    def requests(self) -> Iterator[tuple[int, int, int, bytes]]:
+        """The kernel's requests that want an answer (opcode, unique, node id, body),
+        until the mount goes away."""
         while True:
             try:
                 msg = os.read(self.fd, 1 << 20 | 4096)
@@ -98,10 +100,12 @@ class _Server:
                 if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
                     continue
                 return  # ENODEV: unmounted
-            _len, op, unique, _node, *_ = IN_HEADER.unpack_from(msg)
-            body = msg[IN_HEADER.size :]
-            if op in NO_REPLY:
-                continue
+            _len, op, unique, node, *_ = IN_HEADER.unpack_from(msg)
+            if op not in NO_REPLY:
+                yield op, unique, node, msg[IN_HEADER.size :]
+
+    def serve(self) -> None:
+        for op, unique, _node, body in self.requests():
             if op == INIT:
                 major, minor = struct.unpack_from("<II", body)
                 # fuse_init_out: major, minor, readahead, flags, max_background,
@@ -416,17 +420,7 @@ class _DirServer(_Server):
         raise OSError(errno.ENOSYS, "not served")
 
     def serve(self) -> None:
-        while True:
-            try:
-                msg = os.read(self.fd, 1 << 20 | 4096)
-            except OSError as exc:
-                if exc.errno in (errno.EINTR, errno.EAGAIN, errno.ENOENT):
-                    continue
-                return  # ENODEV: unmounted
-            _len, op, unique, node, *_ = IN_HEADER.unpack_from(msg)
-            body = msg[IN_HEADER.size :]
-            if op in NO_REPLY:
-                continue
+        for op, unique, node, body in self.requests():
             if op == INIT:
                 out = struct.pack("<IIIIHHIIHHI", 7, 31, 0, 0, 16, 12, 1 << 17, 1, 0, 0, 0)
                 self.reply(unique, out.ljust(64, b"\0"))
