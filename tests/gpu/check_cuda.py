@@ -7,13 +7,18 @@ What they check, each against what would go wrong:
 - a restore into a GPU paged cache lands byte-exact (fused verification on the slot);
 - on a failing restore, every asynchronous copy out of a slot has completed before
   that slot goes back to the ring (a late copy would land in blocks vLLM reuses);
-- a save from a GPU cache writes what the GPU holds.
+- a save from a GPU cache writes what the GPU holds;
+- a step cut taken while the step's forward (on a non-default stream) still writes its
+  blocks copies them after it, through the worker's own fence and copy
+  (bsr_io.save.fence); its control, the same copy unfenced, says whether this GPU
+  shows the race (information: a race need not show).
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -27,11 +32,13 @@ from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.load.records import LoadOptions, load_records
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import preset
+from bsr_io.save.fence import NO_FENCE, StepFence, extract_after, step_fence
 from bsr_io.save.records import save_records
 from bsr_io.tiers.ssd import SSDTier
 
 LAYOUT = preset("tiny")
 CHUNKS = 16
+FORWARD_CYCLES = 500_000_000  # the slow kernel ahead of a step's writes (~0.3 s)
 
 
 def _state(root: Path, engine: Engine):
@@ -107,6 +114,63 @@ def check_save_from_gpu(root: Path) -> None:
     finally:
         slot.release()
     assert got == src.chunk_bytes(5)
+
+
+def _cut_during_forward(root: Path, fenced: bool) -> tuple[bytes, bytes, bytes]:
+    """A step's forward on a non-default stream (a slow kernel, then its writes to the
+    blocks of chunk 3); the cut taken at once, as `wait_for_save` takes it: the fence
+    recorded on the forward's thread with its stream current, the copy and the write on
+    a writer thread. (the record as read back, the blocks after synchronization, the
+    blocks before the step)."""
+    root.mkdir(exist_ok=True)
+    engine = Engine(2, LAYOUT.chunk_bytes)
+    tier = SSDTier(root, None, engine, layout=LAYOUT)
+    key = chunk_keys(list(range(4 * LAYOUT.chunk_tokens)), LAYOUT, "gpu-cut", 0, 1)[3]
+    blocks = PagedKVCache.allocate(LAYOUT, 4 * LAYOUT.chunk_tokens, device="cuda")
+    for t in blocks.tensors:
+        t.fill_(1)
+    step = [torch.full_like(t, 2) for t in blocks.tensors]  # what the forward writes
+    torch.cuda.synchronize()
+    before = blocks.chunk_bytes(3)
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        torch.cuda._sleep(FORWARD_CYCLES)
+        for t, new in zip(blocks.tensors, step, strict=True):
+            t.copy_(new)
+        fence: StepFence = step_fence(torch.device("cuda")) if fenced else NO_FENCE
+    assert not forward.query(), "the forward ended before the cut: nothing was checked"
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with engine.lease() as slot:
+                extract_after(fence, blocks, 3, slot, LAYOUT.chunk_bytes)
+                tier.write(key, slot, LAYOUT)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the main thread
+            errors.append(exc)
+
+    th = threading.Thread(target=writer)
+    th.start()
+    th.join()
+    if errors:
+        raise errors[0]
+    torch.cuda.synchronize()
+    slot = tier.read_into(key, engine)  # verified against the record's checksum
+    try:
+        record = bytes(memoryview(slot)[: LAYOUT.chunk_bytes])
+    finally:
+        slot.release()
+    return record, blocks.chunk_bytes(3), before
+
+
+def check_step_cut_waits_for_the_forward(root: Path) -> None:
+    record, after, before = _cut_during_forward(root, fenced=True)
+    assert after != before, "the forward wrote nothing"
+    assert record == after, "the cut's record is not the blocks the forward wrote"
+    # The control: the same cut with no fence (the copy on the writer's current stream).
+    record, after, before = _cut_during_forward(root / "control", fenced=False)
+    raced = "shows the race" if record != after else "did not show the race"
+    print(f"INFO control: an unfenced cut on this GPU {raced}")
 
 
 def main() -> int:

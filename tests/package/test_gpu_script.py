@@ -18,7 +18,7 @@ def test_gpu_checks_run_or_say_there_is_no_device():
     )
     if torch.cuda.is_available():
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert proc.stdout.count("PASS") == 3
+        assert proc.stdout.count("PASS") == 4
     else:
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert "no CUDA device" in proc.stdout

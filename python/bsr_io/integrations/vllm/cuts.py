@@ -22,7 +22,9 @@ Two kinds, by how long their blocks stay theirs:
 
 A cut record goes to one of W writers, which write it crash-safe and checksummed
 through the save tier; a finished request's save waits for its cuts' writes first. On a
-CPU worker the writers copy and write while a forward runs (gate.py).
+CPU worker the writers copy and write while a forward runs (gate.py). On a GPU worker
+`wait_for_save` runs once the step's kernels are enqueued, not done: every cut's copy
+waits for an event recorded there on the forward's stream (save/fence.py).
 
 A request vLLM finished with no finish save gets one `step_saves_done` event per rank
 once each of its cuts has ended (written, skipped or failed), with their counts: the
@@ -47,7 +49,8 @@ from bsr_io.integrations.vllm.layout import FULL
 from bsr_io.integrations.vllm.metadata import BsrMetadata, Cut, RecordOrder, Transfer, cut_of
 from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED
 from bsr_io.load.records import COMPLETE, ZERO
-from bsr_io.save.records import PhaseClock, extract_record
+from bsr_io.save.fence import StepFence, extract_after
+from bsr_io.save.records import PhaseClock
 
 if TYPE_CHECKING:
     from bsr_io.integrations.vllm.worker import WorkerSide
@@ -91,8 +94,9 @@ class StepCuts:
         self._holding: dict[str, tuple[float, float]] = {}  # held request -> (start, end)
 
     # -- on the forward thread ---------------------------------------------------------
-    def cut(self, meta: BsrMetadata) -> None:
-        """This step's records (wait_for_save): window records now, full ones queued."""
+    def cut(self, meta: BsrMetadata, fence: StepFence) -> None:
+        """This step's records (wait_for_save): window records now, full ones queued.
+        Every copy is ordered after the step's writes to its blocks (`fence`, fence.py)."""
         if not meta.step_saves or self.w.pages is None:
             return
         budget_end = time.monotonic() + self.cfg.step_save_budget_s
@@ -104,9 +108,9 @@ class StepCuts:
                     continue
                 try:
                     if self.w.groups[r.group].kind == FULL:
-                        self._queue(t, r)
+                        self._queue(t, r, fence)
                     else:
-                        self._cut_now(t, r, budget_end)
+                        self._cut_now(t, r, budget_end, fence)
                 except Exception as exc:  # noqa: BLE001 - saves are best effort
                     # A save that fails here must not fail vLLM's forward: the record
                     # is a future miss, counted and logged.
@@ -163,7 +167,7 @@ class StepCuts:
             )
         return {rid for rid, *_ in done}
 
-    def _cut_now(self, t: Transfer, r: RecordOrder, budget_end: float) -> None:
+    def _cut_now(self, t: Transfer, r: RecordOrder, budget_end: float, fence: StepFence) -> None:
         clock = PhaseClock({})
         try:
             with clock("slot"):
@@ -172,7 +176,7 @@ class StepCuts:
             self._lost(t, r, SKIPPED, "no save slot within the step budget")
             return
         with clock("copy"):
-            self._extract(t, r, slot, Guard())
+            self._extract(t, r, slot, Guard(), fence)
         try:
             fut = self._writers.submit(self._write, t, r, slot, clock)
         except BaseException:  # the writers are shut down: the caller counts it failed
@@ -180,13 +184,13 @@ class StepCuts:
             raise
         self._track(t.request_id, fut)
 
-    def _queue(self, t: Transfer, r: RecordOrder) -> None:
+    def _queue(self, t: Transfer, r: RecordOrder, fence: StepFence) -> None:
         copied = threading.Event()
         with self._lock:
             guard = self._guards.setdefault(t.request_id, Guard())
             self._copied.setdefault(t.request_id, []).append(copied)
         try:
-            fut = self._writers.submit(self._cut_later, t, r, guard, copied)
+            fut = self._writers.submit(self._cut_later, t, r, guard, copied, fence)
         except BaseException:  # the writers are shut down: the caller counts it failed
             copied.set()  # nothing will copy: a release need not wait for it
             raise
@@ -200,7 +204,12 @@ class StepCuts:
 
     # -- on a writer thread ------------------------------------------------------------
     def _cut_later(
-        self, t: Transfer, r: RecordOrder, guard: Guard, copied: threading.Event
+        self,
+        t: Transfer,
+        r: RecordOrder,
+        guard: Guard,
+        copied: threading.Event,
+        fence: StepFence,
     ) -> None:
         clock = PhaseClock({})
         try:
@@ -218,7 +227,7 @@ class StepCuts:
                 return
             try:
                 with clock("copy"):
-                    self._extract(t, r, slot, guard)
+                    self._extract(t, r, slot, guard, fence)
             except Abandoned:
                 self._lost(t, r, SKIPPED, "its blocks were released before its cut")
                 return
@@ -230,10 +239,14 @@ class StepCuts:
             copied.set()
         self._write(t, r, slot, clock)
 
-    def _extract(self, t: Transfer, r: RecordOrder, slot: Slot, guard: Guard) -> None:
-        """Copy record `r` out of its blocks into `slot` (given back on failure)."""
+    def _extract(
+        self, t: Transfer, r: RecordOrder, slot: Slot, guard: Guard, fence: StepFence
+    ) -> None:
+        """Copy record `r` out of its blocks into `slot` (given back on failure), after
+        the step that wrote them (`fence`)."""
         try:
-            extract_record(self.w.dest(t, [r], guard), 0, slot, self.w.groups[r.group].record_bytes)
+            dest = self.w.dest(t, [r], guard)
+            extract_after(fence, dest, 0, slot, self.w.groups[r.group].record_bytes)
         except BaseException:
             give_back(slot)
             raise

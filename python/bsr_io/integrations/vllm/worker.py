@@ -81,6 +81,7 @@ from bsr_io.integrations.vllm.ranktier import RankTier
 from bsr_io.load.records import COMPLETE, ZERO, LoadOptions, load_records
 from bsr_io.metrics import RestoreMetrics
 from bsr_io.model.keys import ChunkKey
+from bsr_io.save.fence import NO_FENCE, step_fence
 from bsr_io.save.records import save_records
 from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.ssd import SSDTier
@@ -299,7 +300,11 @@ class WorkerSide:
     def save_step(self, meta: BsrMetadata) -> None:
         """Cut the records this step completed (wait_for_save): cuts.py."""
         self.gate.closed()  # first: the writers it wakes wait for the next forward
-        self.cuts.cut(meta)
+        fence = NO_FENCE
+        if meta.step_saves and self.pages is not None:
+            # On a GPU the step's kernels may still run: its cuts copy after them.
+            fence = step_fence(self.pages.device)
+        self.cuts.cut(meta, fence)
 
     def note_saved(self, key: ChunkKey) -> None:
         # Written through to a pool too: no re-listing of the drive may take it back.
