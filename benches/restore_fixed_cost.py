@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--chunks", default="1,2,4,8", help="sizes in chunks, comma-separated")
     ap.add_argument("--reps", type=int, default=30, help="restores per size (median kept)")
     ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--queue-depth", type=int, default=None, help="engine's (default its own)")
+    ap.add_argument("--request-mib", type=int, default=None, help="engine's request size")
     ap.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the store goes")
     ap.add_argument("--profile", type=Path, default=None, help="cProfile of the smallest size")
     ap.add_argument(
@@ -73,7 +75,12 @@ def main() -> None:
     tokens = synthetic_tokens(5, sizes[-1] * lay.chunk_tokens)
     keys = chunk_keys(tokens, lay, MODEL, 0, 1)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bsr-fixed-") as root:
-        engine = Engine(args.window, lay.chunk_bytes)
+        engine = Engine(
+            args.window,
+            lay.chunk_bytes,
+            queue_depth=args.queue_depth,
+            request_bytes=None if args.request_mib is None else args.request_mib << 20,
+        )
         l2 = SSDTier(Path(root) / "l2", None, engine, layout=lay)
         write_state(l2, engine, lay, keys, 5, True)
         r = Restorer(Store([l2]), lay, window=args.window, engine=engine, model=MODEL)
