@@ -54,7 +54,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
@@ -758,45 +758,28 @@ class Window:
         at a time: when reads land together, their hashes run side by side instead of
         one after another after the last read."""
         room = hashers.width()
-        for read in self._landed_ahead():
+        for read in self._reads:
+            if room == 0 or not isinstance(read, _DirectRead) or not read.handle.done():
+                return
             if read.early is not None:
                 if not read.early.done():
                     room -= 1
-            elif room > 0 and self._settle_ahead(read):
-                read.early = hashers.hash_later(read.where)
-                room -= 1
-            if room <= 0:
-                return
-
-    def _landed_ahead(self) -> Iterator[_DirectRead]:
-        """The queued direct reads that have landed, up to the first that has not."""
-        for read in self._reads:
-            if not isinstance(read, _DirectRead) or not read.handle.done():
-                return
-            if read.failed is None:
-                yield read
-
-    def _settle_ahead(self, read: _DirectRead) -> bool:
-        """`read`'s wait ahead of its turn: False when it failed (kept for its turn)."""
-        try:
-            read.wait(self, self._remaining())
-        except Exception as exc:  # noqa: BLE001 - raised again at the read's turn
-            read.failed = exc
-            return False
-        return True
+                continue
+            if read.failed is not None:
+                continue
+            try:
+                read.wait(self, self._remaining())
+            except Exception as exc:  # noqa: BLE001 - raised again at the read's turn
+                read.failed = exc
+                continue
+            read.early = hashers.hash_later(read.where)
+            room -= 1
 
     def _hash_of(self, read: _DirectRead) -> int:
         """A direct read's hash: the one a hash thread made, or made here (also when it
-        had not started yet: taken back, or when it failed). While a hash thread still
-        hashes it, the caller hashes landed reads behind it, so that it never idles."""
+        had not started yet: taken back, or when it failed)."""
         early, read.early = read.early, None
         if early is not None and not early.cancel():
-            for later in self._landed_ahead():
-                if early.done():
-                    break
-                if later.early is None and self._settle_ahead(later):
-                    later.early = Future()
-                    later.early.set_result(self._hash_in_place(later.where))
             t0 = time.perf_counter()
             try:
                 return early.result()
