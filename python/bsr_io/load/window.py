@@ -36,12 +36,6 @@ that lasts across restores (`lasting`) has its host buffers registered with the 
 ring at its first direct read, for as long as it lives, so the kernel pins its pages once
 instead of per request.
 
-Reads land in any order: a drive that shares its bandwidth among every read in flight
-lands a small state's reads all at once. A direct read that has landed ahead of its turn
-is waited for then and hashed on a hash thread (hashers.py) while the caller hashes the
-chunk at its turn, so the hashes run side by side instead of all after the last read; a
-failure it met is raised at its turn, so chunks still fail, fall back and end in order.
-
 Each window position holds one of three reads (`_Read`): a read into a ring slot
 (`_SlotRead`), a read straight into the destination (`_DirectRead`: a file's O_DIRECT
 read or a pool's scatter read, both a tier's `DirectChunk`), or a read that never
@@ -56,7 +50,6 @@ from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -77,7 +70,7 @@ from bsr_io.errors import (
     LayoutError,
     Unproven,
 )
-from bsr_io.load import hashers, memory
+from bsr_io.load import memory
 from bsr_io.load.discovery import holds
 from bsr_io.load.install import HostRuns, fused_runs, install_chunk, scoped
 from bsr_io.load.kvcache import Destination, Fence
@@ -241,10 +234,6 @@ class _DirectRead(_Read):
 
     handle: DirectChunk
     where: HostRuns
-    # Landed ahead of its turn: its hash, running on a hash thread (hashers.py), or what
-    # its wait raised then (raised again at its turn, so that chunks fail in order).
-    early: Future[int] | None = None
-    failed: Exception | None = None
 
     def wait(self, window: Window, timeout: float) -> None:
         """The bytes are in place, or ReadTimedOut at the deadline: the read is given up
@@ -260,20 +249,12 @@ class _DirectRead(_Read):
             window._unusable(self.index, self.handle, self.where)
             raise
 
-    def settle(self, window: Window) -> None:
-        """`wait` at its turn (once), or raise again what it raised ahead of its turn."""
-        if self.failed is not None:
-            failed, self.failed = self.failed, None
-            raise failed
-        self.wait(window, window._remaining())
-
     def land(self, window: Window, trail: _Trail) -> _Landed | None:
         tier = window.tiers[self.source]
         try:
-            self.settle(window)
-            window._hash_ahead()
+            self.wait(window, window._remaining())
             # A pool's header arrives with its payload: the expected hash is final only now.
-            if window._hash_of(self) == self.handle.expected_xxh3:
+            if window._hash_in_place(self.where) == self.handle.expected_xxh3:
                 window._direct_done += 1
                 return _Landed(self.source, trail.causes)
         except ChunkError as exc:
@@ -290,17 +271,11 @@ class _DirectRead(_Read):
 
     def drain(self, window: Window, timeout: float) -> None:
         # The destination's own memory: waited for until the deadline, then given up and
-        # its blocks reported unusable (never handed back while it may still be written);
-        # a hash of it still running on a hash thread is waited for too.
+        # its blocks reported unusable (never handed back while it may still be written).
         try:
-            if self.failed is None:
-                self.wait(window, timeout)
+            self.wait(window, timeout)
         except ReadTimedOut:
             pass
-        finally:
-            self.failed = None
-            if self.early is not None and not self.early.cancel():
-                wait_all([self.early])
 
 
 @dataclass
@@ -751,43 +726,6 @@ class Window:
         self._report.unusable.append(index)
         self._report.given_up.append(handle)
         memory.give_up(where, handle)
-
-    def _hash_ahead(self) -> None:
-        """Reads queued behind the one being installed that have landed already get their
-        wait now and their hash on the hash threads (hashers.py), at most one per thread
-        at a time: when reads land together, their hashes run side by side instead of
-        one after another after the last read."""
-        room = hashers.width()
-        for read in self._reads:
-            if room == 0 or not isinstance(read, _DirectRead) or not read.handle.done():
-                return
-            if read.early is not None:
-                if not read.early.done():
-                    room -= 1
-                continue
-            if read.failed is not None:
-                continue
-            try:
-                read.wait(self, self._remaining())
-            except Exception as exc:  # noqa: BLE001 - raised again at the read's turn
-                read.failed = exc
-                continue
-            read.early = hashers.hash_later(read.where)
-            room -= 1
-
-    def _hash_of(self, read: _DirectRead) -> int:
-        """A direct read's hash: the one a hash thread made, or made here (also when it
-        had not started yet: taken back, or when it failed)."""
-        early, read.early = read.early, None
-        if early is not None and not early.cancel():
-            t0 = time.perf_counter()
-            try:
-                return early.result()
-            except Exception:  # noqa: BLE001 - hashed here instead
-                pass
-            finally:
-                self._install_s += time.perf_counter() - t0
-        return self._hash_in_place(read.where)
 
     def _hash_in_place(self, where: HostRuns) -> int:
         """xxh3 of a direct read's bytes where they lie (counted as install time)."""
