@@ -39,7 +39,7 @@ wait_background() { # wait_background NAME PID LOG: a failed job is a failed sta
     local name=$1 pid=$2 log=$3
     echo "== $name (started in the background)"
     if wait "$pid"; then
-        tail -n 3 "$log"
+        grep '^== ' "$log" || tail -n 3 "$log"
         echo "== $name: done (total $((SECONDS - START)) s)"
         return 0
     fi

