@@ -460,8 +460,11 @@ class Vote:
 
     def _refuse(self, reason: str) -> Decision:
         a = self._a
-        a._store.set(f"{self._ns}{a.rank}", f"{secrets.token_hex(8)} 0:{reason}")
-        got = self._decide(f"{ABORT}:rank {a.rank}: {reason}")
+        # The post names this rank too: a peer may combine the posts into the decision
+        # before this rank's own abort lands, and the reason must say whose it was.
+        why = f"rank {a.rank}: {reason}"
+        a._store.set(f"{self._ns}{a.rank}", f"{secrets.token_hex(8)} 0:{why}")
+        got = self._decide(f"{ABORT}:{why}")
         a._finished(self._ns)
         # Whatever is stored is an abort: a commit needs this rank's "1".
         return _parse(got if got.startswith(ABORT) else f"{ABORT}:{reason}")
