@@ -27,6 +27,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from bsr_io.errors import BsrValueError
+
 LIMIT_ENV = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
 DEFAULT_LIMIT_S = 300  # vLLM's own default (vllm/envs.py, 0.32 to 0.34)
 STEP_FRACTION = 0.1  # the connector's waits inside one step: at most this of the limit
@@ -37,7 +39,7 @@ SAVE_FRACTION, SAVE_CAP_S = 0.4, 120.0
 GRACE_S = 2.0  # past a running job's deadline, the job table gives up on it
 
 
-class LimitError(ValueError):
+class LimitError(BsrValueError):
     """vLLM's step limit in the environment is not a number vLLM accepts."""
 
 
