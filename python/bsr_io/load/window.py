@@ -48,7 +48,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -325,21 +325,9 @@ def chunk_ranges(dest: Destination, index: int) -> list[memory.Range]:
     return [] if where is None else memory.ranges_of(where)
 
 
-def unusable_chunks(dest: Destination) -> frozenset[int]:
-    """The chunks of `dest` whose bytes a given-up read may still write (memory.py: by
-    address, whichever object `dest` is)."""
-    if not memory.any_owned():
-        return frozenset()
-    whole = getattr(dest, "host_memory", None)
-    if whole is not None and memory.owned_by_kernel(map(memory.address_of, whole())) is None:
-        return frozenset()
-    n = getattr(dest, "capacity_chunks", 0)
-    return frozenset(i for i in range(n) if memory.owned_by_kernel(chunk_ranges(dest, i)))
-
-
-def refuse_kernel_owned(dest: Destination, chunks: int) -> None:
-    """KernelOwnedMemory when a read given up earlier may still write the memory of one
-    of `dest`'s first `chunks` chunks."""
+def _kernel_owned(dest: Destination, chunks: int) -> Iterator[tuple[int, memory.Range]]:
+    """Each of `dest`'s first `chunks` chunks whose memory a read given up earlier may
+    still write, with the range the kernel owns (memory.py: by address)."""
     if not memory.any_owned():
         return
     whole = getattr(dest, "host_memory", None)
@@ -348,14 +336,26 @@ def refuse_kernel_owned(dest: Destination, chunks: int) -> None:
     for i in range(chunks):
         held = memory.owned_by_kernel(chunk_ranges(dest, i))
         if held is not None:
-            lo, hi = held
-            raise KernelOwnedMemory(
-                f"chunk {i}'s host memory may still be written by a read given up earlier: "
-                f"bytes {lo:#x}..{hi:#x} are still owned by the kernel until it returns "
-                "them; restore into other memory",
-                start=lo,
-                end=hi,
-            )
+            yield i, held
+
+
+def unusable_chunks(dest: Destination) -> frozenset[int]:
+    """The chunks of `dest` whose bytes a given-up read may still write (memory.py: by
+    address, whichever object `dest` is)."""
+    return frozenset(i for i, _ in _kernel_owned(dest, getattr(dest, "capacity_chunks", 0)))
+
+
+def refuse_kernel_owned(dest: Destination, chunks: int) -> None:
+    """KernelOwnedMemory when a read given up earlier may still write the memory of one
+    of `dest`'s first `chunks` chunks."""
+    for i, (lo, hi) in _kernel_owned(dest, chunks):
+        raise KernelOwnedMemory(
+            f"chunk {i}'s host memory may still be written by a read given up earlier: "
+            f"bytes {lo:#x}..{hi:#x} are still owned by the kernel until it returns "
+            "them; restore into other memory",
+            start=lo,
+            end=hi,
+        )
 
 
 class Window:
