@@ -25,12 +25,20 @@ def threads_env(tp: int) -> dict[str, str]:
     return env
 
 
-def run_harness(what: str, tp: int, work: Path, timeout: float) -> dict:
+def run_harness(
+    what: str,
+    tp: int,
+    work: Path,
+    timeout: float,
+    module: str = HARNESS,
+    extra: tuple[str, ...] = (),
+) -> dict:
+    """`python -m module what --tp .. --work .. --out .. *extra` (the harness's by default)."""
     out = work / f"{what}.json"
     cmd = [
         sys.executable,
         "-m",
-        HARNESS,
+        module,
         what,
         "--tp",
         str(tp),
@@ -38,6 +46,7 @@ def run_harness(what: str, tp: int, work: Path, timeout: float) -> dict:
         str(work / what),
         "--out",
         str(out),
+        *extra,
     ]
     proc = subprocess.run(cmd, env=threads_env(tp), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
