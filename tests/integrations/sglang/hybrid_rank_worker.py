@@ -113,9 +113,7 @@ def main() -> None:
     ka = keys(N, "prefix A")
     for i, c in enumerate(s.sidecars):
         fill(c.pool, AT, seed=100 * r + i)
-    assert b.batch_set_v2([transfer(c, ka, AT) for c in full]) == {
-        c.name: [True] * N for c in full
-    }
+    assert b.batch_set_v2([transfer(c, ka, AT) for c in full]) == {c.name: [True] * N for c in full}
     for end in (3, 6) if r == 0 else (2, 6):
         lo = end - swa.window
         assert b.batch_set_v2([transfer(swa, ka[lo:end], AT[lo:end])]) == {
