@@ -32,7 +32,9 @@ process: they always return, a failure being `False` (or 0 hits).
 - v2 (hybrid models): every registered host pool is its own allocator group
   (`PoolGroup`); `batch_exists_v2` folds the pools' hit policies (`hybrid.fold_hits`),
   `batch_get_v2` cuts every pool at the first page any pool (or the KV read just
-  before) failed, `batch_set_v2` counts a page stored only when every pool's record is.
+  before) failed, each pool's read bounded by its own `timeout_s` and held, as v1's
+  is, until the kernel returns its pages; `batch_set_v2` counts a page stored only when
+  every pool's record is.
 - `batch_set_v1`: pages already stored are `True` at once; the others are gathered
   into slots and written crash-safe (temp file, fdatasync, rename). Only the storage
   writer writes (MLA: one rank); the others report `True` (the writer holds them).
@@ -231,7 +233,6 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
         named = {str(t.name): list(t.keys or []) for t in transfers}
         done = dict.fromkeys(named, 0)
         try:
-            deadline = time.monotonic() + self.settings.timeout_s
             chain = max(named.values(), key=len, default=[])
             at = {k: i for i, k in enumerate(chain)}
             kv = self.groups.get("kv")
@@ -254,10 +255,13 @@ class BsrHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang ships n
                         raise ValueError(
                             f"{name}: {t.host_indices.numel()} host indices for {len(ks)} pages"
                         )
+                    # Each pool's read has its own `timeout_s`, as the KV's v1 read
+                    # has: a pool held for the kernel (a stall) has spent the batch's
+                    # time, and the pages before its cut must still land in the rest.
                     done[name] = g.read(
                         ks[:want],
                         t.host_indices[: want * per],
-                        deadline,
+                        time.monotonic() + self.settings.timeout_s,
                         self._until_returned,
                         self._count,
                     )
