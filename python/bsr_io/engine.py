@@ -1,5 +1,5 @@
-"""Zero-copy numpy and torch views of engine slots, CUDA host registration, and the
-registration of caller memory with an engine's ring, once per memory.
+"""Zero-copy numpy and torch views of engine slots, and CUDA host registration. (Caller
+memory registered with an engine's ring has its owner in load/memory.py.)
 
 Every view made here holds a reference to the `Slot` (numpy through the buffer
 export, whose `obj` is the Slot; torch through the object it was built from), so a
@@ -9,37 +9,23 @@ slot is never refilled while a view of it is alive.
 from __future__ import annotations
 
 import time
-import weakref
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
-from bsr_io._core import (
-    Engine,
-    EngineBrokenError,
-    EngineClosedError,
-    MemoryRegistration,
-    NoFreeSlot,
-    Slot,
-)
+from bsr_io._core import Engine, NoFreeSlot, Slot
 from bsr_io.errors import BsrValueError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "RegisteredMemory",
     "as_numpy",
     "as_tensor",
     "give_back",
     "lease",
     "register_cuda",
-    "REGISTER_TIMEOUT_S",
-    "register_memory",
-    "registered",
-    "registrations",
     "unregister_cuda",
 ]
 
@@ -158,112 +144,3 @@ def unregister_cuda(engine: Engine) -> None:
     code = int(getattr(err, "value", err))
     if code != 0:
         raise RuntimeError(f"cudaHostUnregister at {addr:#x} failed: error {code}")
-
-
-# -- caller memory registered with an engine's ring ------------------------------------
-
-Spans = tuple[tuple[int, int], ...]
-
-
-class RegisteredMemory:
-    """Host buffers registered with one engine's ring (`register_memory`), shared by every
-    holder over the same memory. `registration` is None where the kernel refused it
-    (RLIMIT_MEMLOCK, a full table): reads into the buffers then go unregistered."""
-
-    __slots__ = ("__weakref__", "registration", "spans")
-
-    def __init__(self, spans: Spans, registration: MemoryRegistration | None) -> None:
-        self.spans = spans
-        self.registration = registration
-
-    @property
-    def entries(self) -> int:
-        return 0 if self.registration is None else self.registration.entries
-
-
-# Per engine: each registered memory by its buffers' (address, length), alive while a
-# holder keeps it; the holders (destinations, kept weakly) and what each holds; and how
-# many registrations the engine was asked for. Keyed by memory, not by the object that
-# asks, so per-request destinations over one serving pool share one registration.
-_by_memory: weakref.WeakKeyDictionary[Engine, dict[Spans, weakref.ref[RegisteredMemory]]] = (
-    weakref.WeakKeyDictionary()
-)
-_holders: weakref.WeakKeyDictionary[Engine, weakref.WeakKeyDictionary[Any, RegisteredMemory]] = (
-    weakref.WeakKeyDictionary()
-)
-_made: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
-
-
-def _spans(bufs: Sequence[Any]) -> Spans:
-    out = []
-    for b in bufs:
-        a = np.asarray(memoryview(b))
-        out.append((int(a.__array_interface__["data"][0]), int(a.nbytes)))
-    return tuple(out)
-
-
-# How long a registration waits for the engine's I/O thread, outside a run's deadline:
-# a waiting thread is woken for it, but one held in a system call takes it only after.
-REGISTER_TIMEOUT_S = 30.0
-
-
-def register_memory(
-    engine: Engine, bufs: Sequence[Any], holder: Any = None, timeout: float = REGISTER_TIMEOUT_S
-) -> RegisteredMemory:
-    """`bufs` (writable host buffers) registered with `engine`'s ring, once per engine and
-    memory: a later call over the same buffers (same addresses and lengths) gets the same
-    registration, whoever asks. It lasts while someone holds it: the returned object (the
-    memory's owner, a serving engine's KV pool, may keep it for the memory's life) or
-    `holder` (kept weakly: a destination, for as long as it lives). The kernel pins the
-    pages once; the registration holds the buffers (exported) until it ends.
-
-    TimeoutError when the I/O thread has not taken it within `timeout` seconds (a hung
-    request holds the thread): the buffers are then never registered, nothing is kept,
-    and a later call tries again."""
-    spans = _spans(bufs)
-    held = _holders.get(engine)
-    if held is None:
-        held = _holders[engine] = weakref.WeakKeyDictionary()
-    if holder is not None:
-        mine = held.get(holder)
-        if mine is not None and mine.spans == spans:
-            return mine
-    known = _by_memory.get(engine)
-    if known is None:
-        known = _by_memory[engine] = {}
-    ref = known.get(spans)
-    got = None if ref is None else ref()
-    if got is None:
-        _made[engine] = _made.get(engine, 0) + 1
-        try:
-            reg: MemoryRegistration | None = engine.register_memory(list(bufs), max(0.0, timeout))
-        except (NoFreeSlot, EngineClosedError, EngineBrokenError):
-            raise
-        except TimeoutError as exc:
-            raise TimeoutError(
-                f"registering memory waited {timeout:.3g} s for the engine's I/O thread "
-                "(a request it holds has not returned); nothing registered"
-            ) from exc
-        except (OSError, ValueError):
-            reg = None
-        got = RegisteredMemory(spans, reg)
-
-        def gone(r: weakref.ref[RegisteredMemory], table: dict[Spans, Any] = known) -> None:
-            if table.get(spans) is r:
-                del table[spans]
-
-        known[spans] = weakref.ref(got, gone)
-    if holder is not None:
-        held[holder] = got
-    return got
-
-
-def registered(engine: Engine, bufs: Sequence[Any]) -> RegisteredMemory | None:
-    """The live registration of exactly `bufs` with `engine`'s ring, if any."""
-    ref = _by_memory.get(engine, {}).get(_spans(bufs))
-    return None if ref is None else ref()
-
-
-def registrations(engine: Engine) -> int:
-    """How many registrations of memory `engine`'s ring was asked for so far."""
-    return _made.get(engine, 0)

@@ -15,9 +15,9 @@ import torch
 from bsr_io import Engine
 from bsr_io._core import AlignmentError, xxh3_64, xxh3_runs
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
-from bsr_io.engine import registered, registrations
 from bsr_io.faults import Fault, FaultPlan
 from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.load.memory import registered, registrations
 from bsr_io.model.layout import AllocatorGroup, KVLayout
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.restore import Restorer
@@ -234,7 +234,7 @@ def test_a_lasting_cache_is_registered_with_the_ring_once_for_its_life(tmp_path:
     res = _restore(store, engine, tokens, dest)
     assert res.outcome == "complete" and res.timings["direct_chunks"] == CHUNKS and _ok(dest)
     reg = registered(engine, dest.host_runs(0)[0])
-    assert reg is not None and reg.entries == len(spans) and registrations(engine) == 1
+    assert reg is not None and reg.entries(engine) == len(spans) and registrations(engine) == 1
     assert all(_ring_holds(a, n, True) for a, n in spans), "the kernel holds each tensor"
     # A second restore reads into the same registration; a fresh window does not redo it.
     for t in dest.tensors:
@@ -293,7 +293,7 @@ def test_per_request_caches_over_one_pool_cost_one_registration(tmp_path: Path) 
     held = pool.register(engine)  # the pool's owner registers it for the pool's life
     for _ in range(100):  # requests one after another
         request()
-    assert registrations(engine) == 2 and held.entries == len(spans)
+    assert registrations(engine) == 2 and held.entries(engine) == len(spans)
     assert _entries(spans) == len(spans)
     # Control: one registration per destination object, as the keying by destination
     # gave, is what the kernel's table shows growing.
@@ -330,6 +330,6 @@ def test_a_backend_without_registration_reads_the_cache_plainly(tmp_path: Path) 
     res = _restore(store, engine, tokens, dest)
     assert res.outcome == "complete" and _ok(dest)
     reg = registered(engine, dest.host_runs(0)[0])
-    assert reg is not None and reg.entries == 0 and reg.registration is not None
+    assert reg is not None and reg.entries(engine) == 0 and reg.registration(engine) is not None
     with pytest.raises(ValueError, match="empty"):
         Engine(1, 4096).register_memory([np.zeros(0, dtype=np.uint8)])

@@ -18,6 +18,7 @@ from bsr_io.cli.synthetic import fill_state, synthetic_chunk
 from bsr_io.errors import KernelOwnedMemory
 from bsr_io.load import memory
 from bsr_io.load.kvcache import HostBuffers, PagedKVCache
+from bsr_io.load.memory import registered
 from bsr_io.load.window import chunk_ranges, refuse_kernel_owned, unusable_chunks
 from bsr_io.model.layout import AllocatorGroup, KVLayout
 from bsr_io.restore import Restorer
@@ -106,3 +107,44 @@ def test_owned_ranges_are_found_by_address_through_any_buffer_object(
             stall.release()
             assert memory.wait_returned(chunk_ranges(views, STALLED), 30.0)
         assert unusable_chunks(views) == frozenset()
+
+
+# Two groups: a cache whose memory is two buffers, registered as one owner.
+TWO = KVLayout(
+    "owned2",
+    tuple(AllocatorGroup(n, torch.bfloat16, (512,), 16) for n in ("k", "v")),
+    chunk_tokens=16,
+)
+
+
+def test_the_memorys_one_owner_holds_its_registration_and_the_kernels_ranges(
+    backend: str, tmp_path: Path
+) -> None:
+    """One object per host memory: the owner the window registered a lasting cache's
+    two buffers under is the one that holds the ranges a given-up read may still write,
+    and a buffer given up in before its memory was registered passes its range to the
+    owner the registration makes (one owner, not two over the same bytes)."""
+    with Engine(2, TWO.chunk_bytes, backend=backend) as engine:
+        tier = SSDTier(tmp_path / "l2", None, engine)
+        tokens, keys = fill_state(tier, TWO, TWO.chunk_tokens * CHUNKS, seed=5, model="m")
+        r = Restorer(Store([tier]), TWO, engine=engine, model="m", timeout_s=1.0)
+        lasting = PagedKVCache.allocate(TWO, TWO.chunk_tokens * CHUNKS)
+        short = PagedKVCache.allocate(TWO, TWO.chunk_tokens * CHUNKS)
+        short.lasting = False  # never registered by a load
+        with late_file(tier.path_of(keys[STALLED]), delay_s=120.0) as stall:
+            for cache in (lasting, short):
+                assert r.restore(r.probe(tokens), cache).unusable_chunks == [STALLED]
+            owner = registered(engine, lasting.host_memory())
+            assert owner is not None, "the lasting cache's memory is registered"
+            assert sorted(owner.owned()) == sorted(chunk_ranges(lasting, STALLED))
+            assert all(memory.owner_of(b) is owner for b in lasting.host_memory())
+            # The short cache's ranges have owners of a buffer each, until its memory is
+            # registered: then the registration's owner holds them.
+            assert registered(engine, short.host_memory()) is None
+            held = short.register(engine)
+            assert held.registered_with(engine) and held is not owner
+            assert sorted(held.owned()) == sorted(chunk_ranges(short, STALLED))
+            assert all(memory.owner_of(b) is held for b in short.host_memory())
+            stall.release()
+            assert owner.wait_returned(30.0) and held.wait_returned(30.0)
+        assert owner.owned() == [] and held.owned() == []

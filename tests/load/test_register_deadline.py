@@ -27,8 +27,8 @@ from stalls import lane_held
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
-from bsr_io.engine import registered, registrations
 from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.load.memory import registered, registrations
 from bsr_io.load.window import Window
 from bsr_io.model.layout import AllocatorGroup, KVLayout
 from bsr_io.tiers import SSDTier
@@ -80,7 +80,7 @@ def test_an_owners_registration_is_taken_while_a_request_hangs(backend, tmp_path
             # Before wakes this was a TimeoutError: the thread waited for the FIFO.
             reg = got[0]
             assert not isinstance(reg, BaseException), reg
-            assert reg.entries >= 1 and registered(engine, _bufs(dest)) is reg
+            assert reg.entries(engine) >= 1 and registered(engine, _bufs(dest)) is reg
 
 
 def test_a_run_behind_a_hung_request_ends_at_its_deadline(backend, tmp_path):

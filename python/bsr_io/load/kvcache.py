@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from bsr_io._core import Engine
-from bsr_io.engine import REGISTER_TIMEOUT_S, RegisteredMemory, register_memory
 from bsr_io.errors import BsrValueError, expect_type
+from bsr_io.load.memory import REGISTER_TIMEOUT_S, HostMemory, register_memory
 from bsr_io.model.layout import KVLayout
 
 
@@ -72,7 +72,7 @@ class PagedKVCache:
     chunks share blocks, and for a cache whose owner may hand its blocks elsewhere
     mid-restore. `lasting`: the cache outlives a restore (it is the serving engine's KV
     cache), so its buffers are worth registering with the engine's ring, once per
-    memory (engine.py `register_memory`): per-request caches over one pool share it.
+    memory (memory.py `register_memory`): per-request caches over one pool share it.
     """
 
     direct_reads = True
@@ -219,12 +219,13 @@ class PagedKVCache:
             return event
         return None
 
-    def register(self, engine: Engine, timeout: float = REGISTER_TIMEOUT_S) -> RegisteredMemory:
+    def register(self, engine: Engine, timeout: float = REGISTER_TIMEOUT_S) -> HostMemory:
         """Register this cache's host memory with `engine`'s ring for as long as the
-        returned object is kept: its owner (a serving engine, for its KV pool's life)
-        keeps it, and every destination made over the same tensors (a request's view
-        with its own block ids) reads into that one registration. TimeoutError when
-        the engine's I/O thread is held past `timeout` seconds (nothing registered)."""
+        returned object (the memory's owner, memory.py) is kept: a serving engine keeps
+        it for its KV pool's life, and every destination made over the same tensors (a
+        request's view with its own block ids) is a view of it and reads into that one
+        registration. TimeoutError when the engine's I/O thread is held past `timeout`
+        seconds (nothing registered)."""
         bufs = [b for b in self._host_bytes if b is not None]
         if len(bufs) != len(self._host_bytes):
             raise BsrValueError("only a cache in host memory can be registered with a ring")

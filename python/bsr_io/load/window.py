@@ -61,7 +61,7 @@ from bsr_io._core import (
     Slot,
     xxh3_runs,
 )
-from bsr_io.engine import give_back, register_memory, wait_for_slot
+from bsr_io.engine import give_back, wait_for_slot
 from bsr_io.errors import (
     BsrValueError,
     ChunkError,
@@ -294,11 +294,12 @@ class _NotStarted(_Read):
 
 
 def register_once(engine: Engine, dest: Destination, bufs: Sequence[Any], timeout: float) -> None:
-    """Register a lasting destination's buffers with `engine`'s ring, once per memory
-    (engine.py): every destination over the same buffers (per-request views of one
-    serving pool) shares the registration, which lasts while one of them, or the
-    memory's owner (`PagedKVCache.register`), holds it. TimeoutError past `timeout`."""
-    register_memory(engine, bufs, holder=dest, timeout=timeout)
+    """Register a lasting destination's buffers with `engine`'s ring, once per memory:
+    the destination is a view of the memory's one owner (memory.py `HostMemory`), which
+    every destination over the same buffers (per-request views of one serving pool)
+    shares, and which lasts while one of them, or the pool's owner
+    (`PagedKVCache.register`), holds it. TimeoutError past `timeout`."""
+    memory.register_memory(engine, bufs, holder=dest, timeout=timeout)
 
 
 @dataclass
@@ -317,6 +318,11 @@ class InstallReport:
     unusable: list[int] = field(default_factory=list)
     # Those reads, kept: the caller learns from them when the memory is its own again.
     given_up: list[DirectChunk] = field(default_factory=list)
+    # When each step of the run happened (time.perf_counter): "begin", "registered"
+    # (a lasting destination's buffers with the ring), "first_submitted" (chunk 0's read
+    # handed to the engine), "first_hash" and "last_hash" (a chunk's verification began:
+    # its read had landed), "end". A bench's phase breakdown; a few stamps per run.
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 def chunk_ranges(dest: Destination, index: int) -> list[memory.Range]:
@@ -426,6 +432,7 @@ class Window:
         the run still reports the failure."""
         self._begin(keys, sources, dest, sizes, slot_deadline, read_deadline)
         report = self._report
+        report.marks["begin"] = time.perf_counter()
         stop_every = stop_every or self.width
         deadline = reads_by(self._read_deadline)  # a tier's waits to start a read too
         try:
@@ -451,6 +458,7 @@ class Window:
         finally:
             self._end()
             reads_end(deadline)
+            report.marks["end"] = time.perf_counter()
         if report.failed_chunks and not report.error:
             report.error = f"chunks {report.failed_chunks[:8]} unavailable in every tier"
         return report
@@ -493,6 +501,8 @@ class Window:
         while self._next < len(self._keys) and len(self._reads) + len(self._held) < self.width:
             try:
                 self._reads.append(self._submit(self._next))
+                if self._next == 0:
+                    self._report.marks["first_submitted"] = time.perf_counter()
             except NoFreeSlot:
                 # Back-pressure: finish what is ours first; with nothing of ours in
                 # flight, wait for someone else's slot.
@@ -539,6 +549,7 @@ class Window:
             self._register = False
             try:
                 register_once(self.engine, self._dest, where[0], self._remaining())
+                self._report.marks["registered"] = time.perf_counter()
             except TimeoutError:
                 # The I/O thread is held past the run's deadline: no direct read (its
                 # blocks would be written late); slot reads end the run as timed out.
@@ -708,7 +719,7 @@ class Window:
         return _SlotRead(trail.index, trail.key, source, pending).wait(self._remaining())
 
     def _install(self, index: int, slot: Slot, pending: PendingChunk | None) -> Fence | None:
-        t0 = time.perf_counter()
+        t0 = self._hash_mark()
         try:
             if self._pool is not None and pending is not None and pending.expected_xxh3 is not None:
                 where = fused_runs(self._dest, index) if self.fused else None
@@ -729,10 +740,18 @@ class Window:
 
     def _hash_in_place(self, where: HostRuns) -> int:
         """xxh3 of a direct read's bytes where they lie (counted as install time)."""
-        t0 = time.perf_counter()
+        t0 = self._hash_mark()
         got = xxh3_runs(*where)
         self._install_s += time.perf_counter() - t0
         return got
+
+    def _hash_mark(self) -> float:
+        """Now; a chunk's read has landed and its verification begins."""
+        now = time.perf_counter()
+        marks = self._report.marks
+        marks.setdefault("first_hash", now)
+        marks["last_hash"] = now
+        return now
 
     def _credit(self, index: int, landed: _Landed) -> str:
         """Count chunk `index`'s bytes (and its fallback) to the tier that delivered it."""

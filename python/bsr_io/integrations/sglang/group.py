@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from bsr_io._core import Engine, MemoryRegistration
-from bsr_io.engine import REGISTER_TIMEOUT_S
+from bsr_io._core import Engine
 from bsr_io.integrations.sglang.config import Settings
 from bsr_io.integrations.sglang.identity import RankIdentity
 from bsr_io.integrations.sglang.pages import HostPages, PoolPages
 from bsr_io.load.discovery import sources_of
+from bsr_io.load.memory import HostMemory, register_memory
 from bsr_io.load.records import LoadOptions, windowed_install
 from bsr_io.model.keys import ChunkKey
 from bsr_io.save.records import save_records
@@ -52,7 +52,7 @@ class PoolGroup:
         nbytes = layout.chunk_bytes
         self.read_engine = Engine(s.window, nbytes, queue_depth=s.queue_depth, backend=backend)
         self.write_engine = Engine(s.window, nbytes, queue_depth=s.queue_depth, backend=backend)
-        self.registration: MemoryRegistration | None = None
+        self.memory: HostMemory | None = None  # the pool's owner, registered
         self.read_lock = threading.Lock()  # the read engine's W slots serve one batch
         ssd: str | list[str] = s.store_dirs[0] if len(s.store_dirs) == 1 else list(s.store_dirs)
         store = open_store(
@@ -67,12 +67,17 @@ class PoolGroup:
         self.store = store
         self.fingerprint = layout.fingerprint()
         if s.direct_reads:
-            try:  # once: the kernel pins the pool's pages now, not per read
-                bufs: list[Any] = list(pages.views)  # numpy arrays: buffers to the engine
-                self.registration = self.read_engine.register_memory(bufs, REGISTER_TIMEOUT_S)
-            except (OSError, ValueError) as exc:
+            # Once: the kernel pins the pool's pages now, not per read. The pool's memory
+            # has one owner (memory.py): every batch's pages are a view of it.
+            bufs: list[Any] = list(pages.views)  # numpy arrays: buffers to the engine
+            why = "the kernel refused it"
+            try:
+                self.memory = register_memory(self.read_engine, bufs)
+            except TimeoutError as exc:
+                why = str(exc)
+            if self.memory is None or self.memory.registration(self.read_engine) is None:
                 logger.info(
-                    "bsr HiCache: %s memory not registered (%s); reads still direct", name, exc
+                    "bsr HiCache: %s memory not registered (%s); reads still direct", name, why
                 )
         ours = self.key("").namespace()  # model, world, rank, layout (the pool's own)
         dirs = [Path(d) / "chunks" for d in s.store_dirs]
@@ -242,7 +247,7 @@ class PoolGroup:
     def close(self) -> None:
         self.catalog.close()  # its thread lists the store: stopped first
         self.store.close()
-        if self.registration is not None:
-            self.registration.close()
+        if self.memory is not None:
+            self.memory.unregister(self.read_engine)
         for e in (self.read_engine, self.write_engine):
             e.close()
