@@ -39,6 +39,7 @@ from bsr_io.tiers.base import (
     Tier,
 )
 from bsr_io.tiers.files import FileTier
+from bsr_io.tiers.files.listing import held_bytes
 from bsr_io.tiers.ssd import SSDTier
 
 RECHECK_S = 30.0  # how long a failing drive is left out before it is tried again
@@ -90,16 +91,9 @@ def check_drive_dirs(
 
 
 def _held_bytes(root: Path) -> int:
-    total = 0
-    chunks = root / "chunks"
-    if chunks.is_dir():
-        for dirpath, _, files in os.walk(chunks):
-            for f in files:
-                try:
-                    total += os.lstat(os.path.join(dirpath, f)).st_size
-                except OSError:
-                    pass
-    return total
+    """The bytes of the records a drive directory holds, through the tier's listing (the
+    one way anything learns what a store holds)."""
+    return held_bytes(root / "chunks")
 
 
 class StripedSSDTier(Tier):

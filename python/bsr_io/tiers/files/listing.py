@@ -1,10 +1,12 @@
 """What a store directory holds, by name: the one listing every component goes through.
 
-The tier's scan (index.py), the vLLM worker's inventory and recheck, and any catalog an
-integration keeps of a rank's records all take their names from here, so they agree
-with each other and with the opens. A load opens a record with no link in any
-component below the store (the engine's openat2 RESOLVE_NO_SYMLINKS, or its walk) and
-only if it is a regular file, so the listing counts exactly that:
+The tier's scan (index.py), the vLLM worker's inventory and recheck, any catalog an
+integration keeps of a rank's records, a striped tier's capacity check and the
+quarantine's own list all take their names from here, so they agree with each other and
+with the opens (tests/store/test_one_listing.py: no other module lists a store). A load
+opens a record with no link in any component below the store (the engine's openat2
+RESOLVE_NO_SYMLINKS, or its walk) and only if it is a regular file, so the listing
+counts exactly that:
 
     <chunks dir>/<namespace>/<chunk hash>.chunk
         namespace  a real directory (not a link) whose name matches NS_RE
@@ -136,3 +138,32 @@ def holds(chunks_dir: Path, ns: str, chunk_hash: int) -> bool:
         return record_stat(chunks_dir, ns, chunk_hash) is not None
     except OSError:
         return False
+
+
+def held_bytes(chunks_dir: Path) -> int:
+    """The bytes of the records under `chunks_dir` (each file's size), by the listing's
+    rules: what a tier over it would hold, known before the tier scans it (a capacity
+    check at start). An absent `chunks_dir` holds nothing; a record removed meanwhile
+    counts nothing; a directory that cannot be read raises OSError."""
+    try:
+        names = namespaces(chunks_dir)
+    except FileNotFoundError:
+        return 0
+    total = 0
+    for ns in names:
+        for _, path in records(chunks_dir / ns):
+            try:
+                total += os.lstat(path).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def quarantined(quarantine_dir: Path) -> list[Path]:
+    """The records moved aside into `quarantine_dir` (quarantine.py), by name, sorted;
+    none where it does not exist or cannot be read."""
+    try:
+        with os.scandir(quarantine_dir) as it:
+            return sorted(Path(e.path) for e in it if e.name.endswith(SUFFIX))
+    except OSError:
+        return []

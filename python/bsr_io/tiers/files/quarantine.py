@@ -15,6 +15,7 @@ from pathlib import Path
 
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.record import RecordFormatError
+from bsr_io.tiers.files.listing import quarantined
 from bsr_io.tiers.files.records import SUFFIX, RecordId, mkdir_private, read_header
 
 
@@ -74,10 +75,7 @@ class Quarantine:
         return (st.st_ino, st.st_mtime_ns, st.st_size) in self._unmovable
 
     def files(self) -> list[Path]:
-        try:
-            return sorted(self.dir.glob("*" + SUFFIX))
-        except OSError:
-            return []
+        return quarantined(self.dir)
 
 
 def _is_record(path: Path, record: RecordId) -> bool:
