@@ -167,6 +167,7 @@ class Restorer:
         # Numbered before discovery: a discovery that raises must not leave this rank's
         # count of unnamed requests behind the others'.
         request = self.agreement.request(request_id, tag=_content_tag(keys))
+        t0 = time.perf_counter()
         try:
             deadline = time.monotonic() + self.timeout_s
             sources, group_hits = discover(self.tiers, keys, self.layout, deadline)
@@ -174,7 +175,9 @@ class Restorer:
         except DiscoveryTimedOut as exc:
             # No hit on this rank; the others learn it from the agreement below.
             sources, group_hits, stalled = [], {}, str(exc)
+        t1 = time.perf_counter()
         agreed, reason = self.agreement.agree_min(len(sources), request)
+        timings = {"discover_s": t1 - t0, "agree_s": time.perf_counter() - t1}
         reason = stalled or reason
         if not reason and agreed < len(sources):
             reason = f"hit shortened from {len(sources)} to {agreed} chunks by another rank"
@@ -195,6 +198,7 @@ class Restorer:
             reason=reason,
             request_id=request_id,
             request=request,
+            timings=timings,
         )
 
     def restore(
@@ -237,7 +241,7 @@ class Restorer:
             "commit_s": t_done - t_installed,
             "total_s": t_done - t_start,
         }
-        return load_result(
+        result = load_result(
             decision.commit,
             report,
             decision.reason,
@@ -246,6 +250,8 @@ class Restorer:
             engine=self.engine,
             timings=timings,
         )
+        result.marks.update(start=t_start, installed=t_installed, committed=t_done)
+        return result
 
     def _install(
         self, plan: Plan, dest: Destination, vote: Vote, mismatch: str

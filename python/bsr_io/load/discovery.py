@@ -76,6 +76,8 @@ class Plan:
     reason: str = ""  # why the hit is zero or short, when known
     request_id: str | None = None  # the caller's id of this request, if it gave one
     request: str = ""  # the request's agreement namespace, the same on every rank
+    # Seconds spent finding this rank's hit ("discover_s") and agreeing on it ("agree_s").
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def hit_tokens(self) -> int:

@@ -52,6 +52,9 @@ class RestoreResult:
     # left the memory to the caller (never, after an engine break-down with the read in
     # the kernel's hands). Until then those blocks are not the caller's to reuse.
     unusable_returned: Callable[[], bool] | None = field(default=None, repr=False)
+    # When each step happened (time.perf_counter stamps: the install's, window.py
+    # `InstallReport.marks`, and the restore's "start", "installed", "committed").
+    marks: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def complete(self) -> bool:
@@ -165,6 +168,7 @@ def load_result(
         timed_out=report.timed_out if report else False,
         unusable_chunks=report.unusable if report else [],
         unusable_returned=_all_returned(report.given_up) if report and report.given_up else None,
+        marks=dict(report.marks) if report else {},
     )
 
 
