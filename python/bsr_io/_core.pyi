@@ -254,9 +254,13 @@ class Engine:
         queue_depth: int = 32,
         request_bytes: int = 4 << 20,
         backend: str | None = None,
+        inflight_bytes: int = 32 << 20,
     ) -> Self:
         """`backend`: None/"auto" (or env BSR_IO_BACKEND), "io_uring" (fixed buffers
         and registered files where allowed), "io_uring_plain", "pread".
+        `inflight_bytes`: at most this many bytes in flight per drive (io_uring; 0: the
+        queue depth alone bounds them), so a small read's first chunk lands while the
+        rest are read; a drive with nothing in flight always takes one request.
         Raises ValueError for window < 1, slot_bytes == 0, queue_depth < 1,
         request_bytes not a positive multiple of 4096; BackendUnavailable when an
         explicitly requested backend cannot start; NoMemoryError when the arena
@@ -268,9 +272,10 @@ class Engine:
     def features(self) -> dict[str, bool | int | str]:
         """What the probe found: fixed_buffers, registered_files, registered_memory
         (`register_memory` can take caller memory), mlock, hugepages,
-        queue_depth, request_bytes, open_path (how paths below a store's root are
-        resolved: "openat2", or "walk" where openat2 is missing or refused by a seccomp
-        profile), and `notes` (why something was skipped)."""
+        queue_depth, request_bytes, inflight_bytes (0: unbounded), open_path (how
+        paths below a store's root are resolved: "openat2", or "walk" where openat2 is
+        missing or refused by a seccomp profile), and `notes` (why something was
+        skipped)."""
     @property
     def window(self) -> int: ...
     @property

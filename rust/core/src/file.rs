@@ -36,6 +36,9 @@ pub struct EngineFile {
     /// Inline, or straight to a kernel worker where the file system may hold io_uring's
     /// submitting thread (FUSE, network: fstype.rs).
     submission: Submission,
+    /// The device the file lives on (st_dev): the I/O thread bounds bytes in flight per
+    /// drive (uring.rs).
+    dev: u64,
     /// Logical size: at open, then the furthest end written through the engine.
     size: AtomicU64,
     closed: AtomicBool,
@@ -308,6 +311,7 @@ impl EngineFile {
             writable: write,
             align,
             submission,
+            dev: st.st_dev as u64,
             size: AtomicU64::new(st.st_size as u64),
             closed: AtomicBool::new(false),
             registration_tried: AtomicBool::new(false),
@@ -334,6 +338,11 @@ impl EngineFile {
     /// How io_uring issues this file's requests (decided at open, fstype.rs).
     pub fn submission(&self) -> Submission {
         self.submission
+    }
+
+    /// The device it lives on (st_dev at open).
+    pub fn dev(&self) -> u64 {
+        self.dev
     }
 
     /// Offset/length alignment for I/O on this file (1 when buffered).

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use bsr_io_core::engine::DEFAULT_INFLIGHT_BYTES;
 use bsr_io_core::publish::Spec;
 use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
 
@@ -84,8 +85,8 @@ impl PyEngine {
 impl PyEngine {
     #[new]
     #[pyo3(
-        signature = (window, slot_bytes, *, queue_depth = None, request_bytes = None, backend = None),
-        text_signature = "(window, slot_bytes, *, queue_depth=32, request_bytes=4194304, backend=None)"
+        signature = (window, slot_bytes, *, queue_depth = None, request_bytes = None, backend = None, inflight_bytes = None),
+        text_signature = "(window, slot_bytes, *, queue_depth=32, request_bytes=4194304, backend=None, inflight_bytes=33554432)"
     )]
     fn new(
         py: Python<'_>,
@@ -94,6 +95,7 @@ impl PyEngine {
         queue_depth: Option<&Bound<'_, PyAny>>,
         request_bytes: Option<&Bound<'_, PyAny>>,
         backend: Option<&Bound<'_, PyAny>>,
+        inflight_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         // Arguments converted here, not by PyO3, so a wrong type is a BsrTypeError.
         let as_usize = |name: &str, arg: &Bound<'_, PyAny>, min: i64| {
@@ -110,6 +112,9 @@ impl PyEngine {
             queue_depth: queue_depth.map_or(Ok(32), |a| as_usize("queue_depth", a, 1))?,
             request_bytes: request_bytes
                 .map_or(Ok(4 << 20), |a| as_usize("request_bytes", a, 1))?,
+            inflight_bytes: inflight_bytes.map_or(Ok(DEFAULT_INFLIGHT_BYTES), |a| {
+                as_usize("inflight_bytes", a, 0)
+            })?,
             backend: BackendChoice::resolve(opt_str_arg(backend, "backend")?.as_deref()).raise()?,
         };
         let inner = py.detach(|| Engine::new(cfg)).raise()?;
@@ -133,6 +138,7 @@ impl PyEngine {
         d.set_item("hugepages", f.hugepages)?;
         d.set_item("queue_depth", f.queue_depth)?;
         d.set_item("request_bytes", f.request_bytes)?;
+        d.set_item("inflight_bytes", f.inflight_bytes)?;
         d.set_item("open_path", f.open_path)?;
         d.set_item("notes", f.notes.join("; "))?;
         Ok(d)

@@ -53,6 +53,8 @@ const WAKE_ID: usize = usize::MAX;
 pub struct UringConfig {
     pub queue_depth: u32,
     pub request_bytes: u64,
+    /// Bytes in flight per drive (0: only the queue depth bounds them).
+    pub inflight_bytes: u64,
     /// Try fixed buffers and registered files (false: plain io_uring).
     pub register: bool,
 }
@@ -330,6 +332,15 @@ struct RingLoop {
     /// first (it takes them in order); `WAKE_ID` stands for the wake poll.
     unsubmitted: VecDeque<usize>,
     queue_depth: usize,
+    /// Per drive (st_dev), at most this many bytes in flight; 0: no bound but the depth.
+    /// A deep queue of large requests only waits in the device, and a small load's
+    /// chunks then all land at once; bounded, its first chunk lands while the rest are
+    /// read, so its hash overlaps them.
+    inflight_limit: u64,
+    /// (device, bytes in flight on it), one entry per drive seen.
+    drives: Vec<(u64, u64)>,
+    /// Per slab id: the (device, bytes) its request counted against `drives`.
+    counted: Vec<(u64, u64)>,
     fixed_buffers: bool,
     /// The slots' table entries are still empty: filled at the first slot request, so a
     /// ring whose every read goes straight into caller memory never pins the arena.
@@ -405,6 +416,9 @@ impl RingLoop {
             in_flight: 0,
             unsubmitted: VecDeque::new(),
             queue_depth: cfg.queue_depth as usize,
+            inflight_limit: cfg.inflight_bytes,
+            drives: Vec::new(),
+            counted: Vec::with_capacity(cfg.queue_depth as usize),
             fixed_buffers: info.fixed_buffers,
             slots_pending,
             memory: MemoryTable::new(arena.window(), info.memory_entries),
@@ -627,7 +641,7 @@ impl RingLoop {
             }
         }
         while self.in_flight < self.queue_depth {
-            let Some(mut req) = self.queue.pop_front() else {
+            let Some(mut req) = self.next_request() else {
                 break;
             };
             if !req.op.launch() {
@@ -639,6 +653,7 @@ impl RingLoop {
             }
             let id = self.free_ids.pop().unwrap_or_else(|| {
                 self.slab.push(InFlight::Free);
+                self.counted.push((0, 0));
                 self.slab.len() - 1
             });
             let entry = self.entry(&req, id as u64);
@@ -656,12 +671,47 @@ impl RingLoop {
                 break;
             }
             self.in_flight += 1;
+            self.count(id, req.op.file.dev(), req.remaining());
             if self.trace.is_some() {
                 let (depth, waiting) = (self.in_flight as u32, self.queue.len() as u32);
                 req.stamps.submitted = Some((Instant::now(), depth, waiting));
             }
             self.slab[id] = InFlight::Request(req);
             self.unsubmitted.push_back(id);
+        }
+    }
+
+    /// The first queued request whose drive has room for it (in order, so one drive's
+    /// requests keep theirs); with no bound, the queue's head.
+    fn next_request(&mut self) -> Option<Request> {
+        if self.inflight_limit == 0 {
+            return self.queue.pop_front();
+        }
+        let limit = self.inflight_limit;
+        let drives = &self.drives;
+        let room = |r: &Request| {
+            let dev = r.op.file.dev();
+            let used = drives.iter().find(|d| d.0 == dev).map_or(0, |d| d.1);
+            // An idle drive takes any request: one longer than the bound must still go.
+            used == 0 || used + r.remaining() <= limit
+        };
+        let at = self.queue.iter().position(room)?;
+        self.queue.remove(at)
+    }
+
+    /// Count `bytes` in flight on `dev` for slab entry `id` (taken back at its reap).
+    fn count(&mut self, id: usize, dev: u64, bytes: u64) {
+        self.counted[id] = (dev, bytes);
+        match self.drives.iter_mut().find(|d| d.0 == dev) {
+            Some(d) => d.1 += bytes,
+            None => self.drives.push((dev, bytes)),
+        }
+    }
+
+    fn uncount(&mut self, id: usize) {
+        let (dev, bytes) = std::mem::take(&mut self.counted[id]);
+        if let Some(d) = self.drives.iter_mut().find(|d| d.0 == dev) {
+            d.1 -= bytes;
         }
     }
 
@@ -797,6 +847,7 @@ impl RingLoop {
                     }
                 }
             }
+            self.uncount(id);
             self.free_ids.push(id);
             self.in_flight -= 1;
         }
@@ -992,6 +1043,7 @@ mod tests {
         let cfg = UringConfig {
             queue_depth,
             request_bytes: 4096,
+            inflight_bytes: 0,
             register,
         };
         UringDriver::start(cfg, Arc::clone(arena), health).ok()
