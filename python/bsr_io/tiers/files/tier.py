@@ -13,6 +13,7 @@ import os
 import time
 import traceback
 from abc import abstractmethod
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from bsr_io.tiers.files.records import (
     read_header,
     record_path,
 )
+from bsr_io.tiers.files.warm import Pins, prefetch
 
 PATHS_KEPT = 1 << 16  # record paths remembered per tier (a few MiB at most)
 
@@ -81,6 +83,7 @@ class FileTier(Tier):
         self._paths: dict[ChunkKey, Path] = {}
         self._room = Room(self._lock, capacity_bytes, self._index)
         self._quarantine = Quarantine(self.quarantine_dir)
+        self._pins = Pins()  # namespace directories held open: their paths stay cached
         self.problems: list[Problem] = []
         try:
             mkdir_private(self.chunks_dir)
@@ -111,6 +114,15 @@ class FileTier(Tier):
         )
         self._index.replace(found)
 
+    def prepare_probe(self, keys: Sequence[ChunkKey]) -> None:
+        # Cold metadata: the request's record files are stated side by side first
+        # (warm.py), so the probe's walk in order finds them in the kernel's caches.
+        prefetch([self.path_of(k) for k in keys])
+
+    def close(self) -> None:
+        self._pins.close()
+        super().close()
+
     def contains(self, key: ChunkKey, group: str | None = None) -> bool:
         path = self.path_of(key)
         try:  # the listing's rules, the opens' too: no link anywhere below chunks/
@@ -120,6 +132,7 @@ class FileTier(Tier):
         if st is None:
             self._index.forget(key)
             return False
+        self._pins.pin(path.parent)
         entry = self._index.get(key)
         if entry is not None and (entry.ino, entry.mtime_ns) == (st.st_ino, st.st_mtime_ns):
             return True
