@@ -89,6 +89,29 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--keep", action="store_true", help="keep the store afterwards")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--seed", type=int, default=None, help="seed of the per-round order")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="MIN:MAX",
+        help="sweep state sizes from MIN to MAX, doubling (e.g. 16MiB:8GiB), each next to "
+        "fio on huge pages, and fit the fixed cost (ttft_sweep.py); --tokens is ignored",
+    )
+    p.add_argument(
+        "--compare-inflight",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="with --sweep: also restore through an engine with this bound on bytes in "
+        "flight per drive (0: the queue depth alone, as before the bound), interleaved",
+    )
+    p.add_argument(
+        "--store-records",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --sweep: also restore prefixes from a store padded to N records of the "
+        "same model and rank (tiny ones) against one of 1000, interleaved (ttft_scale.py)",
+    )
     p.set_defaults(func=run)
 
 
@@ -140,6 +163,13 @@ def run(args: argparse.Namespace) -> int:
             "fio is not installed (Debian/Ubuntu: apt-get install fio); it is the "
             "reference this benchmark reports against"
         )
+    if args.sweep is not None:
+        from bsr_lab.bench.ttft_sweep import sweep_chunks
+
+        args.skip_naive = True
+        args.tokens = sweep_chunks(args.sweep, lay.chunk_bytes)[-1] * lay.chunk_tokens
+    elif args.compare_inflight is not None or args.store_records is not None:
+        raise ValueError("--compare-inflight and --store-records go with --sweep")
     chunks = args.tokens // lay.chunk_tokens
     disk, what = _disk_needed(lay, chunks)
     hint = "use --dir on a larger disk or fewer --tokens"
@@ -156,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
         ) as root,
         huge_page_buffers(FIO_DEPTH << 20) as huge,
     ):
+        if args.sweep is not None:
+            return _run_sweep(args, root, lay, huge)
         doc = measure(args, root, lay, huge)
     print_table(doc)
     write_json(args.json, doc)
@@ -164,6 +196,24 @@ def run(args: argparse.Namespace) -> int:
 
         plot_ttft(doc, args.plot)
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _run_sweep(args: argparse.Namespace, root: Path, lay: KVLayout, huge: HugeMem) -> int:
+    from bsr_lab.bench.ttft_sweep import measure_sweep, print_sweep
+
+    if huge.mount is None:
+        raise ValueError(f"the sweep compares against fio on huge pages: {huge.note}")
+    doc = measure_sweep(args, root, lay, huge)
+    if args.store_records is not None:
+        from bsr_lab.bench.ttft_scale import measure_scale, print_scale
+
+        sizes = [r["chunks"] for r in doc["sizes"]]
+        doc["store_scale"] = measure_scale(args, root, lay, sizes)
+    print_sweep(doc)
+    if "store_scale" in doc:
+        print_scale(doc["store_scale"])
+    write_json(args.json, doc)
     return 0
 
 

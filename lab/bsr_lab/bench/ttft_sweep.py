@@ -1,0 +1,275 @@
+"""`bsr-lab bench ttft --sweep MIN:MAX`: restore time against state size, in one run.
+
+One state of the largest size is written once; each size is a prefix of it (log-spaced,
+doubling from MIN to MAX). Every round restores each size (cold cache, fresh random order
+of sizes and of paths) next to fio reading the same record payloads on huge-page buffers
+(the drive's limit), and, with `--compare-inflight N`, next to the same restore through
+an engine whose bytes in flight per drive are bounded by N instead (0: by its queue
+depth alone, as before the bound). Per size: the medians, their ratio, the ratio within
+each round, and where the restore's time went (discovery, agreement, setup and
+registration, the first read, the stream, the last chunk's hash and install, the
+commit: the restore's own stamps, `RestoreResult.marks`, and the engine's request
+trace). Over all sizes: the fixed cost, the intercept of time against bytes, with a 95%
+bootstrap interval, for the restore and for fio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bsr_io._core import Engine
+from bsr_io.cli.fio import HugeMem, drop_caches, fio_read_payloads
+from bsr_io.errors import BsrValueError
+from bsr_io.load.kvcache import PagedKVCache
+from bsr_io.model.layout import KVLayout
+from bsr_io.model.record import HEADER_BYTES
+from bsr_io.model.sizes import GiB, MiB, parse_size
+from bsr_io.restore import Restorer
+from bsr_lab.bench.ttft_fit import fit_with_interval, median_phases, phases, trace_span
+from bsr_lab.bench_state import write_state
+from bsr_lab.machine_load import snapshot, summary
+from bsr_lab.ttft_paths import FIO_DEPTH, MODEL, TtftPaths
+
+FIXED_GOAL_S = 0.002  # the issue's goal for the fixed cost
+RATIO_GOALS = ((64 * MiB, 1.10), (256 * MiB, 1.03))  # (from this size up, at most)
+
+
+def sweep_chunks(spec: str, chunk_bytes: int) -> list[int]:
+    """Chunk counts of the sizes MIN, 2*MIN, ... up to MAX ("16MiB:8GiB"), each rounded
+    to whole chunks (at least one), without repeats."""
+    lo_s, sep, hi_s = spec.partition(":")
+    if not sep:
+        raise BsrValueError(f"--sweep {spec!r}: give MIN:MAX, e.g. 16MiB:8GiB")
+    lo, hi = parse_size(lo_s), parse_size(hi_s)
+    if not 0 < lo <= hi:
+        raise BsrValueError(f"--sweep {spec!r}: need 0 < MIN <= MAX")
+    out: list[int] = []
+    size = lo
+    while size <= hi:
+        n = max(1, round(size / chunk_bytes))
+        if n not in out:
+            out.append(n)
+        size *= 2
+    return out
+
+
+def goal_for(state_bytes: int) -> float | None:
+    """The issue's ratio goal at this size (None below the smallest size it names);
+    sizes within 5% below a goal's size (whole chunks) count as that size."""
+    goal = None
+    for at, ratio in RATIO_GOALS:
+        if state_bytes >= 0.95 * at:
+            goal = ratio
+    return goal
+
+
+class Sweep:
+    """The sweep's state: one written prefix, the restorers, the destination."""
+
+    def __init__(self, args: argparse.Namespace, root: Path, lay: KVLayout, huge: HugeMem):
+        self.args, self.lay, self.huge = args, lay, huge
+        self.sizes = sweep_chunks(args.sweep, lay.chunk_bytes)
+        args.tokens = self.sizes[-1] * lay.chunk_tokens
+        self.paths = TtftPaths(args, root, lay)  # the engine, store, keys of the largest
+        self.restorers = {"fast": self.paths.fast}
+        if args.compare_inflight is not None:
+            other = Engine(
+                args.window,
+                lay.chunk_bytes,
+                backend=args.backend,
+                inflight_bytes=args.compare_inflight,
+            )
+            self.restorers["fast_compare"] = Restorer(
+                self.paths.store, lay, window=args.window, engine=other, model=MODEL
+            )
+        self.dest: PagedKVCache | None = None
+
+    def prepare(self) -> float:
+        p = self.paths
+        write_s = write_state(p.l2, p.engine, self.lay, p.keys, p.seed, self.args.quiet)
+        self.dest = p.dest = PagedKVCache.allocate(self.lay, p.tokens)
+        for t in self.dest.tensors:
+            t.zero_()  # resident, as a serving engine's KV pool is
+        for r in self.restorers.values():
+            # Warm-up: the pool's registration with each ring happens once per process.
+            self.restore(r, self.sizes[0])
+        return write_s
+
+    def restore(self, r: Restorer, chunks: int) -> dict[str, Any]:
+        assert self.dest is not None
+        ids = self.paths.token_ids[: chunks * self.lay.chunk_tokens]
+        engine = r.engine
+        t_trace = time.perf_counter()
+        engine.trace_start()
+        t0 = time.perf_counter()
+        plan = r.probe(ids)
+        res = r.restore(plan, self.dest)
+        t_end = time.perf_counter()
+        span = trace_span(engine.trace_take(), t_trace)
+        if not res.complete or plan.hit_chunks != chunks:
+            raise RuntimeError(f"restore of {chunks} chunks: {res.reason or plan.reason}")
+        return {
+            "seconds": t_end - t0,
+            "phases_ms": phases(t0, plan.timings, res.marks, span, t_end),
+            "max_depth": span["max_depth"] if span else None,
+            "direct_chunks": int(res.timings.get("direct_chunks", 0)),
+        }
+
+    def fio(self, chunks: int) -> dict[str, Any]:
+        res = fio_read_payloads(
+            self.paths.l2.path_of(self.paths.keys[0]).parent,
+            payload_offset=HEADER_BYTES,
+            payload_bytes=self.lay.chunk_bytes,
+            files=chunks,
+            iodepth=FIO_DEPTH,
+            hugemem=self.huge,
+        )
+        return {"seconds": res.seconds or res.wall_s, "fio_runtime_s": res.seconds}
+
+
+def measure_sweep(
+    args: argparse.Namespace, root: Path, lay: KVLayout, huge: HugeMem
+) -> dict[str, Any]:
+    sw = Sweep(args, root, lay, huge)
+    write_s = sw.prepare()
+    methods = [*sw.restorers, "fio_hugemem"]
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
+    rng = random.Random(seed)
+    runs: dict[int, dict[str, list[dict[str, Any]]]] = {
+        n: {m: [] for m in methods} for n in sw.sizes
+    }
+    cold = True
+    loads = [snapshot()]
+    for r in range(args.rounds):
+        order = list(sw.sizes)
+        rng.shuffle(order)
+        for n in order:
+            paths = list(methods)
+            rng.shuffle(paths)
+            for m in paths:
+                cold &= drop_caches()
+                got = sw.fio(n) if m == "fio_hugemem" else sw.restore(sw.restorers[m], n)
+                runs[n][m].append(got)
+        loads.append(snapshot())
+        if not args.quiet:
+            print(f"round {r + 1}/{args.rounds} done (load {loads[-1]['loadavg'][0]})")
+    doc = report(sw, runs, methods, seed)
+    sw.paths.engine.close()
+    if "fast_compare" in sw.restorers:
+        sw.restorers["fast_compare"].engine.close()
+    doc.update(
+        {
+            "write_s": write_s,
+            "cold_cache": cold,
+            "load": summary(loads),
+            "load_snapshots": loads,
+            "machine_note": "shared machine: other sessions' work ran beside this one "
+            "(see load); read the ratios and the within-round ratios, not the times",
+        }
+    )
+    return doc
+
+
+def report(
+    sw: Sweep, runs: dict[int, dict[str, list[dict[str, Any]]]], methods: list[str], seed: int
+) -> dict[str, Any]:
+    lay, args = sw.lay, sw.args
+    rows = []
+    xs: dict[str, list[float]] = {m: [] for m in methods}
+    ys: dict[str, list[float]] = {m: [] for m in methods}
+    for n in sw.sizes:
+        size = n * lay.chunk_bytes
+        med = {m: statistics.median(x["seconds"] for x in runs[n][m]) for m in methods}
+        for m in methods:
+            xs[m] += [float(size)] * len(runs[n][m])
+            ys[m] += [x["seconds"] for x in runs[n][m]]
+        fio = runs[n]["fio_hugemem"]
+        row: dict[str, Any] = {
+            "chunks": n,
+            "state_bytes": size,
+            **{f"{m}_s": med[m] for m in methods},
+            "fast_over_fio_hugemem": med["fast"] / med["fio_hugemem"],
+            "fast_over_fio_hugemem_paired": statistics.median(
+                f["seconds"] / g["seconds"] for f, g in zip(runs[n]["fast"], fio, strict=True)
+            ),
+            "target_fast_over_fio_hugemem": goal_for(size),
+            "fast_phases_ms": median_phases([x["phases_ms"] for x in runs[n]["fast"]]),
+            "fast_max_depth": max(x["max_depth"] or 0 for x in runs[n]["fast"]),
+            "per_round": runs[n],
+        }
+        if "fast_compare" in methods:
+            row["fast_compare_over_fio_hugemem_paired"] = statistics.median(
+                f["seconds"] / g["seconds"]
+                for f, g in zip(runs[n]["fast_compare"], fio, strict=True)
+            )
+            row["fast_over_fast_compare_paired"] = statistics.median(
+                f["seconds"] / g["seconds"]
+                for f, g in zip(runs[n]["fast"], runs[n]["fast_compare"], strict=True)
+            )
+            row["fast_compare_phases_ms"] = median_phases(
+                [x["phases_ms"] for x in runs[n]["fast_compare"]]
+            )
+        goal = row["target_fast_over_fio_hugemem"]
+        row["within_target"] = None if goal is None else row["fast_over_fio_hugemem"] <= goal
+        rows.append(row)
+    fits = {m: fit_with_interval(xs[m], ys[m], seed) for m in methods if len(set(xs[m])) > 1}
+    for f in fits.values():
+        f["slope_s_per_gib"] = f.pop("slope_s_per_byte") * GiB
+    fixed = fits.get("fast", {}).get("intercept_s")
+    return {
+        "bench": "ttft-sweep",
+        "layout": lay.name,
+        "chunk_bytes": lay.chunk_bytes,
+        "window": args.window,
+        "rounds": args.rounds,
+        "sweep": args.sweep,
+        "backend": sw.paths.engine.backend,
+        "engine": dict(sw.paths.engine.features),
+        "compare_inflight_bytes": args.compare_inflight,
+        "sizes": rows,
+        # Intercepts of time against bytes (weighted 1/bytes^2): the fixed cost.
+        "fit": fits,
+        "fixed_cost_s": fixed,
+        "target_fixed_cost_s": FIXED_GOAL_S,
+        "fixed_cost_within_target": None if fixed is None else fixed <= FIXED_GOAL_S,
+        "seed": seed,
+    }
+
+
+def print_sweep(doc: dict[str, Any]) -> None:
+    cmp_ = doc["compare_inflight_bytes"] is not None
+    print(
+        f"\nbench ttft --sweep {doc['sweep']}: {doc['layout']}, W={doc['window']}, "
+        f"engine {doc['backend']} (inflight_bytes {doc['engine'].get('inflight_bytes')}), "
+        f"median of {doc['rounds']}, cold cache {'yes' if doc['cold_cache'] else 'NO'}"
+    )
+    hdr = (
+        f"{'state':>10} {'restore ms':>10} {'fio ms':>8} {'ratio':>6} {'paired':>6}"
+        + (f" {'compare':>8}" if cmp_ else "")
+        + "  phases ms (disc agree setup first stream last commit)"
+    )
+    print(hdr)
+    for r in doc["sizes"]:
+        p = r["fast_phases_ms"]
+        ph = " ".join(
+            f"{p.get(k, 0.0):.1f}"
+            for k in ("discovery", "agreement", "setup", "first_read", "stream", "last_chunk")
+        )
+        print(
+            f"{r['state_bytes'] / MiB:>7.0f}MiB {r['fast_s'] * 1e3:>10.1f} "
+            f"{r['fio_hugemem_s'] * 1e3:>8.1f} {r['fast_over_fio_hugemem']:>6.3f} "
+            f"{r['fast_over_fio_hugemem_paired']:>6.3f}"
+            + (f" {r['fast_compare_over_fio_hugemem_paired']:>8.3f}" if cmp_ else "")
+            + f"  {ph} {p.get('commit', 0.0):.2f}"
+        )
+    for m, f in doc["fit"].items():
+        lo, hi = f["intercept_95_s"]
+        print(
+            f"fixed cost {m}: {f['intercept_s'] * 1e3:.2f} ms (95% {lo * 1e3:.2f} to "
+            f"{hi * 1e3:.2f}), {f['slope_s_per_gib']:.3f} s/GiB"
+        )
