@@ -3,19 +3,19 @@
     python hybrid_rank_worker.py RANK WORLD STORE_DIR PORT OUT_JSON
 
 Each rank holds its own DeepSeek-V4-shaped host pools (`hybrid_pools.build("dsv4")`: a
-logical KV anchor, the C4, C4-indexer and C128 pools (all pages) and the SWA pool
-(trailing)) and its own records of them (an MHA-style identity: per TP rank). The
+logical KV anchor, the C4, C4-indexer and C128 pools (all pages), the SWA pool and the
+C4 state pools (trailing)) and its own records of them (an MHA-style identity: per TP rank). The
 agreement is SGLang's own code: `HybridCacheController._sync_prefetch_hit_query` (one
 MIN over a flag per prefix length, since a trailing pool is queried) and
 `_reduce_prefetch_ack` (the MIN of completed tokens and of every pool's hits), run on
 a controller object that carries only the fields those two methods read, over this
 gloo group.
 
-- Prefix A: every all-pages pool holds every page; the SWA windows held end at 3 and
-  6 pages on rank 0, at 2 and 6 on rank 1.
+- Prefix A: every all-pages pool holds every page; the trailing pools' windows held end
+  at 3 and 6 pages on rank 0, at 2 and 6 on rank 1.
 - Prefix B: every pool holds every page; rank 1 flips a byte of its C4-indexer record
   of page BAD, then both ranks load the prefix as SGLang's prefetch thread does (the
-  KV-derived pools in one `batch_get_v2`, clamped; the SWA window only once they are
+  KV-derived pools in one `batch_get_v2`, clamped; the trailing windows only once they are
   complete) and agree.
 """
 
@@ -106,7 +106,7 @@ def main() -> None:
         b.register_mem_host_pool_v2(c.pool, c.name)
     b.on_host_pools_registered()
     full = [c for c in s.sidecars if c.policy == ALL]
-    swa = s.sidecar("swa")
+    trailing = [c for c in s.sidecars if c.policy == TRAILING]  # SWA and the C4 states
     facts: dict[str, Any] = {"rank": r}
 
     # -- prefix A: the ranks hold different trailing windows -----------------------
@@ -115,10 +115,10 @@ def main() -> None:
         fill(c.pool, AT, seed=100 * r + i)
     assert b.batch_set_v2([transfer(c, ka, AT) for c in full]) == {c.name: [True] * N for c in full}
     for end in (3, 6) if r == 0 else (2, 6):
-        lo = end - swa.window
-        assert b.batch_set_v2([transfer(swa, ka[lo:end], AT[lo:end])]) == {
-            "swa": [True] * swa.window
-        }
+        for c in trailing:
+            lo = end - c.window
+            got = b.batch_set_v2([transfer(c, ka[lo:end], AT[lo:end])])
+            assert got == {c.name: [True] * c.window}, got
     dist.barrier()
     facts["a6"] = agree_hits(ctrl, b, s, ka)
     facts["a5"] = agree_hits(ctrl, b, s, ka[:5])
@@ -142,15 +142,16 @@ def main() -> None:
     dist.barrier()
     facts["b_before"] = agree_hits(ctrl, b, s, kb)
     # SGLang's prefetch: the logical KV through v1, the KV-derived pools in one v2
-    # call, clamped to the least of them; the SWA window only once they are complete.
+    # call, clamped to the least of them; the trailing windows only once they are complete.
     kv = b.batch_get_v1(kb, slots(s.kv, INTO))
     kv_hits = kv.index(False) if False in kv else N
     derived = b.batch_get_v2([transfer(c, kb, INTO) for c in full])
     completed = min([kv_hits, *count_pool_hits(derived).values()])
     window: dict[str, list[bool]] = {}
     if completed == N:
-        lo = N - swa.window
-        window = b.batch_get_v2([transfer(swa, kb[lo:], INTO[lo:])])
+        window = b.batch_get_v2(
+            [transfer(c, kb[N - c.window :], INTO[N - c.window :]) for c in trailing]
+        )
     ack = PrefetchAck(
         rid="b",
         operation=None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hybrid_pools import ALL, TRAILING, PoolSet, Sidecar, build, fill, page_bytes, slots, transfer
@@ -24,7 +25,7 @@ KV_AT = [7, 2, 9, 4, 11, 5]  # host pages, out of order as SGLang's allocator ha
 INTO = [13, 17, 14, 19, 15, 21]  # where a fresh reader's pages go
 
 
-def _attach(store: Path, s: PoolSet, **bsr: object) -> BsrHiCacheStorage:
+def _attach(store: Path, s: PoolSet, **bsr: Any) -> BsrHiCacheStorage:
     """As SGLang's hybrid controller attaches: the anchor, then every pool through v2."""
     b = make_backend(store, s.kv, **bsr)
     for c in s.sidecars:
@@ -71,7 +72,7 @@ def _save(b: BsrHiCacheStorage, s: PoolSet, ks: list[str], windows: list[int] | 
 
 
 @pytest.mark.parametrize("page", [1, 64])
-@pytest.mark.parametrize("kind", ["dsv4", "swa", "mamba"])
+@pytest.mark.parametrize("kind", ["dsv4", "dsv4_fp8", "swa", "mamba"])
 def test_every_pool_round_trips_and_the_trailing_window_gates_the_prefix(
     store_dir: Path, kind: str, page: int
 ) -> None:
@@ -86,11 +87,15 @@ def test_every_pool_round_trips_and_the_trailing_window_gates_the_prefix(
     r = _attach(store_dir, dst)  # a new process: catalogs from the store's listing
     hit = r.batch_exists_v2(ks, _query(dst, ks))
     assert hit.kv_hit_pages == N
-    # Lengths whose window is held, and only those: 3 and 6, never 4 or 5.
-    assert hit.restorable_prefix_pages == [3, 6]
-    # A 5-page request: its window (pages 3-4) is not held; 3 is the longest legal.
     five = r.batch_exists_v2(ks[:5], _query(dst, ks[:5]))
-    assert (five.kv_hit_pages, five.restorable_prefix_pages) == (3, [3])
+    if any(c.policy == TRAILING for c in dst.sidecars):
+        # Lengths whose windows are held, and only those: 3 and 6, never 4 or 5.
+        assert hit.restorable_prefix_pages == [3, 6]
+        # A 5-page request: its window (pages 3-4) is not held; 3 is the longest legal.
+        assert (five.kv_hit_pages, five.restorable_prefix_pages) == (3, [3])
+    else:  # every pool holds every page: every length is restorable
+        assert hit.restorable_prefix_pages == list(range(1, N + 1))
+        assert (five.kv_hit_pages, five.restorable_prefix_pages) == (5, [1, 2, 3, 4, 5])
 
     assert r.batch_get_v1(ks, slots(dst.kv, INTO)) == [True] * N
     full = [c for c in dst.sidecars if c.policy == ALL]
@@ -128,31 +133,54 @@ def _damage(path: Path, how: str) -> None:
 
 
 _CASES = [
-    (kind, pool)
+    (kind, pool, page)
     for kind, pools in (
-        ("dsv4", ["deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128", "swa"]),
+        (
+            "dsv4",
+            [
+                "deepseek_v4_c4",
+                "deepseek_v4_c4_indexer",
+                "deepseek_v4_c128",
+                "swa",
+                "deepseek_v4_c4_state",
+                "deepseek_v4_c4_indexer_state",
+            ],
+        ),
+        (
+            "dsv4_fp8",
+            [
+                "deepseek_v4_c4",
+                "deepseek_v4_c4_rope",
+                "deepseek_v4_c4_indexer",
+                "deepseek_v4_c4_indexer_scale",
+                "deepseek_v4_c128",
+                "deepseek_v4_c128_rope",
+            ],
+        ),
         ("swa", ["kv", "swa"]),
         ("mamba", ["kv", "mamba"]),
     )
     for pool in pools
+    # DeepSeek-V4's pools at both page sizes (their geometry changes with it).
+    for page in ([1, 64] if kind.startswith("dsv4") else [64])
 ]
 
 
 @pytest.mark.parametrize("how", ["corrupt", "missing", "truncated"])
-@pytest.mark.parametrize(("kind", "bad_pool"), _CASES)
+@pytest.mark.parametrize(("kind", "bad_pool", "page"), _CASES)
 def test_a_damaged_record_in_any_pool_ends_the_prefix_for_every_pool(
-    store_dir: Path, kind: str, bad_pool: str, how: str
+    store_dir: Path, kind: str, bad_pool: str, page: int, how: str
 ) -> None:
-    src = build(kind, 64)
+    src = build(kind, page)
     ks = keys(N, kind)
     w = _attach(store_dir, src)
     _save(w, src, ks, windows=None)  # every pool holds every page
     w.close()
 
-    dst = build(kind, 64)
+    dst = build(kind, page)
     r = _attach(store_dir, dst, rescan_s=3600)  # no listing in the test: reads decide
     g = r.groups[bad_pool]
-    _damage(g.store.tiers[0].path_of(g.key(ks[BAD])), how)
+    _damage(g.store.tiers[0].path_of(g.key(ks[BAD])), how)  # type: ignore[attr-defined]
     # One batch: the KV through v1 (SGLang's order), then every sidecar through v2 over
     # the same pages, as one transfer each.
     kv = r.batch_get_v1(ks, slots(dst.kv, INTO))
