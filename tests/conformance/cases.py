@@ -44,11 +44,14 @@ D = TypeVar("D")  # a host's destination for a load
 @dataclass
 class Saved:
     """What the host was told of a save: `ok` (every chunk stored, as the host sees it),
-    `paths` (chunk i's record file on the first file tier), `error` (what it was told)."""
+    `paths` (chunk i's record file on the first file tier), `error` (what it was told),
+    `cause` (the error itself, kept as a caller that reports it later keeps it: a slot
+    its frames pinned would stay out of the ring while it is kept)."""
 
     ok: bool
     paths: list[Path]
     error: str = ""
+    cause: BaseException | None = None
 
 
 @dataclass
@@ -353,7 +356,8 @@ def enospc_l2(make: Make, tmp: Path) -> None:
 
 def enospc_l3(make: Make, tmp: Path) -> None:
     """The lower tier's drive is full: the write-through fails; the host is told (or
-    every chunk restores), no slot is lost, and a load serves only verified bytes."""
+    every chunk restores), no slot is lost while the host keeps the error it was given
+    (`Saved.cause`), and a load serves only verified bytes."""
     with tiny_fs(tmp / "tiny") as full, hosted(make, tmp / "store", Options(lower=full)) as h:
         saved = h.save(A)
         assert h.free_slots() == h.window

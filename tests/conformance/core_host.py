@@ -54,7 +54,7 @@ class CoreHost:
         try:
             self.r.save(tokens, cache)
         except Exception as exc:  # noqa: BLE001 - what the caller is told
-            return Saved(False, paths, f"{type(exc).__name__}: {exc}")
+            return Saved(False, paths, f"{type(exc).__name__}: {exc}", exc)
         return Saved(True, paths)
 
     def offered(self, seed: int) -> int:

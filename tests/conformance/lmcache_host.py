@@ -53,7 +53,7 @@ class LMCacheHost:
             h.store_windowed(self.eng, src, W)
             self.plugin.flush()
         except Exception as exc:  # noqa: BLE001 - what the host is told
-            return Saved(False, paths, f"{type(exc).__name__}: {exc}")
+            return Saved(False, paths, f"{type(exc).__name__}: {exc}", exc)
         # LMCache learns of a put only by looking it up.
         return Saved(self.plugin.batched_contains(keys) == CHUNKS, paths)
 
