@@ -26,6 +26,7 @@ BENCHES = (
     "bsr_lab.bench.soak",
     "bsr_lab.bench.sglang",
     "bsr_lab.bench.vllm",
+    "bsr_lab.bench.vllm_trace",
 )
 
 

@@ -847,7 +847,8 @@ def run_bench(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bsr_lab.vllm.harness")
     ap.add_argument(
-        "what", choices=["suite", "baseline", "model", "bench", "hybrid", "hybrid-baseline"]
+        "what",
+        choices=["suite", "baseline", "model", "bench", "trace", "hybrid", "hybrid-baseline"],
     )
     ap.add_argument("--lengths", default="1024,4096")
     ap.add_argument("--rounds", type=int, default=3)
@@ -882,6 +883,14 @@ def main(argv: list[str] | None = None) -> int:
             "model": model,
             "layers": args.layers,
             **run_bench(model, args.tp, args.work, lengths, rounds=args.rounds, window=args.window),
+        }
+    elif args.what == "trace":
+        from bsr_lab.vllm.trace_run import run_trace
+
+        result = {
+            "model": model,
+            "layers": args.layers,
+            **run_trace(model, args.tp, args.work, lengths, rounds=args.rounds, window=args.window),
         }
     elif args.what == "baseline":
         result = {"model": model, "outputs": run_baseline(model, args.tp)}

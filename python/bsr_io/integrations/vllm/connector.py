@@ -19,9 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.identity import model_identity
+from bsr_io.integrations.vllm.idle import IdleReports
 from bsr_io.integrations.vllm.layout import REQUIRED_LAYOUT, group_layouts
 from bsr_io.integrations.vllm.metadata import BsrHandshake, BsrMetadata, BsrWorkerMeta
 from bsr_io.integrations.vllm.nodes import gather_nodes, node_identity
+from bsr_io.integrations.vllm.trace import worker_mark
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,6 +57,8 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
         model = model_identity(vllm_config, self.cfg.model)
         self._scheduler = None
         self._worker = None
+        self._idle = IdleReports()  # worker: an idle step's loads reported in that step
+        self._bound: BsrMetadata | None = None  # the step metadata submitted last
         if role == KVConnectorRole.SCHEDULER:
             from bsr_io.integrations.vllm.scheduler import SchedulerSide
 
@@ -155,10 +159,29 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        # vLLM 0.32 binds a step's metadata before its forward but calls start_load_kv
+        # after it whenever no load is synchronous, as none of ours is
+        # (`_get_kv_connector_output`): a load submitted there was polled at once and
+        # reported a whole step later, behind the next forward. Submitted here, it
+        # reads while the forward runs and is reported at that step's end; the forward
+        # gate opens as the forward starts, and released requests' cuts stop before it
+        # may reuse their blocks (worker.py `submit`).
+        super().bind_connector_metadata(connector_metadata)
+        self._submit(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        if self._worker is not None and isinstance(meta, BsrMetadata):
-            self._worker.submit(meta)
+        self._submit(self._get_connector_metadata())  # bound without a bind: once here
+
+    def _submit(self, meta: Any) -> None:
+        """The step's loads, saves and releases to the worker, once per step."""
+        if self._worker is None or not isinstance(meta, BsrMetadata) or meta is self._bound:
+            return
+        self._bound = meta
+        self._worker.submit(meta)
+        self._idle.submitted(meta)
+        for t in meta.loads:
+            worker_mark(self._worker, t.request_id, "submitted")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous: nothing per layer
@@ -177,7 +200,9 @@ class BsrIoConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        sending, recving, failed = self._worker.results(finished_req_ids)
+        sending, recving, failed = self._idle.results(self._worker, finished_req_ids)
+        for rid in recving:
+            worker_mark(self._worker, rid, "reported")
         return KVConnectorTransferResults(
             finished_sending=sending, finished_recving=recving, failed_recving=failed
         )

@@ -69,6 +69,9 @@ class BsrMetadata(KVConnectorMetadata):
     # every worker reports them in finished_sending: a cut of theirs may not have copied
     # its bytes yet (cuts.py `hold`).
     held: set[str] = field(default_factory=set)
+    # The step schedules no token (an engine waiting for loads): its workers may wait
+    # for the loads it submits before reporting (connector.py `get_transfer_results`).
+    idle: bool = False
 
 
 @dataclass

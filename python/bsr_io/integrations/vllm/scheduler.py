@@ -55,6 +55,7 @@ from bsr_io.integrations.vllm.metadata import (
     cut_key,
     cut_of,
 )
+from bsr_io.integrations.vllm.trace import RestoreTrace
 from bsr_io.model.keys import extend_prefix_hashes, model_digest
 
 log = logging.getLogger("bsr_io.vllm")
@@ -118,6 +119,7 @@ class SchedulerSide:
         self._saving: dict[str, float] = {}  # given a finish save
         self._unsynced: set[int] = set()  # worker ranks still reporting their start listing
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="bsr-io-hash")
+        self.trace = RestoreTrace(cfg.events_path)  # restored requests' marks (trace.py)
 
     def start(self) -> None:
         """Nothing to list: the workers' handshakes bring what each rank holds."""
@@ -284,6 +286,15 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        rid = request.request_id
+        self.trace.lookup(rid)
+        got = self._matched(request, num_computed_tokens)
+        st = self._reqs.get(rid)
+        chunks = st.hit_chunks - st.local_tokens // self.chunk if st is not None else 0
+        self.trace.answer(rid, got, chunks, int(getattr(request, "num_prompt_tokens", 0)))
+        return got
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
         st.local_seen = num_computed_tokens
         if st.failed or st.key_model is None or self.unhealthy:
@@ -319,6 +330,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._touch(request)
         if num_external_tokens <= 0:
+            self.trace.missed(request.request_id)
             return
         st = self._reqs[request.request_id]
         assert st.key_model is not None
@@ -366,6 +378,11 @@ class SchedulerSide:
 
     # -- per step ---------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> BsrMetadata:
+        idle = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        if self.trace.path:
+            so = scheduler_output
+            reach = [(r, c + so.num_scheduled_tokens.get(r, 0)) for r, c in self._scheduled(so)]
+            self.trace.stepped([t.request_id for t in self._loads], reach, idle)
         meta = BsrMetadata(
             self._loads,
             self._step_saves(scheduler_output),
@@ -375,6 +392,7 @@ class SchedulerSide:
             resync=self._resync,
             released=self._released(scheduler_output) - self._held,
             held=self._held,
+            idle=idle,
         )
         self._loads, self._finish, self._touches = [], [], {}
         self._recheck, self._resync, self._held = {}, set(), set()
@@ -483,6 +501,7 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is not None:
                 st.loading = False
+        self.trace.output(output.finished_recving or ())
         for rid in output.failed_recving or ():
             st = self._reqs.get(rid)
             if st is None:
@@ -491,6 +510,7 @@ class SchedulerSide:
             # its records leave the catalog until the workers report again those they
             # still hold (the bad ones are quarantined by then).
             st.failed = True
+            self.trace.failed(rid)
             if st.key_model is not None:
                 for gi, c in st.loaded:
                     for ns in self.dirs(st.key_model, self.groups_by_index[gi]):
@@ -529,6 +549,7 @@ class SchedulerSide:
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        self.trace.finished(request.request_id)
         if st is not None and st.hashing is not None:
             st.hashing.cancel()  # finished (aborted) while its prompt was being hashed
         if st is None or st.loading or not self.cfg.save or st.key_model is None:

@@ -420,6 +420,10 @@ class WorkerSide:
             "fallbacks": len(res.fallbacks),
             "timed_out": res.timed_out,
             "seconds": res.timings.get("total_s", 0.0),
+            # Restore traces (trace.py): when the lane took it and the read ended.
+            "started_mono": job.started,
+            "ended_mono": time.monotonic(),
+            "timings": {k: round(v, 6) for k, v in res.timings.items()},
         }
         return res.complete, res.reason, extra
 
