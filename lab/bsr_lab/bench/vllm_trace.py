@@ -53,6 +53,12 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
     p.add_argument("--layers", type=int, default=4, help="layers of the tiny Llama")
     p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
     p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument("--note", default="", help="what ran, when it is not the commit as it is")
+    p.add_argument(
+        "--summarize",
+        default=None,
+        help="summarize this engine run's output (DIR/trace.json) again, without an engine",
+    )
     p.set_defaults(func=run)
 
 
@@ -62,6 +68,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("bsr-lab bench vllm-trace needs vLLM (use .venv-vllm)", file=sys.stderr)
         return 2
+    if args.summarize:
+        res = json.loads(Path(args.summarize).read_text())
+        doc = summarize(res, args, [None, None], {"VLLM_CPU_OMP_THREADS_BIND": "?"})
+        show(doc)
+        write_json(args.json, doc)
+        return 0 if doc["outputs_equal"] else 1
     base = scratch_base(Path(args.dir)) if args.dir else make_scratch(None, "bsr-vllm-trace-")
     work, out = base / "trace", base / "trace.json"
     env = dict(os.environ)
@@ -110,16 +122,43 @@ def summarize(
         "device": "cpu (vllm-cpu)",
         "vllm_version": vllm.__version__,
         "model": f"tiny random-weight Llama, {res['layers']} layers, 2 KV heads x 64, bf16",
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("func", "dir", "summarize")},
+        "note": args.note,
         "threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
-        "loadavg": {"before": list(loads[0]), "after": list(loads[1])},
+        "loadavg": {"before": loads[0] and list(loads[0]), "after": loads[1] and list(loads[1])},
         **{k: res[k] for k in ("tp", "window", "chunk_tokens", "block_size")},
         "segments": {name: {"from": a, "to": b, "owner": who} for name, a, b, who in SEGMENTS},
         "goal": "ttft_restored_ms <= ttft_vllm_hit_ms + drive_ms + engine_step_ms",
         "by_restored_chunks": by,
+        "busy": _busy(res.get("busy")),
+        "protocol": PROTOCOL,
         "outputs_equal": all(r["same_token"] for r in rounds),
         "rows": res["rows"],
     }
+
+
+PROTOCOL = {
+    "vllm": "a restored request's forward is scheduled in the step after the step output "
+    "that reports its load (finished_recving, then _handle_blocked_waiting_request in the "
+    "next schedule()): learned_to_scheduled is 1 step by vLLM's design; an engine with "
+    "nothing to compute steps about every 1 ms (a 1 ms sleep, then a round trip to the "
+    "workers); sent_to_submitted, read_done_to_reported (until the step's get_finished), "
+    "reported_to_learned and learned_to_scheduled are vLLM's",
+    "ours": "the lookup (hashing, discovery, any ask-again), the load's queue on its lane "
+    "and load_records itself (discovery, reads, verify, install; the drive inside it), and "
+    "when the worker submits and reports: since 4928508 at bind (before the forward; vLLM "
+    "0.32 calls start_load_kv after it) and, in a step with nothing to compute, after "
+    "waiting up to 10 ms for the load it submitted (idle.py)",
+    "floor": "sent_to_learned 0 steps (the load reported by the step that sent it) and "
+    "learned_to_scheduled 1: the forward runs one step after the load was sent",
+}
+
+
+def _busy(b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The restore sent beside another request's prefill: its steps and segments."""
+    if not b:
+        return None
+    return {"sent_idle": b["trace"].get("sent_idle"), **b["phases_ms"]}
 
 
 def _step_ms(res: dict[str, Any], n: int) -> float:

@@ -38,6 +38,7 @@ from bsr_lab.vllm.harness import (
 )
 
 QUESTION = 16  # tokens after the chunks: the forward every kind of request computes
+BUSY_CHUNKS = 16  # the miss beside the busy restore: a prefill far longer than its read
 
 
 def drive_read_s(paths: list[str], width: int) -> float:
@@ -126,7 +127,7 @@ def run_trace(
         "events_path": events.path,
         "load_timeout_s": 60.0,
     }
-    max_len = max(chunk_counts) * chunk_tokens + QUESTION + 64
+    max_len = max(*chunk_counts, BUSY_CHUNKS) * chunk_tokens + QUESTION + 64
     llm = engine(model, tp, connector=cfg, max_model_len=max_len, block_size=block_size)
     tier = LowerTier(store, name="L2")
     rows: list[dict[str, Any]] = []
@@ -198,7 +199,7 @@ def _busy(llm: Any, events: Events, tp: int, n: int, chunk_tokens: int) -> dict[
     from vllm import SamplingParams
 
     reset(llm)
-    miss = tokens(9000, 16 * chunk_tokens + QUESTION)
+    miss = tokens(9000, BUSY_CHUNKS * chunk_tokens + QUESTION)
     prompts: list[Any] = [
         {"prompt_token_ids": miss, "cache_salt": "busy"},
         {"prompt_token_ids": tokens(5000 + n, n * chunk_tokens + QUESTION)},
