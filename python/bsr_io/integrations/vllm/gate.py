@@ -6,7 +6,8 @@ connector's threads run on (cpus.py). A writer woken as a step ends (`wait_for_s
 holds such a CPU just when the engine core turns that step's output into the next
 step's input, so the next forward starts late. During a forward the engine core only
 polls, and yields to whatever else is runnable. So the writers copy a record out of
-its blocks, and write it, while a forward runs (`start_load_kv` to `wait_for_save`);
+its blocks, and write it, while a forward runs (the step's metadata bound, connector.py,
+to `wait_for_save`);
 between two forwards they wait, at most `save_gate_s` after the last one ended: an
 engine idle longer has no turn to keep, and nothing waits for it. Sampled with perf
 on 2 cores at saturation, without the gate: the connector's threads took about 3% of
@@ -31,7 +32,7 @@ class ForwardGate:
         self._closed_at = -math.inf  # before the first forward there is no turn to keep
 
     def opened(self) -> None:
-        """A forward starts (start_load_kv)."""
+        """A forward starts (the step's metadata bound before it)."""
         self._forward.set()
 
     def closed(self) -> None:

@@ -32,7 +32,8 @@ class IdleReports:
         self._loads: set[str] = set()
 
     def submitted(self, meta: BsrMetadata) -> None:
-        """`start_load_kv`: the step's loads, kept only when the step computes nothing."""
+        """Submitted (connector.py `_submit`): the step's loads, kept only when the step
+        computes nothing."""
         self._loads = {t.request_id for t in meta.loads} if meta.idle else set()
 
     def results(

@@ -11,9 +11,9 @@ for every process of the machine, so the scheduler's and the workers' marks line
   `sent` (the step whose metadata carries its load), `learned` (the step output whose
   `finished_recving` names it), `scheduled` (the step that schedules its forward) and
   `sampled` (that step's output: its first token);
-- worker side (`trace` events, one per mark and rank): `submitted` (`start_load_kv`
-  queued the load) and `reported` (`get_transfer_results` returned it); the load event
-  itself says when its lane took it and when the read ended.
+- worker side (`trace` events, one per mark and rank): `submitted` (the step's
+  metadata bound: the load queued) and `reported` (`get_transfer_results` returned
+  it); the load event itself says when its lane took it and when the read ended.
 
 `phases` below turns them into the segments a bench reports; nothing here runs when no
 events path is set.
