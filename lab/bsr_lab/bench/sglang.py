@@ -8,8 +8,16 @@ real host pool (MHA, page_first), three ways on the same pages, interleaved per 
   cold page cache;
 - fio: the payloads of bsr-io's record files, O_DIRECT io_uring, huge-page buffers.
 
+`--layout hybrid` adds DeepSeek-V4's KV-derived sidecar pools (C4, C4 indexer, C128:
+`sglang_hybrid.py` says what shape) beside the KV pool, read as SGLang's HiCache v2 does:
+the KV through v1, every sidecar of the same pages through `batch_get_v2` (bsr: one
+commit, the first page any pool fails ends every pool's prefix; file: `HiCacheFile`'s
+own v2). fio then reads each pool's record files in turn, one run per pool (a sidecar
+payload is read to its last whole 4 KiB: the files are not padded), and its rate is its
+bytes over the runs' summed time.
+
 GiB/s per round and CPU seconds per GiB of this process (every thread; fio's own CPU is
-not counted). Every round's pool is zeroed first and compared with the saved bytes
+not counted). Every round's pools are zeroed first and compared with the saved bytes
 after. Run it in SGLang's venv: `.venv-sglang/bin/bsr-lab bench sglang --json PATH`.
 """
 
@@ -18,10 +26,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from bsr_io.cli.fio import drop_caches, fio_available, fio_read_payloads, huge_page_buffers
+from bsr_io.cli.fio import (
+    HugeMem,
+    drop_caches,
+    fio_available,
+    fio_read_payloads,
+    huge_page_buffers,
+)
 from bsr_io.cli.host import process_cpu_s
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import scratch_dir
@@ -42,7 +57,19 @@ def register(bench_subparsers: Any) -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--window", type=int, default=32, help="W of the bsr backend")
+    p.add_argument(
+        "--layout",
+        choices=("mha", "hybrid"),
+        default="mha",
+        help="the KV pool alone, or with DeepSeek-V4's sidecar pools (HiCache v2)",
+    )
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--fio-buffers",
+        choices=("huge", "plain"),
+        default="huge",
+        help="fio's buffers on huge pages (reserved for the run) or on plain pages",
+    )
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON here")
     p.add_argument("--dir", type=Path, default=None, help="base of the scratch directory")
     p.set_defaults(func=run)
@@ -56,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
             STORAGE_BATCH_SIZE,
             HiCacheFile,
             HiCacheStorageConfig,
+            PoolTransfer,
         )
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
         from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
@@ -64,13 +92,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"bench sglang needs SGLang 0.5.23 (.venv-sglang: scripts/install_sglang.sh): {exc}")
         return 2
     from bsr_io.integrations.sglang import CLASS_NAME, MODULE_PATH
+    from bsr_lab.bench.sglang_hybrid import SIDECARS, item_bytes, sidecars
 
     page = args.page_tokens
-    page_bytes = 2 * page * args.layers * args.kv_heads * args.head_dim * 2  # bf16
+    kv_page_bytes = 2 * page * args.layers * args.kv_heads * args.head_dim * 2  # bf16
+    side_bytes = {n: args.layers * item_bytes(page, ratio, row) for n, ratio, row in SIDECARS}
+    if args.layout == "mha":
+        side_bytes = {}
+    page_bytes = kv_page_bytes + sum(side_bytes.values())  # every pool's record of a page
     pages = max(1, parse_size(args.size) // page_bytes)
     state = pages * page_bytes
     tokens = pages * page
-    print(f"{pages} pages of {fmt_size(page_bytes)}: {fmt_size(state)} per round")
+    print(f"{pages} pages of {fmt_size(page_bytes)} ({args.layout}): {fmt_size(state)} per round")
     device = MHATokenToKVPool(
         tokens,
         page,
@@ -99,13 +132,26 @@ def run(args: argparse.Namespace) -> int:
     flat = pool.kv_buffer.view(-1).view(torch.uint8)
     flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8))
     saved = flat.clone()
-    skip = page_bytes // 2  # page 0 of K (and of V): SGLang's padding page, never stored
+    skip = kv_page_bytes // 2  # page 0 of K (and of V): SGLang's padding page, never stored
+    # The sidecars (hybrid): their page 0 is SGLang's padding page too.
+    sides = sidecars(page, args.layers, pages + 1) if side_bytes else []
+    side_flat = {n: p.kv_buffer.view(-1) for n, p in sides}
+    for v in side_flat.values():
+        v.copy_(torch.randint(0, 256, (v.numel(),), dtype=torch.uint8))
+    side_saved = {n: v.clone() for n, v in side_flat.items()}
     at = torch.arange(page, (pages + 1) * page)  # page 0 is SGLang's padding page
     keys = [f"{i:064x}" for i in range(1, pages + 1)]
     batches = [
         (keys[b : b + STORAGE_BATCH_SIZE], at[b * page : (b + STORAGE_BATCH_SIZE) * page])
         for b in range(0, pages, STORAGE_BATCH_SIZE)
     ]
+
+    def transfers(ks: list[str], idx: Any) -> list[Any]:
+        return [PoolTransfer(name=n, host_indices=idx, keys=ks) for n, _ in sides]
+
+    def all_read(name: str, got: dict[str, list[bool]]) -> None:
+        bad = {n: g.count(False) for n, g in got.items() if not all(g)}
+        assert not bad and len(got) == len(sides), f"{name}: sidecar pages not read: {bad}"
 
     def config(extra: dict[str, Any]) -> Any:
         return HiCacheStorageConfig(
@@ -137,54 +183,90 @@ def run(args: argparse.Namespace) -> int:
         bsr.register_mem_pool_host(pool)
         hfile = HiCacheFile(config({"file_storage_path": str(root / "file")}))
         hfile.register_mem_pool_host(pool)
+        for n, side in sides:  # as SGLang's hybrid attach does
+            bsr.register_mem_host_pool_v2(side, n)
+            hfile.register_mem_host_pool_v2(side, n)
+        bsr.on_host_pools_registered()
         for ks, idx in batches:
             assert all(bsr.batch_set_v1(ks, idx)), "bsr: a page was not stored"
             data = [pool.get_data_page(int(idx[i * page])) for i in range(len(ks))]
             assert hfile.batch_set(ks, data), "HiCacheFile: a page was not stored"
+            if sides:
+                all_read("bsr set", bsr.batch_set_v2(transfers(ks, idx)))
+                all_read("HiCacheFile set", hfile.batch_set_v2(transfers(ks, idx)))
         ctl = object.__new__(HiCacheController)  # only what _generic_page_get reads
         ctl.storage_backend = hfile
         ctl.storage_host_pool = ctl.mem_pool_host = pool
         ctl.page_size = page
-        ns_dir = next((root / "bsr" / "chunks").iterdir())
+        chunks = root / "bsr" / "chunks"
+        # Each pool's record files (its namespace) and the payload fio reads of each.
+        fio_sets = [(chunks / bsr.groups["kv"].key("").namespace(), kv_page_bytes)]
+        fio_sets += [
+            (chunks / bsr.groups[n].key("").namespace(), b // 4096 * 4096)
+            for n, b in side_bytes.items()
+            if b >= 4096
+        ]
 
         def bsr_read() -> None:
             for ks, idx in batches:
                 got = bsr.batch_get_v1(ks, idx)
                 assert all(got), f"bsr: {got.count(False)} pages not read"
+                if sides:
+                    all_read("bsr", bsr.batch_get_v2(transfers(ks, idx)))
 
         def file_read() -> None:
             for ks, idx in batches:
                 n = ctl._generic_page_get(PrefetchOperation("bench", []), ks, idx)
                 assert n == len(ks), f"HiCacheFile: {len(ks) - n} pages not read"
+                if sides:
+                    all_read("HiCacheFile", hfile.batch_get_v2(transfers(ks, idx)))
+
+        def fio_read() -> tuple[float, int]:
+            """Each pool's files in turn: summed seconds, bytes read."""
+            secs, nbytes = 0.0, 0
+            for d, payload in fio_sets:
+                res = fio_read_payloads(
+                    d,
+                    payload_offset=HEADER_BYTES,
+                    payload_bytes=payload,
+                    files=pages,
+                    iodepth=32,
+                    hugemem=huge if huge.mount else None,
+                )
+                secs, nbytes = secs + res.seconds, nbytes + payload * pages
+            return secs, nbytes
 
         have_fio = fio_available()
-        with huge_page_buffers(32 << 20) as huge:
+        plain = HugeMem(None, "plain pages asked for (--fio-buffers plain)")
+        huge_ctx = huge_page_buffers(32 << 20) if args.fio_buffers == "huge" else nullcontext(plain)
+        with huge_ctx as huge:
+            fio_note = huge.note if huge.mount is None else f"huge pages at {huge.mount}"
             for r in range(args.rounds):
                 for name in ("bsr", "file", "fio"):
                     if name == "fio" and not have_fio:
                         continue
                     flat.zero_()
+                    for v in side_flat.values():
+                        v.zero_()
                     cold = drop_caches()
                     t0, c0 = time.perf_counter(), process_cpu_s()
+                    nbytes = state
                     if name == "fio":
-                        res = fio_read_payloads(
-                            ns_dir,
-                            payload_offset=HEADER_BYTES,
-                            payload_bytes=page_bytes,
-                            files=pages,
-                            iodepth=32,
-                            hugemem=huge if huge.mount else None,
-                        )
-                        secs, cpu = res.seconds, None
+                        secs, nbytes = fio_read()
+                        cpu = None
                     else:
                         (bsr_read if name == "bsr" else file_read)()
                         secs, cpu = time.perf_counter() - t0, process_cpu_s() - c0
                         # K and V halves, past the padding page: what was read.
                         same = torch.equal(flat.view(2, -1)[:, skip:], saved.view(2, -1)[:, skip:])
                         assert same, f"{name}: the pool differs from the saved bytes"
+                        for n, v in side_flat.items():
+                            off = side_bytes[n]  # past the padding page
+                            same = torch.equal(v[off:], side_saved[n][off:])
+                            assert same, f"{name}: pool {n} differs from the saved bytes"
                     row = {
                         "round": r,
-                        "gib_s": state / secs / GiB,
+                        "gib_s": nbytes / secs / GiB,
                         "seconds": secs,
                         "cold_cache": cold,
                     }
@@ -221,9 +303,13 @@ def run(args: argparse.Namespace) -> int:
             "sglang": __import__("sglang").__version__,
             "pages": pages,
             "page_bytes": page_bytes,
+            "pool_page_bytes": {"kv": kv_page_bytes, **side_bytes},
             "state_bytes": state,
             "page_tokens": page,
             "layout": "page_first",
+            "pools": args.layout,
+            "fio_payload_bytes": {str(d.name): b for d, b in fio_sets},
+            "fio_buffers": fio_note,
             "window": args.window,
             "rounds": rows,
             "summary": summary,
