@@ -38,8 +38,10 @@ from bsr_lab.vllm.harness import (
 )
 
 QUESTION = 16  # tokens after the chunks: the forward every kind of request computes
-BUSY_CHUNKS = 12  # the miss beside the busy restore: a prefill far longer than its read,
-# in one step with the restore's lookup (vLLM's 4096-token step budget has room left)
+# The miss beside the busy restore: a prefill longer than vLLM's 4096-token step budget,
+# so that the restore, arriving during its first step, is looked up in its second, whose
+# forward computes the rest of the miss (1,040 tokens over 5,136): far longer than the read.
+BUSY_CHUNKS = 20
 
 
 def drive_read_s(paths: list[str], width: int) -> float:
