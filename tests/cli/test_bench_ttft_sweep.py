@@ -4,6 +4,7 @@ fio can read in place), with real files, the engine, fio on huge pages and a col
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 
@@ -47,6 +48,14 @@ def test_sweep_smoke_with_compare_and_store_scale(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "fixed cost fast:" in text and "store of 1,010 records" in text
     assert not list(tmp_path.glob("bsr-io-ttft-*"))  # cleaned up
+    # Every round's record goes beside the summary, compressed.
+    assert "per_round" not in doc["sizes"][0] and doc["rounds_file"] == "sweep.trace.json.gz"
+    rounds = json.loads(gzip.decompress((tmp_path / doc["rounds_file"]).read_bytes()))
+    assert len(rounds["sizes"]["2"]["fast"]) == 1 and set(rounds["store_scale"]) == {
+        "state_1",
+        "state_2",
+        "tiny_64",
+    }
 
 
 def test_sweep_sizes_double_in_whole_chunks():

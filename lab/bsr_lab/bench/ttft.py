@@ -28,6 +28,8 @@ to the drive.
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import random
 import statistics
 import sys
@@ -200,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_sweep(args: argparse.Namespace, root: Path, lay: KVLayout, huge: HugeMem) -> int:
-    from bsr_lab.bench.ttft_sweep import measure_sweep, print_sweep
+    from bsr_lab.bench.ttft_sweep import measure_sweep, print_sweep, split_trace
 
     if huge.mount is None:
         raise ValueError(f"the sweep compares against fio on huge pages: {huge.note}")
@@ -213,6 +215,12 @@ def _run_sweep(args: argparse.Namespace, root: Path, lay: KVLayout, huge: HugeMe
     print_sweep(doc)
     if "store_scale" in doc:
         print_scale(doc["store_scale"])
+    if args.json is not None:
+        trace = split_trace(doc)
+        gz = args.json.with_name(args.json.name.removesuffix(".json") + ".trace.json.gz")
+        gz.parent.mkdir(parents=True, exist_ok=True)
+        gz.write_bytes(gzip.compress(json.dumps(trace).encode()))
+        doc["rounds_file"] = gz.name
     write_json(args.json, doc)
     return 0
 

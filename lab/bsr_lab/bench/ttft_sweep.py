@@ -241,6 +241,18 @@ def report(
     }
 
 
+def split_trace(doc: dict[str, Any]) -> dict[str, Any]:
+    """Take every round's record (and the load snapshots) out of `doc`, which keeps the
+    summaries: the rounds go beside it, compressed (docs/results keeps summaries)."""
+    trace: dict[str, Any] = {"load_snapshots": doc.pop("load_snapshots", None), "sizes": {}}
+    for row in doc["sizes"]:
+        trace["sizes"][str(row["chunks"])] = row.pop("per_round")
+    scale = doc.get("store_scale")
+    if scale is not None:
+        trace["store_scale"] = {c: row.pop("per_round") for c, row in scale["cases"].items()}
+    return trace
+
+
 def print_sweep(doc: dict[str, Any]) -> None:
     cmp_ = doc["compare_inflight_bytes"] is not None
     print(
