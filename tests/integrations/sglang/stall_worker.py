@@ -69,6 +69,13 @@ def main() -> None:
             time.sleep(0.05)
         facts["held_by_backend"] = not got
         facts["exists_while_held"] = exists
+        # The pool's memory has one owner: the one its registration made holds the range.
+        owner = reader.groups["kv"].memory
+        facts["one_owner"] = (
+            owner is not None
+            and bool(owner.owned())
+            and all(memory.owner_of(v) is owner for v in reader.pages.views)
+        )
         # The next load into the same pages through a NEW view object.
         view = HostPages(reader.pages, reader.pages.page_runs(at), direct_reads=True)
         tiers = list(reader.store.tiers)

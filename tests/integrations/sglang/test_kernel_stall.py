@@ -39,6 +39,7 @@ def test_a_stalled_read_never_hands_back_a_page_the_kernel_may_write(tmp_path: P
     # SGLang's to free) and the backend reports no hit, so no new load starts.
     assert facts["held_by_backend"], facts
     assert facts["exists_while_held"] == 0, facts
+    assert facts["one_owner"], facts  # registration and kernel's range in one object
     # A new view over the same pages is refused before reading anything.
     assert "still owned by the kernel" in facts["new_view_error"], facts
     assert facts["new_view_read"] == {}, facts
