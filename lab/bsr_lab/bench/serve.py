@@ -72,6 +72,7 @@ import numpy as np
 from bsr_io.cli.report import write_json
 from bsr_lab.bench.serve_pool import intervals
 from bsr_lab.bench.verdict import judge, lines
+from bsr_lab.bench.vllm_trace import segments_by_chunks
 from bsr_lab.vllm import sched
 
 KINDS = ("restored", "local", "miss")
@@ -766,6 +767,8 @@ def summarize(
         ),
         **({"saturated_95": sat95, "verdict": judge(sat95)} if sat95 is not None else {}),
         "restore_vs_recompute": restores(rounds, args.chunk),
+        # Where each restored request's time went inside vLLM (the connector's traces).
+        "restore_trace": segments_by_chunks(events),
         "outputs_equal": equality(rounds),
         "baseline": side_summary(base) | {"rss_mib": rss["baseline"]},
         "bsr_io": side_summary(bsr)

