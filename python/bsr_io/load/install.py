@@ -19,18 +19,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from bsr_io._core import Slot
 from bsr_io.load.kvcache import Destination, Fence
+from bsr_io.load.memory import HostRuns
 from bsr_io.tiers.base import PendingChunk
 
-if TYPE_CHECKING:
-    import numpy as np
-
-HostRuns = tuple[list["np.ndarray[Any, Any] | None"], list[tuple[int, int, int, int]]]
 T = TypeVar("T")
 
 

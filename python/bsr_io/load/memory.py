@@ -46,12 +46,17 @@ from bsr_io._core import (
 )
 
 if TYPE_CHECKING:
-    from bsr_io.load.install import HostRuns
     from bsr_io.tiers.base import DirectChunk
+
+# A chunk's host runs (a destination's `host_runs`): its buffers, and (buffer, offset,
+# payload offset, length) per run. Named here, below install and the destinations that
+# make them, so that this module's owners need nothing above it.
+HostRuns = tuple[list["np.ndarray[Any, Any] | None"], list[tuple[int, int, int, int]]]
 
 __all__ = [
     "REGISTER_TIMEOUT_S",
     "HostMemory",
+    "HostRuns",
     "any_owned",
     "give_up",
     "owned_by_kernel",

@@ -72,8 +72,9 @@ from bsr_io.errors import (
 )
 from bsr_io.load import memory
 from bsr_io.load.discovery import holds
-from bsr_io.load.install import HostRuns, fused_runs, install_chunk, scoped
+from bsr_io.load.install import fused_runs, install_chunk, scoped
 from bsr_io.load.kvcache import Destination, Fence
+from bsr_io.load.memory import HostRuns
 from bsr_io.model.keys import ChunkKey
 from bsr_io.tiers.base import (
     ENGINE_ERRORS,
