@@ -116,6 +116,8 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
         self.read_engine = Engine(s.window, cb, queue_depth=s.queue_depth, backend=backend)
         self.write_engine = Engine(s.window, cb, queue_depth=s.queue_depth, backend=backend)
         self.tier: Tier = SSDTier(s.path, s.capacity, self.write_engine, layout=self.layout)
+        # Counted from the listing: keys() would read every record's header.
+        held = self.tier.stats()["records"]
         if s.mooncake is not None:
             # A shared pool below the SSD tier: written through, read where L2 misses.
             from bsr_io.tiers.mooncake import MooncakeTier
@@ -134,7 +136,7 @@ class BsrStoragePlugin(StoragePluginInterface):  # type: ignore[misc]
         logger.info(
             "bsr-io plugin: tier %s (%d records), W=%d, engine backend %s, bounded retrieve %s",
             s.path,
-            len(self.tier.keys()),
+            held,
             s.window,
             self.read_engine.backend,
             "on" if self.retriever else "off",

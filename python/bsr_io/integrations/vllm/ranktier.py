@@ -52,10 +52,8 @@ class RankTier(SSDTier):
 
     def scan(self) -> None:
         """The directory's records of this worker's ranks, oldest first (others ignored)."""
-        super().scan()
-        with self._lock:
-            pairs = list(zip(self._index.keys(), self._index.entries(), strict=True))
-            self._index.replace([(k, e) for k, e in pairs if self.owns(k)])
+        super().scan()  # names only: a record's rank is in its directory's name
+        self._index.retain(lambda ns: ns.endswith(tuple(self._owned)))
 
     def touch(self, keys: Iterable[ChunkKey]) -> int:
         """Mark `keys`' records as just used (those this index holds); returns how many.
@@ -63,7 +61,7 @@ class RankTier(SSDTier):
         n = 0
         with self._lock:
             for key in keys:
-                if self._index.get(key) is not None:
+                if self._index.holds(key):  # checked or only listed so far
                     self._index.touch(key)
                     n += 1
         return n

@@ -7,8 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from bsr_io.model.keys import ChunkKey
-from bsr_io.tiers.files.index import RecordIndex
+from bsr_io.tiers.files.index import Held, RecordIndex, Slot
 
 
 class Room:
@@ -18,9 +17,10 @@ class Room:
         self._cond = threading.Condition(lock)
         self._reserved = 0  # bytes of writes in progress, so concurrent writers fit too
 
-    def reserve(self, nbytes: int, evict: Callable[[ChunkKey], None]) -> None:
+    def reserve(self, nbytes: int, evict: Callable[[Slot, Held], None]) -> None:
         """Evict until `nbytes` more fit, and reserve them (the caller must `release`).
-        `evict(key)` disposes of each record taken out of the index, outside the lock."""
+        `evict(slot, entry)` disposes of each record taken out of the index, outside the
+        lock; a record not checked yet counts (and frees) its file's size."""
         while True:
             with self._cond:
                 cap = self.capacity
@@ -38,7 +38,7 @@ class Room:
                 if oldest is None:  # nothing left to evict: a record fits on its own
                     self._reserved += nbytes
                     return
-            evict(oldest[0])
+            evict(*oldest)
 
     def release(self, nbytes: int) -> None:
         with self._cond:

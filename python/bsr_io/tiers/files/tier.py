@@ -1,7 +1,9 @@
 """FileTier: a tier of record files in a directory, the part L2 and L3 share.
 
-Each process keeps its own index (index.py); probes stat the file, so records written
-or removed by other processes sharing the directory are seen. A record unlinked
+Each process keeps its own index (index.py), filled at open from names alone: a record's
+header is read and checked at its first use, so opening costs no read per record.
+Probes stat the file, so records written or removed by other processes sharing the
+directory are seen. A record unlinked
 (evicted) while a reader has it open stays readable to that reader; one unlinked
 before the open is reported as ChunkMissing. Writes publish atomically (publish.py),
 within the capacity (capacity.py); failed records go to quarantine (quarantine.py).
@@ -39,7 +41,15 @@ from bsr_io.model.record import (
 from bsr_io.tiers.base import Payload, Tier, check_capacity, check_payload
 from bsr_io.tiers.files.bounded import call_within
 from bsr_io.tiers.files.capacity import Room
-from bsr_io.tiers.files.index import RecordIndex, scan_records
+from bsr_io.tiers.files.index import (
+    Held,
+    RecordIndex,
+    Slot,
+    Unverified,
+    check_record,
+    scan_names,
+    slot_path,
+)
 from bsr_io.tiers.files.listing import record_stat
 from bsr_io.tiers.files.publish import copy_record, publish
 from bsr_io.tiers.files.quarantine import Problem, Quarantine
@@ -107,12 +117,28 @@ class FileTier(Tier):
 
     # -- index --------------------------------------------------------------------------
     def scan(self) -> None:
-        """Rebuild the index from the directory: headers only; torn writes are removed,
-        records that fail their header checks are quarantined."""
-        found = scan_records(
-            self.chunks_dir, self.name, lambda path, rid, why: self._withdraw(path, rid, None, why)
-        )
-        self._index.replace(found)
+        """Rebuild the index from the directory's names (and, with a capacity, one stat
+        each): no header is read, so opening a store costs the same at any size. Torn
+        writes are removed; a record is checked at its first use (`contains`, a read,
+        its eviction), and quarantined there if it fails."""
+        self._index.replace(scan_names(self.chunks_dir, self.name, self.capacity_bytes is not None))
+
+    def check_listed(self) -> None:
+        """Read and check the header of every record not checked since the open, as the
+        views of every record need (`keys`, `headers`): records that fail their checks
+        are quarantined, torn or vanished ones dropped. One header read per record."""
+        checked: list[tuple[int, Slot]] = []
+        for slot in self._index.listed():
+            path = slot_path(self.chunks_dir, slot)
+            entry = check_record(path, slot, self._withdraw_listed)
+            if entry is None:
+                self._index.forget_slot(slot)
+            else:
+                self._index.checked(slot, entry)
+                checked.append((entry.mtime_ns, slot))
+        if self.capacity_bytes is None:  # listed unstated: the ages came with the check
+            checked.sort(key=lambda t: t[0])
+            self._index.reorder_listed([s for _, s in checked])
 
     def prepare_probe(self, keys: Sequence[ChunkKey]) -> None:
         # Cold metadata: the request's record files are stated side by side first
@@ -138,12 +164,15 @@ class FileTier(Tier):
             return True
         if self._quarantine.holds(st):
             return False
-        # Written (or replaced) by another process: adopt it after a header check.
+        # Listed at open and not checked yet, or written (or replaced) by another
+        # process: adopt it after a header check.
         try:
             header = read_header(path)
         except FileNotFoundError:
+            self._index.forget(key)
             return False
         except OldRecordFormat:
+            self._index.forget(key)
             return False  # written by an older bsr-io: a miss, left alone
         except RecordFormatError as exc:
             self._withdraw(path, RecordId.of(st), key, f"unreadable header: {exc}")
@@ -160,15 +189,22 @@ class FileTier(Tier):
         return True
 
     def keys(self) -> list[ChunkKey]:
+        """The records' keys in LRU order (oldest first); checks the records not checked
+        yet first (`check_listed`: a header read each)."""
+        self.check_listed()
         return self._index.keys()
 
     def headers(self) -> list[RecordHeader]:
-        """The indexed records' headers, in LRU order (oldest first)."""
+        """The records' headers, in LRU order (oldest first); checks as `keys` does."""
+        self.check_listed()
         return [e.header for e in self._index.entries()]
 
     def stats(self) -> dict[str, Any]:
+        """As Tier.stats; `records` counts those not checked yet too (`unverified` of
+        them), `bytes` their file sizes (0 each where the tier has no capacity)."""
         with self._lock:
             out = self._stats(len(self._index), self._index.used, self.capacity_bytes)
+            out["unverified"] = self._index.unverified
         out["root"] = str(self.root)
         return out
 
@@ -180,6 +216,9 @@ class FileTier(Tier):
         if self._quarantine.move_aside(path, record, reason):
             self.problems.append(Problem(str(path), reason, key))
             self._count(quarantined=1)
+
+    def _withdraw_listed(self, path: Path, record: RecordId, reason: str) -> None:
+        self._withdraw(path, record, None, reason)
 
     def _corrupt(self, key: ChunkKey, path: Path, record: RecordId, reason: str) -> ChunkCorrupt:
         self._withdraw(path, record, key, reason)
@@ -212,12 +251,17 @@ class FileTier(Tier):
             return False
         return True
 
-    def _evict(self, key: ChunkKey) -> None:
+    def _evict(self, slot: Slot, entry: Held) -> None:
         self._count(evictions=1)
-        path = self.path_of(key)
+        path = slot_path(self.chunks_dir, slot)
         if self.evict_to is not None:
+            if isinstance(entry, Unverified):  # never checked: the demotion is its first use
+                checked = check_record(path, slot, self._withdraw_listed)
+                if checked is None:
+                    return  # quarantined, gone, or not ours to remove
+                entry = checked
             try:
-                self.evict_to.adopt(key, path)
+                self.evict_to.adopt(entry.header.key, path)
             except (ChunkError, OSError):
                 pass  # demotion is best effort; the record is evicted either way
         try:
