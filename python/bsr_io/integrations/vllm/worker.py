@@ -510,7 +510,9 @@ class WorkerSide:
             log.exception("bsr-io: could not write an event")
 
     def close(self) -> None:
-        self.jobs.close()  # queued cuts end skipped: nothing reads blocks past close
+        # Queued cuts end skipped (nothing reads blocks past close); a running one ends
+        # by its own deadline: a slot within the hold's bound, then one write.
+        self.jobs.close(max(5.0, self.deadlines.cut_s + self.deadlines.grace_s))
         self.inventory.close()
         self.writers.shutdown(wait=True, cancel_futures=True)
         for tier in dict.fromkeys([*self.load_tiers, self.save_tier]):
