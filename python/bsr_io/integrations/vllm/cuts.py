@@ -168,12 +168,10 @@ class StepCuts:
         if order is None:  # given up on as it started: its end counted it
             return False, "given up", {}
         if order.slot is None:
-            try:
-                failed = self._copy(job, order)
-            finally:
-                job.copied.set()  # copied or never will: nothing waits for it
+            failed = self._copy(job, order)
             if failed is not None:
-                return failed
+                return failed  # its end (the table's) puts it past its copy
+            job.copied.set()  # its blocks may go: the record is in the slot
         return self._write(job, order)
 
     def _copy(self, job: Job, order: _Order) -> tuple[bool, str, Details] | None:

@@ -92,6 +92,15 @@ class Job:
 
 
 @dataclass
+class _Hold:
+    """A finished request whose blocks vLLM keeps until its jobs are past their copy."""
+
+    start: float
+    end: float  # its bound
+    short: bool = False  # a job of it (not aborted) ended short of its copy meanwhile
+
+
+@dataclass
 class _Lane:
     kind: Kind
     run: Run
@@ -108,15 +117,15 @@ class JobTable:
         runs: dict[Kind, Run],
         on_end: OnEnd,
         *,
-        on_hold: Callable[[str, float, bool], None] | None = None,
+        on_hold: Callable[[str, float, str], None] | None = None,
         grace_s: float = 2.0,
         hold_running_loads: bool = True,
         name: str = "bsr",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._on_end = on_end
-        # A hold's end: (request, its seconds, whether every job got past its copy).
-        self._on_hold = on_hold or (lambda rid, seconds, copied: None)
+        # A hold's end: (request, its seconds, why not every job copied: "" when all did).
+        self._on_hold = on_hold or (lambda rid, seconds, why: None)
         self._grace_s = grace_s
         # False where loads read only into slots: they write their blocks only through
         # their guard, closed when they are given up, so there is nothing to hold.
@@ -126,7 +135,7 @@ class JobTable:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._jobs: dict[int, Job] = {}  # submitted, not yet reported, by id
-        self._holds: dict[str, tuple[float, float]] = {}  # held request -> (start, end)
+        self._holds: dict[str, _Hold] = {}  # held request -> its hold
         self._closed = False
         self._polled = clock()  # a long gap between polls: the worker itself did not step
         self._lanes: dict[Kind, _Lane] = {}
@@ -201,7 +210,7 @@ class JobTable:
         now = self._clock()
         with self._lock:
             for rid in request_ids:
-                self._holds[rid] = (now, now + bound_s)
+                self._holds[rid] = _Hold(now, now + bound_s)
 
     def wait_ended(self, request_id: str, kind: Kind, deadline: float) -> None:
         """Until the request's `kind` jobs in the table ended, at most until `deadline`."""
@@ -329,21 +338,24 @@ class JobTable:
     def _end_holds(self, now: float) -> set[str]:
         """Held requests none of whose jobs needs their blocks any more (or whose bound
         passed: their jobs' guards close now). vLLM may free the blocks."""
-        ended: list[tuple[str, float, list[Job]]] = []
+        ended: list[tuple[str, float, list[Job], str]] = []
         with self._lock:
-            for rid, (start, end) in list(self._holds.items()):
+            for rid, h in list(self._holds.items()):
                 left = [
                     j for j in self._jobs.values() if j.request_id == rid and not j.copied.is_set()
                 ]
-                if left and now < end:
+                if left and now < h.end:
                     continue
                 del self._holds[rid]
-                ended.append((rid, now - start, left))
-        for rid, seconds, left in ended:
+                why = "cuts ended short of their copy" if h.short else ""
+                if left:
+                    why = "the hold's bound passed with cuts not copied"
+                ended.append((rid, now - h.start, left, why))
+        for rid, seconds, left, why in ended:
             for job in left:
                 job.guard.close()  # a copy in progress ends first; a later one is Abandoned
-            self._on_hold(rid, seconds, not left)
-        return {rid for rid, _, _ in ended}
+            self._on_hold(rid, seconds, why)
+        return {rid for rid, *_ in ended}
 
     def _stack(self, job: Job) -> list[str]:
         """Where `job`'s lane thread is now (its innermost frames), if it still runs it."""
@@ -373,6 +385,9 @@ class JobTable:
             if job.done:
                 return
             job.ok, job.reason, job.done = ok, reason, True
+            hold = self._holds.get(job.request_id)
+            if hold is not None and not ok and not job.aborted and not job.copied.is_set():
+                hold.short = True  # it ended short of its copy: the hold saved nothing of it
             if until_returned:
                 self._hold_until_returned(job)
             if job.hold is None:

@@ -336,11 +336,10 @@ class WorkerSide:
         self._finish_saves = set()
         return self.jobs.poll()
 
-    def _held(self, request_id: str, seconds: float, copied: bool) -> None:
+    def _held(self, request_id: str, seconds: float, why: str) -> None:
         """A hold ended (jobs.py): vLLM frees the request's blocks now."""
-        why = "" if copied else "the hold's bound passed with cuts not copied"
         fields = {"kind": "hold", "request_id": request_id, "reason": why, "seconds": seconds}
-        self.event(None, fields | {"outcome": COMPLETE if copied else ZERO})
+        self.event(None, fields | {"outcome": ZERO if why else COMPLETE})
 
     def _ended(self, job: Job, details: Details) -> None:
         """The table's report of a job's end: the event log line."""
