@@ -1,4 +1,4 @@
-"""The worker's job table (integrations/vllm/jobs.py), with real lane threads: every job
+"""The worker's one job table (integrations/vllm/jobs.py), with real lane threads: every job
 is reported exactly once and by its deadline counted from submission, whatever the job
 in front of it does; a stuck lane takes no new work; an aborted request's load stops.
 
@@ -239,4 +239,48 @@ def test_without_deadlines_from_submission_the_queued_save_would_wait():
         assert poll_until(t, 1, timeout_s=1.0) == (set(), set(), set())
     finally:
         work.hold.set()
+        t.close()
+
+
+def test_a_load_and_a_cut_of_one_request_are_one_tables_and_a_hold_waits_for_both_copies():
+    """Every transfer of a request is a job of the one table, with its id and its
+    deadline from submission; a hold (vLLM keeps a finished request's blocks) ends
+    exactly when every job of the request is past its copy: not before its load has
+    stopped writing the blocks, not after its cut has its bytes (its write may go on)."""
+    work = Work()
+    copy, write = threading.Event(), threading.Event()
+
+    def cut(job: Job) -> tuple[bool, str, dict[str, object]]:
+        copy.wait()
+        job.copied.set()  # the record is in a slot: the blocks are free to go
+        write.wait()
+        return True, "", {}
+
+    holds: list[tuple[str, str]] = []
+    t = JobTable(
+        {"load": work.run},
+        work.on_end,
+        on_hold=lambda rid, seconds, why: holds.append((rid, why)),
+        grace_s=GRACE,
+    )
+    t.add_lane("cut", cut, width=2, on_end=lambda job, details: None)
+    try:
+        load = t.submit("load", transfer("r"), 5)
+        c = t.submit("cut", transfer("r"), 7)
+        assert [(j.kind, j.id) for j in t.jobs_of("r")] == [("load", load.id), ("cut", c.id)]
+        assert load.id != c.id and 1.5 < c.deadline - load.deadline < 2.5
+        t.hold({"r"}, 30)
+        assert t.poll() == (set(), set(), set()) and holds == []  # nothing copied
+        copy.set()
+        assert c.copied.wait(5)
+        time.sleep(0.05)
+        assert t.poll() == (set(), set(), set()) and holds == []  # the load still writes
+        t.abort({"r"})  # vLLM finished it: the load stops
+        sending, recving, failed = poll_until(t, 2)
+        assert sending == recving == failed == {"r"}, (sending, recving, failed)
+        assert holds == [("r", "")]  # complete: the aborted load lost it nothing
+        assert not c.done and t.jobs_of("r") == [c]  # the cut is still writing
+    finally:
+        copy.set()
+        write.set()
         t.close()

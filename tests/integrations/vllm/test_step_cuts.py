@@ -82,7 +82,7 @@ def test_a_released_request_is_never_cut_from_its_reused_blocks(tmp_path):
         # The scheduler side hears that this cut ended unwritten (and not the written
         # one's): a lookup waiting for it stops waiting (scheduler.py).
         assert worker.worker_meta().lost_cuts == [("tiny", full.index, 101)]
-        worker.cuts.close()  # every queued cut has ended
+        worker.jobs.close()  # every queued cut has ended
         assert worker.metrics.snapshot().get(STEP % "saved") == 1
         assert stored(store) == [want]  # nothing of "gone", from old blocks or new
     finally:
@@ -240,7 +240,7 @@ def test_a_hold_ends_at_its_short_bound(tmp_path, monkeypatch):
             slot.release()
         held.clear()
         wait_for(worker, "skipped", n)
-        worker.cuts.close()
+        worker.jobs.close()
         assert stored(store) == []
         h = _done(events)["h"]
         assert (h["outcome"], h["skipped"]) == ("zero", n), h

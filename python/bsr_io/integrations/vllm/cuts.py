@@ -1,34 +1,32 @@
 """Step cuts: records copied out of vLLM's blocks in the step that completed them.
 
-Two kinds, by how long their blocks stay theirs:
+Each cut is one record and one job of the worker's job table (jobs.py), due
+`Deadlines.cut_s` from its order (a slot within `hold_s`, then one write's deadline), run
+by one of W writer threads (the table's `cut` lane), which copy it out of its blocks and
+write it crash-safe and checksummed through the save tier. Two kinds, by how long their
+blocks stay theirs:
 - Window-group records: vLLM frees and reuses a window's blocks from the next step on,
-  so they are cut here, on the forward thread in `wait_for_save`, waiting at most
+  so they are copied here, on the forward thread in `wait_for_save`, waiting at most
   `step_save_budget_s` per step for save slots (past it a record is skipped: a future
-  miss, counted).
+  miss, counted); the job, past its copy from the start, only writes.
 - Full-group records (`save_in_steps`): their blocks stay the request's until it
-  finishes or is preempted, so the forward only queues them; a writer thread cuts and
-  writes each one. The scheduler side names the requests whose blocks vLLM released
-  since the last step (`BsrMetadata.released`), and `release` runs before that step's
-  forward can reuse them: it waits, within the step budget, for the request's queued
-  cuts to copy their bytes, then closes the request's `Guard`. A cut still waiting
-  after that is skipped, never read from blocks another request now owns. A request
-  vLLM finished while a cut of it was still unreported is `held` instead: vLLM keeps
-  its blocks until this rank names it in finished_sending, once its cuts have copied
-  (or the hold's own bound passed: `hold_s`, two writes' deadlines, deadlines.py; its
-  cuts still waiting then are skipped and counted), so a writer held up behind a
-  stalled write loses no record, and a stalled drive keeps no finished request's blocks
-  longer than that. Preemption has no such hold in vLLM: a preempted request is
-  released. A queued cut waits at most `hold_s` for a save slot too.
+  finishes or is preempted, so the forward only queues them and a writer copies them.
+  What happens to those blocks is the table's: a request vLLM released has its cuts'
+  guards closed once they copied or the step budget ran out (`release`), a finished one
+  is held until they copied or the hold's bound passed (`hold`); a cut closed out ends
+  skipped, never read from blocks another request now owns.
 
-A cut record goes to one of W writers, which write it crash-safe and checksummed
-through the save tier; a finished request's save waits for its cuts' writes first. On a
-CPU worker the writers copy and write while a forward runs (gate.py). On a GPU worker
-`wait_for_save` runs once the step's kernels are enqueued, not done: every cut's copy
-waits for an event recorded there on the forward's stream (save/fence.py).
+On a CPU worker the writers copy and write while a forward runs (gate.py). On a GPU
+worker `wait_for_save` runs once the step's kernels are enqueued, not done: every cut's
+copy waits for an event recorded there on the forward's stream (save/fence.py).
 
-A request vLLM finished with no finish save gets one `step_saves_done` event per rank
-once each of its cuts has ended (written, skipped or failed), with their counts: the
+Every cut ends counted, through the table's `on_end`: written, skipped (no slot, its
+blocks released, never started) or failed; each unwritten one is a lost cut the
+scheduler side hears of. A request vLLM finished with no finish save gets one
+`step_saves_done` event per rank once each of its cuts has ended, with their counts: the
 request-level end of its saves that a finish save's own event gives otherwise.
+
+Cuts see their worker only through a `CutContext`: no import of the worker.
 """
 
 from __future__ import annotations
@@ -36,33 +34,65 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from bsr_io._core import Slot
+from bsr_io._core import Engine, Slot
 from bsr_io.engine import give_back, lease
 from bsr_io.errors import EngineBusy
-from bsr_io.integrations.vllm.blocks import Abandoned, Guard
-from bsr_io.integrations.vllm.layout import FULL
+from bsr_io.integrations.vllm.blocks import Abandoned, Guard, RequestPages
+from bsr_io.integrations.vllm.deadlines import Deadlines
+from bsr_io.integrations.vllm.gate import ForwardGate
+from bsr_io.integrations.vllm.jobs import Details, Job, JobTable
+from bsr_io.integrations.vllm.layout import FULL, GroupLayout
 from bsr_io.integrations.vllm.metadata import BsrMetadata, Cut, RecordOrder, Transfer, cut_of
-from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED
+from bsr_io.integrations.vllm.metrics import FAILED, SAVED, SKIPPED, SaveMetrics
 from bsr_io.load.records import COMPLETE, ZERO
+from bsr_io.model.keys import ChunkKey
 from bsr_io.save.fence import StepFence, extract_after
 from bsr_io.save.records import PhaseClock
 
-if TYPE_CHECKING:
-    from bsr_io.integrations.vllm.worker import WorkerSide
-
 log = logging.getLogger("bsr_io.vllm")
+
+
+@dataclass(frozen=True)
+class CutContext:
+    """What a cut needs of its worker, and nothing more."""
+
+    rank: int
+    groups: Mapping[int, GroupLayout]
+    destination: Callable[[Transfer, list[RecordOrder], Guard], RequestPages]
+    key: Callable[[Transfer, RecordOrder], ChunkKey]
+    tier: Any  # the save tier: write(key, slot, record layout)
+    saved: Callable[[ChunkKey], None]  # a record written (the inventory hears of it)
+    engine: Engine  # the save engine: its slots
+    gate: ForwardGate
+    event: Callable[[dict[str, Any]], None]  # the event log
+    metrics: SaveMetrics
+    deadlines: Deadlines
+    budget_s: float  # step_save_budget_s: a window cut's wait for a slot, per step
+
+    def mine(self, r: RecordOrder) -> bool:
+        """Whether this rank writes record `r` (a replicated group: rank 0 only)."""
+        return not self.groups[r.group].replicated or self.rank == 0
+
+
+@dataclass
+class _Order:
+    """A cut job's payload: the step's fence, and its slot once the record is copied."""
+
+    fence: StepFence
+    slot_by: float  # time.monotonic(): the wait for a slot ends here (`hold_s`)
+    slot: Slot | None = None
+    clock: PhaseClock = field(default_factory=lambda: PhaseClock({}))
 
 
 @dataclass
 class _Tally:
     """One request's cuts on this rank, until its `step_saves_done` event."""
 
-    pending: int = 0  # cuts queued or being written
+    pending: int = 0  # cuts not yet ended
     written: int = 0
     skipped: int = 0
     failed: int = 0
@@ -78,210 +108,164 @@ class _Tally:
 
 
 class StepCuts:
-    def __init__(self, worker: WorkerSide, initializer: Callable[[], None] | None) -> None:
-        self.w = worker
-        self.cfg = worker.cfg
+    def __init__(self, ctx: CutContext, jobs: JobTable, writers: int) -> None:
+        self.ctx = ctx
+        self.jobs = jobs
         self._lock = threading.Lock()
-        self._skipped = 0  # records not saved (no slot in budget, released first, an error)
+        self._skipped = 0  # cuts that ended before a write (no slot, released, an error)
         self._lost_cuts: list[Cut] = []  # cuts ended with no record
-        self._writers = ThreadPoolExecutor(
-            self.cfg.window, thread_name_prefix=f"bsr-w{worker.rank}", initializer=initializer
-        )
-        self._writing: dict[str, list[Future[None]]] = {}  # request -> its cuts' writes
-        self._guards: dict[str, Guard] = {}  # request -> guard of its queued full cuts
-        self._copied: dict[str, list[threading.Event]] = {}  # request -> its cuts' copies
         self._tallies: dict[str, _Tally] = {}  # request -> its cuts' outcomes so far
-        self._holding: dict[str, tuple[float, float]] = {}  # held request -> (start, end)
+        jobs.add_lane("cut", self._run, width=writers, on_end=self._ended)
 
     # -- on the forward thread ---------------------------------------------------------
     def cut(self, meta: BsrMetadata, fence: StepFence) -> None:
-        """This step's records (wait_for_save): window records now, full ones queued.
-        Every copy is ordered after the step's writes to its blocks (`fence`, fence.py)."""
-        if not meta.step_saves or self.w.pages is None:
-            return
-        budget_end = time.monotonic() + self.cfg.step_save_budget_s
+        """This step's records (wait_for_save): window records copied now, full ones
+        queued. Every copy is ordered after the step's writes to its blocks (`fence`)."""
+        budget_end = time.monotonic() + self.ctx.budget_s
         for t in meta.step_saves:
             with self._lock:  # every rank tallies the request, records of its own or not
                 self._tallies.setdefault(t.request_id, _Tally())
             for r in t.records:
-                if not self.w.mine(r):
+                if not self.ctx.mine(r):
                     continue
+                one = Transfer(t.request_id, t.key_model, (r,))
+                with self._lock:
+                    self._tallies[t.request_id].pending += 1
                 try:
-                    if self.w.groups[r.group].kind == FULL:
-                        self._queue(t, r, fence)
+                    if self.ctx.groups[r.group].kind == FULL:
+                        self._submit(one, _Order(fence, time.monotonic() + self.hold_s))
                     else:
-                        self._cut_now(t, r, budget_end, fence)
+                        self._cut_now(one, budget_end, fence)
                 except Exception as exc:  # noqa: BLE001 - saves are best effort
                     # A save that fails here must not fail vLLM's forward: the record
                     # is a future miss, counted and logged.
-                    log.warning("bsr-io: rank %d: step save failed: %s", self.w.rank, exc)
-                    self._lost(t, r, FAILED, str(exc))
+                    log.warning("bsr-io: rank %d: step save failed: %s", self.ctx.rank, exc)
+                    self.jobs.end_at_once("cut", one, str(exc), {"outcome": FAILED})
 
-    def release(self, request_ids: Iterable[str]) -> None:
-        """Before a step's forward (start_load_kv): vLLM may hand these requests' blocks
-        to others in it. No cut of theirs reads them from now on."""
-        deadline = time.monotonic() + self.cfg.step_save_budget_s
-        for rid in request_ids:
-            with self._lock:
-                guard = self._guards.pop(rid, None)
-                copied = self._copied.pop(rid, [])
-            if guard is None:
-                continue
-            for ev in copied:
-                ev.wait(max(0.0, deadline - time.monotonic()))
-            guard.close()  # waits for a copy in progress; a later one is Abandoned
+    @property
+    def hold_s(self) -> float:
+        return self.ctx.deadlines.hold_s
 
-    def hold(self, request_ids: Iterable[str], timeout_s: float) -> None:
-        """vLLM keeps these finished requests' blocks until `held_done` names them."""
-        now = time.monotonic()
-        with self._lock:
-            for rid in request_ids:
-                self._holding[rid] = (now, now + timeout_s)
+    def _submit(self, t: Transfer, order: _Order, copied: bool = False) -> None:
+        self.jobs.submit("cut", t, self.ctx.deadlines.cut_s, payload=order, copied=copied)
 
-    def held_done(self) -> set[str]:
-        """Held requests none of whose cuts needs their blocks any more: every one has
-        copied its bytes or ended, or the hold's deadline passed (the rest end skipped).
-        Their guards are closed: vLLM may free the blocks."""
-        now = time.monotonic()
-        done: list[tuple[str, float, bool, Guard | None]] = []
-        with self._lock:
-            for rid, (start, end) in list(self._holding.items()):
-                copied = all(e.is_set() for e in self._copied.get(rid, ()))
-                if now < end and not copied:
-                    continue
-                del self._holding[rid]
-                self._copied.pop(rid, None)
-                done.append((rid, now - start, copied, self._guards.pop(rid, None)))
-        for rid, seconds, copied, guard in done:
-            if guard is not None:
-                guard.close()  # waits for a copy in progress; a later one is Abandoned
-            self.w.event(
-                None,
-                {
-                    "kind": "hold",
-                    "request_id": rid,
-                    "outcome": COMPLETE if copied else ZERO,
-                    "reason": "" if copied else "the hold's bound passed with cuts not copied",
-                    "seconds": seconds,
-                },
-            )
-        return {rid for rid, *_ in done}
-
-    def _cut_now(self, t: Transfer, r: RecordOrder, budget_end: float, fence: StepFence) -> None:
-        clock = PhaseClock({})
+    def _cut_now(self, t: Transfer, budget_end: float, fence: StepFence) -> None:
+        order = _Order(fence, budget_end)
         try:
-            with clock("slot"):
-                slot = lease(self.w.save_engine, budget_end)
+            with order.clock("slot"):
+                order.slot = lease(self.ctx.engine, budget_end)
         except EngineBusy:
-            self._lost(t, r, SKIPPED, "no save slot within the step budget")
+            reason = "no save slot within the step budget"
+            self.jobs.end_at_once("cut", t, reason, {"outcome": SKIPPED})
             return
-        with clock("copy"):
-            self._extract(t, r, slot, Guard(), fence)
-        try:
-            fut = self._writers.submit(self._write, t, r, slot, clock)
-        except BaseException:  # the writers are shut down: the caller counts it failed
-            give_back(slot)
-            raise
-        self._track(t.request_id, fut)
-
-    def _queue(self, t: Transfer, r: RecordOrder, fence: StepFence) -> None:
-        copied = threading.Event()
-        with self._lock:
-            guard = self._guards.setdefault(t.request_id, Guard())
-            self._copied.setdefault(t.request_id, []).append(copied)
-        try:
-            fut = self._writers.submit(self._cut_later, t, r, guard, copied, fence)
-        except BaseException:  # the writers are shut down: the caller counts it failed
-            copied.set()  # nothing will copy: a release need not wait for it
-            raise
-        self._track(t.request_id, fut)
-
-    def _track(self, request_id: str, fut: Future[None]) -> None:
-        with self._lock:
-            self._writing.setdefault(request_id, []).append(fut)
-            self._tallies.setdefault(request_id, _Tally()).pending += 1
-        fut.add_done_callback(lambda _: self._settled(request_id))
+        with order.clock("copy"):
+            self._extract(t, order.slot, Guard(), fence)
+        self._submit(t, order, copied=True)
 
     # -- on a writer thread ------------------------------------------------------------
-    def _cut_later(
-        self,
-        t: Transfer,
-        r: RecordOrder,
-        guard: Guard,
-        copied: threading.Event,
-        fence: StepFence,
-    ) -> None:
-        clock = PhaseClock({})
-        try:
-            try:
-                with clock("pace"):
-                    self.w.gate.wait()  # the copy, while a forward runs (gate.py)
-                with clock("slot"):
-                    slot = lease(self.w.save_engine, time.monotonic() + self.w.deadlines.hold_s)
-            except EngineBusy:
-                self._lost(t, r, SKIPPED, "no save slot within the hold's bound")
-                return
-            except Exception as exc:  # noqa: BLE001 - counted: a cut never vanishes
-                log.warning("bsr-io: rank %d: step save got no slot: %s", self.w.rank, exc)
-                self._lost(t, r, FAILED, f"leasing a save slot failed: {exc}")
-                return
-            try:
-                with clock("copy"):
-                    self._extract(t, r, slot, guard, fence)
-            except Abandoned:
-                self._lost(t, r, SKIPPED, "its blocks were released before its cut")
-                return
-            except Exception as exc:  # noqa: BLE001 - a failed cut is a future miss
-                log.warning("bsr-io: rank %d: step save failed: %s", self.w.rank, exc)
-                self._lost(t, r, FAILED, str(exc))
-                return
-        finally:
-            copied.set()
-        self._write(t, r, slot, clock)
+    def _run(self, job: Job) -> tuple[bool, str, Details]:
+        order: _Order | None = job.take()
+        if order is None:  # given up on as it started: its end counted it
+            return False, "given up", {}
+        if order.slot is None:
+            failed = self._copy(job, order)
+            if failed is not None:
+                return failed  # its end (the table's) puts it past its copy
+            job.copied.set()  # its blocks may go: the record is in the slot
+        return self._write(job, order)
 
-    def _extract(
-        self, t: Transfer, r: RecordOrder, slot: Slot, guard: Guard, fence: StepFence
-    ) -> None:
-        """Copy record `r` out of its blocks into `slot` (given back on failure), after
-        the step that wrote them (`fence`)."""
+    def _copy(self, job: Job, order: _Order) -> tuple[bool, str, Details] | None:
+        """Lease a slot and copy the record into it; None when it is there."""
         try:
-            dest = self.w.dest(t, [r], guard)
-            extract_after(fence, dest, 0, slot, self.w.groups[r.group].record_bytes)
+            with order.clock("pace"):
+                self.ctx.gate.wait()  # the copy, while a forward runs (gate.py)
+            with order.clock("slot"):
+                slot = lease(self.ctx.engine, order.slot_by)
+        except EngineBusy:
+            return False, "no save slot within the hold's bound", {"outcome": SKIPPED}
+        except Exception as exc:  # noqa: BLE001 - counted: a cut never vanishes
+            log.warning("bsr-io: rank %d: step save got no slot: %s", self.ctx.rank, exc)
+            return False, f"leasing a save slot failed: {exc}", {"outcome": FAILED}
+        try:
+            with order.clock("copy"):
+                self._extract(job.transfer, slot, job.guard, order.fence)
+        except Abandoned:
+            return False, "its blocks were released before its cut", {"outcome": SKIPPED}
+        except Exception as exc:  # noqa: BLE001 - a failed cut is a future miss
+            log.warning("bsr-io: rank %d: step save failed: %s", self.ctx.rank, exc)
+            return False, str(exc), {"outcome": FAILED}
+        order.slot = slot
+        return None
+
+    def _extract(self, t: Transfer, slot: Slot, guard: Guard, fence: StepFence) -> None:
+        """Copy the record out of its blocks into `slot` (given back on failure), after
+        the step that wrote them (`fence`)."""
+        r = t.records[0]
+        try:
+            dest = self.ctx.destination(t, [r], guard)
+            extract_after(fence, dest, 0, slot, self.ctx.groups[r.group].record_bytes)
         except BaseException:
             give_back(slot)
             raise
 
-    def _write(self, t: Transfer, r: RecordOrder, slot: Slot, clock: PhaseClock) -> None:
+    def _write(self, job: Job, order: _Order) -> tuple[bool, str, Details]:
+        assert order.slot is not None
+        t, r, clock = job.transfer, job.transfer.records[0], order.clock
         t0 = time.monotonic()
         error: Exception | None = None
         key = None
         try:
-            key, g = self.w.key(t, r), self.w.groups[r.group]
+            key, g = self.ctx.key(t, r), self.ctx.groups[r.group]
             with clock("pace"):
-                self.w.gate.wait()  # the write too
+                self.ctx.gate.wait()  # the write too
             t0 = time.monotonic()
             with clock("write"):
-                self.w.save_tier.write(key, slot, g.record)
-            self.w.note_saved(key)
+                self.ctx.tier.write(key, order.slot, g.record)
+            self.ctx.saved(key)
         except Exception as exc:  # noqa: BLE001 - a failed save is a future miss
             error = exc
         finally:
-            give_back(slot)  # before the outcome: a save counted holds no slot any more
-        seconds = time.monotonic() - t0
+            give_back(order.slot)  # before the outcome: a save counted holds no slot
+        details = {"seconds": time.monotonic() - t0, "phases": clock.phases, "wrote": True}
         if error is None:
-            self._outcome(t.request_id, SAVED, seconds, "", clock.phases)
-        else:
-            log.warning("bsr-io: save of %s failed: %s", key.short() if key else r, error)
-            with self._lock:
-                self._lost_cuts.append(cut_of(t.key_model, r))
-            self._outcome(t.request_id, FAILED, seconds, str(error), clock.phases)
+            return True, "", details | {"outcome": SAVED}
+        log.warning("bsr-io: save of %s failed: %s", key.short() if key else r, error)
+        return False, str(error), details | {"outcome": FAILED}
 
-    # -- bookkeeping ---------------------------------------------------------------------
-    def _lost(self, t: Transfer, r: RecordOrder, outcome: str, why: str) -> None:
+    # -- bookkeeping (the table's on_end for cuts: any thread) ------------------------
+    def _ended(self, job: Job, details: Details) -> None:
+        """A cut ended: written, skipped or failed (counted, logged). A written or failed
+        write says where its time went (`phases`, seconds): waits for a forward
+        (`pace`), for a slot, the copy out of its blocks, the tier's write."""
+        order: _Order | None = job.take()
+        if order is not None and order.slot is not None:
+            give_back(order.slot)  # copied on the forward thread, never written
+        outcome = details.get("outcome") or (SKIPPED if job.started is None else FAILED)
+        t = job.transfer
+        if outcome != SAVED:
+            with self._lock:
+                if not details.get("wrote"):
+                    self._skipped += 1
+                self._lost_cuts.append(cut_of(t.key_model, t.records[0]))
+        seconds = details.get("seconds")
+        self.ctx.metrics.step(outcome, seconds)
+        fields: dict[str, Any] = {"kind": "step_save", "request_id": job.request_id}
+        fields |= {"outcome": COMPLETE if outcome == SAVED else outcome, "reason": job.reason}
+        if seconds is not None:
+            fields["seconds"] = seconds
+        if "phases" in details:
+            fields["phases"] = details["phases"]
+        self.ctx.event(fields)
         with self._lock:
-            self._skipped += 1
-            self._lost_cuts.append(cut_of(t.key_model, r))
-        self._outcome(t.request_id, outcome, None, why)
+            tally = self._tallies.get(job.request_id)
+            if tally is None:
+                return
+            tally.count(outcome)
+            tally.pending -= 1
+            if not (tally.finished and tally.pending == 0):
+                return
+            del self._tallies[job.request_id]
+        self._report(job.request_id, tally)
 
     def finished(self, request_ids: Iterable[str], with_finish_save: set[str]) -> None:
         """vLLM finished these requests (on the forward thread, after the step). One
@@ -302,68 +286,20 @@ class StepCuts:
         for rid, tally in done:
             self._report(rid, tally)
 
-    def _settled(self, request_id: str) -> None:
-        """A cut's future ended (its outcome already tallied)."""
-        with self._lock:
-            tally = self._tallies.get(request_id)
-            if tally is None:
-                return
-            tally.pending -= 1
-            if not (tally.finished and tally.pending == 0):
-                return
-            del self._tallies[request_id]
-        self._report(request_id, tally)
-
     def _report(self, request_id: str, t: _Tally) -> None:
         lost = t.skipped + t.failed
-        why = f"{t.skipped} skipped, {t.failed} failed" if lost else ""
-        self.w.event(
-            None,
+        self.ctx.event(
             {
                 "kind": "step_saves_done",
                 "request_id": request_id,
                 "outcome": ZERO if lost else COMPLETE,
-                "reason": why,
+                "reason": f"{t.skipped} skipped, {t.failed} failed" if lost else "",
                 "records": t.written + lost,
                 "written": t.written,
                 "skipped": t.skipped,
                 "failed": t.failed,
-            },
+            }
         )
-
-    def _outcome(
-        self,
-        request_id: str,
-        outcome: str,
-        seconds: float | None,
-        why: str,
-        phases: dict[str, float] | None = None,
-    ) -> None:
-        """A record cut in a step: written, skipped or failed (counted, logged). A written
-        or failed one says where its time went (`phases`, seconds): waits for a forward
-        (`pace`), for a slot, the copy out of its blocks, the tier's write."""
-        self.w.save_metrics.step(outcome, seconds)
-        with self._lock:
-            tally = self._tallies.get(request_id)
-            if tally is not None:
-                tally.count(outcome)
-        fields: dict[str, Any] = {"kind": "step_save", "request_id": request_id}
-        fields |= {"outcome": COMPLETE if outcome == SAVED else outcome, "reason": why}
-        if seconds is not None:
-            fields["seconds"] = seconds
-        if phases is not None:
-            fields["phases"] = phases
-        self.w.event(None, fields)
-
-    def writes_of(self, request_id: str) -> list[Future[None]]:
-        """The request's cuts still being written (its finish save waits for them)."""
-        with self._lock:
-            return self._writing.pop(request_id, [])
-
-    def reap(self) -> None:
-        with self._lock:
-            for rid in [r for r, fs in self._writing.items() if all(f.done() for f in fs)]:
-                del self._writing[rid]  # written, and no finished-request save waits on them
 
     def take_lost(self) -> tuple[int, list[Cut]]:
         """Records skipped since the last report, and the cuts that ended unwritten."""
@@ -371,13 +307,3 @@ class StepCuts:
             skipped, self._skipped = self._skipped, 0
             lost, self._lost_cuts = self._lost_cuts, []
         return skipped, lost
-
-    def close(self) -> None:
-        with self._lock:
-            guards = list(self._guards.values())
-            self._guards.clear()
-            self._copied.clear()
-            self._holding.clear()
-        for guard in guards:
-            guard.close()  # queued cuts end Abandoned: nothing reads blocks past close
-        self._writers.shutdown(wait=True)

@@ -1,14 +1,15 @@
 """Worker side: each tensor-parallel worker loads and saves its own rank's records.
 
-Design (one path, two lanes, nothing unbounded):
+Design (one path, one job table, nothing unbounded):
 - Records: a request's KV is one record per (KV cache group, chunk) for full groups
   and one per (group, chunk boundary) for window groups (layout.py). Each worker
   reads and writes its own rank's records; a group every rank holds the same bytes of
   (MLA) is written by rank 0 and read by all.
-- Jobs: every load and finished-request save is a job of the job table (jobs.py), its
-  deadline counted from submission; `get_transfer_results` polls the table, which
-  reports each job once, when it ends or when its deadline passes (its blocks closed
-  to it first), so vLLM never waits on a transfer that will not end.
+- Jobs: every load, finished-request save and step cut is a job of one job table
+  (jobs.py), its deadline counted from submission; `get_transfer_results` polls the
+  table, which reports each load and save once, when it ends or when its deadline passes
+  (its blocks closed to it first), so vLLM never waits on a transfer that will not end,
+  and names a held request once its jobs are past their copy.
 - Loads run on the load lane (a thread) through the core's `load_records`: metadata
   discovery, then the windowed, verified install through the load engine's W slots
   straight into the request's blocks (`RequestPages`: per-group block ids, runs of
@@ -54,7 +55,6 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from typing import Any
 
 import torch
@@ -64,7 +64,7 @@ from bsr_io.errors import TierDown
 from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.cpus import connector_cpus, pinner, threads_started_on
-from bsr_io.integrations.vllm.cuts import StepCuts
+from bsr_io.integrations.vllm.cuts import CutContext, StepCuts
 from bsr_io.integrations.vllm.gate import ForwardGate
 from bsr_io.integrations.vllm.inventory import StoreInventory
 from bsr_io.integrations.vllm.jobs import Details, Job, JobTable
@@ -81,7 +81,7 @@ from bsr_io.integrations.vllm.ranktier import RankTier
 from bsr_io.load.records import COMPLETE, ZERO, LoadOptions, load_records
 from bsr_io.metrics import RestoreMetrics
 from bsr_io.model.keys import ChunkKey
-from bsr_io.save.fence import NO_FENCE, step_fence
+from bsr_io.save.fence import step_fence
 from bsr_io.save.records import save_records
 from bsr_io.tiers.lower import LowerTier
 from bsr_io.tiers.ssd import SSDTier
@@ -225,7 +225,6 @@ class WorkerSide:
             )
         self.pages: KVPages | None = None
         self.gate = ForwardGate()  # set up in register, where the KV caches' device shows
-        self.cuts = StepCuts(self, pinner(self.cpus))
         self._finish_saves: set[str] = set()  # requests given a finish save this step
         # A request's records are written by kept threads, not by threads started and
         # joined per save (records.py `_each`); apart from the cuts' writers so that a
@@ -233,15 +232,33 @@ class WorkerSide:
         self.writers = ThreadPoolExecutor(
             max(1, cfg.window // 2), thread_name_prefix="bsr-save", initializer=pinner(self.cpus)
         )
+        # Every transfer of this worker is a job of one table (jobs.py): loads and finish
+        # saves here, step cuts on W writers of their own (cuts.py).
         self.jobs = JobTable(
             {"load": self._load, "save": self._save},
             self._ended,
+            on_hold=self._held,
             grace_s=self.deadlines.grace_s,
             # Only a destination that takes direct reads can be written after its load
             # was given up (blocks.py: RequestPages reads through slots today).
             hold_running_loads=bool(getattr(RequestPages, "direct_reads", False)),
             name=f"bsr-r{rank}",
         )
+        cut = CutContext(
+            rank=rank,
+            groups=self.groups,
+            destination=self.dest,
+            key=self.key,
+            tier=self.save_tier,
+            saved=self.note_saved,
+            engine=self.save_engine,
+            gate=self.gate,
+            event=lambda fields: self.event(None, fields),
+            metrics=self.save_metrics,
+            deadlines=self.deadlines,
+            budget_s=cfg.step_save_budget_s,
+        )
+        self.cuts = StepCuts(cut, self.jobs, writers=cfg.window)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
@@ -278,8 +295,9 @@ class WorkerSide:
     def submit(self, meta: BsrMetadata) -> None:
         """Queue this step's loads and finished requests' saves (start_load_kv)."""
         self.gate.opened()
-        self.cuts.release(meta.released)  # before this step's forward may reuse them
-        self.cuts.hold(meta.held, self.deadlines.hold_s)
+        # Before this step's forward may reuse released requests' blocks (jobs.py).
+        self.jobs.release(meta.released, self.cfg.step_save_budget_s)
+        self.jobs.hold(meta.held, self.deadlines.hold_s)
         if self.rank in meta.resync:
             self.inventory.resync()
         for ns, hashes in meta.recheck.items():
@@ -300,11 +318,9 @@ class WorkerSide:
     def save_step(self, meta: BsrMetadata) -> None:
         """Cut the records this step completed (wait_for_save): cuts.py."""
         self.gate.closed()  # first: the writers it wakes wait for the next forward
-        fence = NO_FENCE
         if meta.step_saves and self.pages is not None:
             # On a GPU the step's kernels may still run: its cuts copy after them.
-            fence = step_fence(self.pages.device)
-        self.cuts.cut(meta, fence)
+            self.cuts.cut(meta, step_fence(self.pages.device))
 
     def note_saved(self, key: ChunkKey) -> None:
         # Written through to a pool too: no re-listing of the drive may take it back.
@@ -318,9 +334,12 @@ class WorkerSide:
             self.jobs.abort(finished, "load")
             self.cuts.finished(finished, self._finish_saves)
         self._finish_saves = set()
-        self.cuts.reap()
-        sending, recving, failed = self.jobs.poll()
-        return sending | self.cuts.held_done(), recving, failed
+        return self.jobs.poll()
+
+    def _held(self, request_id: str, seconds: float, why: str) -> None:
+        """A hold ended (jobs.py): vLLM frees the request's blocks now."""
+        fields = {"kind": "hold", "request_id": request_id, "reason": why, "seconds": seconds}
+        self.event(None, fields | {"outcome": ZERO if why else COMPLETE})
 
     def _ended(self, job: Job, details: Details) -> None:
         """The table's report of a job's end: the event log line."""
@@ -429,10 +448,9 @@ class WorkerSide:
 
     def _save(self, job: Job) -> tuple[bool, str, Details]:
         t = job.transfer
-        writing = self.cuts.writes_of(t.request_id)
-        # The request's window records first: once it is reported saved, all of it is.
+        # The request's cuts first: once it is reported saved, all of it is.
         t_cuts = time.monotonic()
-        wait_all(writing, timeout=max(0.0, job.deadline - time.monotonic()))
+        self.jobs.wait_ended(t.request_id, "cut", job.deadline)
         phases = {"cuts": time.monotonic() - t_cuts}
         records = [r for r in t.records if self.mine(r)]
         if not records:
@@ -491,9 +509,10 @@ class WorkerSide:
             log.exception("bsr-io: could not write an event")
 
     def close(self) -> None:
-        self.jobs.close()
+        # Queued cuts end skipped (nothing reads blocks past close); a running one ends
+        # by its own deadline: a slot within the hold's bound, then one write.
+        self.jobs.close(max(5.0, self.deadlines.cut_s + self.deadlines.grace_s))
         self.inventory.close()
-        self.cuts.close()
         self.writers.shutdown(wait=True, cancel_futures=True)
         for tier in dict.fromkeys([*self.load_tiers, self.save_tier]):
             try:
