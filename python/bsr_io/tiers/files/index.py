@@ -25,7 +25,7 @@ from pathlib import Path
 from bsr_io.errors import TierDown
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.record import OldRecordFormat, RecordFormatError
-from bsr_io.tiers.files.listing import namespaces, records
+from bsr_io.tiers.files.listing import namespaces, record_stats
 from bsr_io.tiers.files.records import _HOST, SUFFIX, TMP_RE, Entry, RecordId, read_header
 
 STALE_TMP_S = 3600.0  # a temp file this old is abandoned even if its pid looks alive
@@ -178,30 +178,25 @@ def scan_names(chunks_dir: Path, tier: str, sized: bool) -> list[tuple[Slot, Hel
     them); else the listing's own data suffices (names, file types) and sizes are 0.
     Torn writes are removed. The names come from the store's one listing
     (listing.py), so the tier holds what every other view lists."""
-    found: list[tuple[int, Slot, Held]] = []
+    found: list[tuple[Slot, Held]] = []
     try:
         names = namespaces(chunks_dir)
     except OSError as exc:
         raise TierDown(f"cannot list {chunks_dir}", tier=tier, cause=exc) from exc
     for ns in names:
         try:
-            listed = list(records(chunks_dir / ns, on_tmp=_reap_tmp))
+            listed = list(record_stats(chunks_dir / ns, _reap_tmp, sized=sized))
         except OSError:
             continue  # unreadable now: not indexed, checked again by the next probe
-        for stem, path in listed:
-            if not sized:
-                found.append((0, (ns, int(stem, 16)), Unverified(0)))
-                continue
-            try:
-                st = os.lstat(path)
-            except OSError:
-                continue  # removed meanwhile, or not ours to look at
-            if stat.S_ISREG(st.st_mode):  # else replaced by a link (or so) since listed
-                found.append(
-                    (st.st_mtime_ns, (ns, int(stem, 16)), Unverified(st.st_size, st.st_mtime_ns))
-                )
-    found.sort(key=lambda t: t[0])
-    return [(s, e) for _, s, e in found]
+        if sized:
+            found += [
+                ((ns, int(h, 16)), Unverified(st.st_size, st.st_mtime_ns)) for h, st in listed if st
+            ]
+        else:
+            found += [((ns, int(h, 16)), Unverified(0)) for h, _ in listed]
+    if sized:
+        found.sort(key=lambda t: t[1].mtime_ns)  # oldest first
+    return found
 
 
 def check_record(path: Path, slot: Slot, on_bad: OnBad) -> Entry | None:

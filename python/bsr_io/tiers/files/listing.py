@@ -65,6 +65,30 @@ def records(ns_dir: Path, on_tmp: OnTmp | None = None) -> Iterator[tuple[str, Pa
     never links. The directory is opened without following a link, so a link put in
     its place lists nothing. Temp files go to `on_tmp` when given. Yields nothing if
     `ns_dir` is gone or is not a real directory; raises OSError if it cannot be read."""
+    for stem, _ in _listed(ns_dir, on_tmp):
+        yield stem, ns_dir / f"{stem}{SUFFIX}"
+
+
+def record_stats(
+    ns_dir: Path, on_tmp: OnTmp | None = None, *, sized: bool = False
+) -> Iterator[tuple[str, os.stat_result | None]]:
+    """(stem, lstat) of each record `records` lists, the lstat taken relative to the open
+    directory (one fstatat each) when `sized`, else None: names alone, no path built,
+    for the tier's scan of a store of millions. A record removed before its stat is
+    left out."""
+    for stem, e in _listed(ns_dir, on_tmp):
+        if not sized:
+            yield stem, None
+            continue
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue  # removed meanwhile, or not ours to look at
+        if stat.S_ISREG(st.st_mode):  # else replaced by a link (or so) since listed
+            yield stem, st
+
+
+def _listed(ns_dir: Path, on_tmp: OnTmp | None) -> Iterator[tuple[str, os.DirEntry[str]]]:
     try:
         fd = os.open(ns_dir, _DIR_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
@@ -86,7 +110,7 @@ def records(ns_dir: Path, on_tmp: OnTmp | None = None) -> Iterator[tuple[str, Pa
                 except OSError:
                     continue  # removed meanwhile
                 if regular:
-                    yield stem, ns_dir / e.name
+                    yield stem, e
     finally:
         os.close(fd)
 
