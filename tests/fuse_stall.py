@@ -2,7 +2,9 @@
 
 `late_file(path, delay_s)` mounts a one-file FUSE file system over `path` (a regular file:
 the mount's root is that file), served by a process of its own that answers every READ at
-or past `from_offset` only after `delay_s` seconds, with the file's real bytes. A reader's
+or past `from_offset` only after `delay_s` seconds, with the file's real bytes (with
+`short_at`, none past that offset: a file cut short after its size was read, as a
+truncation between a reader's fstat and its read leaves it). A reader's
 request (an O_DIRECT read through io_uring or pread) is held in the kernel meanwhile: it
 cannot be withdrawn, and its memory is written when the answer comes. Opens reply
 FOPEN_DIRECT_IO, so the page cache never answers for the server.
@@ -15,7 +17,7 @@ The server speaks the kernel's FUSE protocol itself (<linux/fuse.h>, protocol 7.
 no libfuse, no Python package. It needs root and /dev/fuse. `release()` answers held reads
 at once; leaving the block unmounts (`umount -l`) and waits for the server.
 
-    python fuse_stall.py SOURCE MOUNTPOINT DELAY_S FROM_OFFSET READY_FILE
+    python fuse_stall.py SOURCE MOUNTPOINT DELAY_S FROM_OFFSET READY_FILE [SHORT_AT]
     python fuse_stall.py --dir DIRECTORY DELAY_S OPS SUFFIX READY_FILE
 """
 
@@ -45,9 +47,13 @@ S_IFREG = 0o100000
 
 
 class _Server:
-    def __init__(self, source: str, delay_s: float, from_offset: int) -> None:
+    def __init__(
+        self, source: str, delay_s: float, from_offset: int, short_at: int | None = None
+    ) -> None:
         with open(source, "rb") as f:
             self.data = f.read()
+        # The late reads' bytes: none past `short_at` (getattr still says the whole size).
+        self.late = self.data if short_at is None else self.data[:short_at]
         self.delay_s = delay_s
         self.from_offset = from_offset
         self.released = threading.Event()
@@ -88,7 +94,7 @@ class _Server:
 
     def late_read(self, unique: int, offset: int, size: int) -> None:
         self.released.wait(self.delay_s)
-        self.reply(unique, self.data[offset : offset + size])
+        self.reply(unique, self.late[offset : offset + size])
 
     def requests(self) -> Iterator[tuple[int, int, int, bytes]]:
         """The kernel's requests that want an answer (opcode, unique, node id, body),
@@ -154,8 +160,8 @@ def main() -> None:
     if sys.argv[1] == "--dir":
         dir_main(sys.argv[2:])
         return
-    source, target, delay, offset, ready = sys.argv[1:6]
-    server = _Server(source, float(delay), int(offset))
+    source, target, delay, offset, ready, *short = sys.argv[1:]
+    server = _Server(source, float(delay), int(offset), int(short[0]) if short else None)
     signal.signal(signal.SIGUSR1, lambda *_: server.released.set())
     _mount(server.fd, target)
     Path(ready).write_text("mounted")
@@ -179,16 +185,20 @@ def _mounted(path: Path) -> bool:
 
 
 @contextmanager
-def late_file(path: Path, delay_s: float, from_offset: int = 4096) -> Iterator[LateFile]:
+def late_file(
+    path: Path, delay_s: float, from_offset: int = 4096, short_at: int | None = None
+) -> Iterator[LateFile]:
     """`path`'s reads at or past `from_offset` answered `delay_s` seconds late by the
-    kernel's FUSE (see the module doc), until the block ends."""
+    kernel's FUSE (see the module doc), with no bytes past `short_at` when given, until
+    the block ends."""
     path = path.resolve()
     source = path.with_name(path.name + ".fuse-source")
     os.link(path, source)  # the server reads the real bytes from here
     ready = path.with_name(path.name + ".fuse-ready")
     args = [sys.executable, __file__, str(source), str(path), str(delay_s), str(from_offset)]
+    args += [str(ready)] + ([] if short_at is None else [str(short_at)])
     try:
-        with _serving(subprocess.Popen([*args, str(ready)]), path, ready) as late:
+        with _serving(subprocess.Popen(args), path, ready) as late:
             yield late
     finally:
         source.unlink(missing_ok=True)

@@ -17,12 +17,13 @@ every venv.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar
@@ -286,6 +287,43 @@ def truncated_record(make: Make, tmp: Path) -> None:
     _bad_record(make, tmp, shorter)
 
 
+def truncated_record_l3(make: Make, tmp: Path) -> None:
+    """Every record of a prefix cut short after the probe offered it, each with a good
+    copy in the lower tier: the load completes from there, exactly, with every slot
+    back. A failed read must give its slot back before its chunk's fallback read asks
+    for one: with as many short records as the window has slots, a host that keeps them
+    waits for a slot until its deadline (the issue: ended `zero`, "none of the engine's
+    staging slots came free in time").
+
+    The cut is a real short read from the kernel: each record served through FUSE
+    (`late_file`) with its whole size in its metadata and no payload bytes past 100, so
+    the tier's open and fstat pass and only the payload read comes back short, as when
+    the file is truncated between a reader's fstat and its read. The lower tier's copy
+    is the host's write-through where it has one, else the record copied there (as
+    another node or an operator fills a shared L3). Twice: the prefix restores again
+    once the first load has withdrawn the short records."""
+    from bsr_io.model.record import HEADER_BYTES
+
+    lower = tmp / "lower"
+    lower.mkdir()
+    with hosted(make, tmp / "store", Options(lower=lower)) as h:
+        assert h.window <= CHUNKS, "fewer short records than slots: a kept slot may not show"
+        saved = h.save(A)
+        assert saved.ok, saved
+        for p in saved.paths:  # a host whose saves do not write through: copied there
+            copy = lower / p.relative_to(tmp / "store")
+            if not copy.exists():
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(p, copy)
+        assert h.offered(A) == CHUNKS
+        with ExitStack() as short:
+            for p in saved.paths:
+                short.enter_context(late_file(p, 0.0, short_at=HEADER_BYTES + 100))
+            for _ in range(2):
+                _intact(h, A)
+                assert h.free_slots() == h.window
+
+
 def save_racing_listing(make: Make, tmp: Path) -> None:
     """A save lands while the host re-lists the store (after the listing read the
     directory, before it ended): the saved prefix is never reported removed."""
@@ -411,6 +449,16 @@ CASES: list[Case] = [
     Case("linked_rank_dir", linked_rank_dir, {h: None for h in HOSTS}),
     Case("wrong_length_record", wrong_length_record, {h: None for h in HOSTS}),
     Case("truncated_record", truncated_record, {h: None for h in HOSTS}),
+    Case(
+        "truncated_record_l3",
+        truncated_record_l3,
+        {
+            "core": None,
+            "vllm": None,
+            "sglang": None,
+            "lmcache": NA("the plugin has no lower file tier (only the SSD tier and a pool)"),
+        },
+    ),
     Case(
         "save_racing_listing",
         save_racing_listing,
