@@ -1,6 +1,9 @@
-"""`bsr-lab bench remote` end to end at a tiny size: it starts its own loopback pool,
+"""`bsr-lab bench remote` end to end at a small size: it starts its own loopback pool,
 restores through W slots, measures the client's bulk read in the same run, and stops
-the pool again."""
+the pool again. Four chunks of the paper's layout, one more than the window: the tiny
+layout's thousand records per 2 MiB made thousands of loopback transfers, and on a
+loaded machine Mooncake's TCP transport dropped one of them (the restore then ended
+`zero`, as it should, but a smoke test of the command is not the place for that)."""
 
 from __future__ import annotations
 
@@ -25,9 +28,9 @@ def test_bench_remote_json(tmp_path):
             "bench",
             "remote",
             "--size",
-            "2MiB",
+            "64MiB",
             "--layout",
-            "tiny",
+            "deepseek-v4-flash",
             "--window",
             "3",
             "--rounds",
