@@ -100,7 +100,7 @@ def summarize(
 ) -> dict[str, Any]:
     import vllm
 
-    from bsr_io.integrations.vllm.trace import SEGMENTS
+    from bsr_lab.vllm.trace_read import SEGMENTS
 
     by = {}
     for n, m in res["median_ms"].items():
@@ -175,7 +175,7 @@ def _step_ms(res: dict[str, Any], n: int) -> float:
 def segments_by_chunks(events: list[dict[str, Any]]) -> dict[str, Any]:
     """From a connector's event log (any bench's): per restored chunk count, the median
     of each traced segment (ms) and the engine steps from the load sent to the forward."""
-    from bsr_io.integrations.vllm.trace import SEGMENTS, TRACE, phases
+    from bsr_lab.vllm.trace_read import SEGMENTS, TRACE, phases
 
     by_rid: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for e in events:

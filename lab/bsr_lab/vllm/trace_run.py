@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from bsr_io.integrations.vllm.trace import phases
 from bsr_lab.vllm.harness import (
     FINISH_SAVES,
     Events,
@@ -36,6 +35,7 @@ from bsr_lab.vllm.harness import (
     reset,
     tokens,
 )
+from bsr_lab.vllm.trace_read import phases
 
 QUESTION = 16  # tokens after the chunks: the forward every kind of request computes
 # The miss beside the busy restore: a prefill longer than vLLM's 4096-token step budget,

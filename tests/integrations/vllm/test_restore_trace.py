@@ -26,7 +26,7 @@ import pytest
 from engines import threads_env
 
 from bsr_io.integrations.vllm.idle import IDLE_WAIT_S
-from bsr_io.integrations.vllm.trace import SEGMENTS
+from bsr_lab.vllm.trace_read import SEGMENTS
 
 
 @pytest.fixture(scope="module")
