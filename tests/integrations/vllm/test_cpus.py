@@ -66,7 +66,7 @@ def build_on_cpu0(tmp_path, io_cpus: str) -> tuple[dict[str, set[int]], set[int]
             records = (RecordOrder(window.index, 0, 7, (1, 2)),)
             worker.save_step(BsrMetadata(step_saves=[Transfer("r", "tiny", records)]))
             deadline = time.monotonic() + 30
-            while not any(t.name.startswith("bsr-w0") for t in threading.enumerate()):
+            while not any(t.name.startswith("bsr-r0-cut") for t in threading.enumerate()):
                 assert time.monotonic() < deadline, "no writer thread started"
                 time.sleep(0.01)
             got["threads"] = connector_threads(before)
@@ -85,8 +85,9 @@ def test_connector_threads_leave_vllms_bound_core(tmp_path):
     threads, builder = build_on_cpu0(tmp_path, "auto")
     spare = set(os.sched_getaffinity(0)) - {0}
     assert any(n.startswith("bsr-io-uring") for n in threads), threads
-    assert any(n.startswith("bsr-w0") for n in threads), threads  # started after the build
-    assert any(n.endswith("-load") for n in threads), threads
+    # The job table's lanes (jobs.py): the step cuts' writers and the loads' lane.
+    assert any(n.startswith("bsr-r0-cut") for n in threads), threads
+    assert any(n.startswith("bsr-r0-load") for n in threads), threads
     assert all(cpus == spare for cpus in threads.values()), threads
     assert builder == {0}  # vLLM's thread keeps its own binding
 
