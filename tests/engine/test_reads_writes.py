@@ -33,7 +33,7 @@ def test_reports_backend_and_features(backend: str) -> None:
         assert eng.backend == ("pread" if backend == "pread" else "io_uring")
         feats = eng.features
         assert feats["backend"] == eng.backend
-        assert feats["queue_depth"] == 32 and feats["request_bytes"] == 4 * MiB
+        assert feats["queue_depth"] == 32 and feats["request_bytes"] == MiB
         if backend == "io_uring_plain":
             assert not feats["fixed_buffers"] and not feats["registered_files"]
         for key in ("fixed_buffers", "registered_files", "mlock", "hugepages"):

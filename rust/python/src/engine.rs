@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use bsr_io_core::engine::DEFAULT_INFLIGHT_BYTES;
+use bsr_io_core::engine::{DEFAULT_INFLIGHT_BYTES, DEFAULT_REQUEST_BYTES};
 use bsr_io_core::publish::Spec;
 use bsr_io_core::{BackendChoice, Engine, EngineConfig, OpenOptions, Pending};
 
@@ -86,7 +86,7 @@ impl PyEngine {
     #[new]
     #[pyo3(
         signature = (window, slot_bytes, *, queue_depth = None, request_bytes = None, backend = None, inflight_bytes = None),
-        text_signature = "(window, slot_bytes, *, queue_depth=32, request_bytes=4194304, backend=None, inflight_bytes=33554432)"
+        text_signature = "(window, slot_bytes, *, queue_depth=32, request_bytes=1048576, backend=None, inflight_bytes=33554432)"
     )]
     fn new(
         py: Python<'_>,
@@ -111,7 +111,7 @@ impl PyEngine {
             slot_bytes: as_usize("slot_bytes", slot_bytes, 1)?,
             queue_depth: queue_depth.map_or(Ok(32), |a| as_usize("queue_depth", a, 1))?,
             request_bytes: request_bytes
-                .map_or(Ok(4 << 20), |a| as_usize("request_bytes", a, 1))?,
+                .map_or(Ok(DEFAULT_REQUEST_BYTES), |a| as_usize("request_bytes", a, 1))?,
             inflight_bytes: inflight_bytes.map_or(Ok(DEFAULT_INFLIGHT_BYTES), |a| {
                 as_usize("inflight_bytes", a, 0)
             })?,

@@ -341,6 +341,9 @@ struct RingLoop {
     drives: Vec<(u64, u64)>,
     /// Per slab id: the (device, bytes) its request counted against `drives`.
     counted: Vec<(u64, u64)>,
+    /// (file, end offset) of the request pushed last: the next one that continues it is
+    /// sent in a submission of its own (`send`).
+    last_pushed: Option<(usize, u64)>,
     fixed_buffers: bool,
     /// The slots' table entries are still empty: filled at the first slot request, so a
     /// ring whose every read goes straight into caller memory never pins the arena.
@@ -415,6 +418,7 @@ impl RingLoop {
             queue: VecDeque::new(),
             in_flight: 0,
             unsubmitted: VecDeque::new(),
+            last_pushed: None,
             queue_depth: cfg.queue_depth as usize,
             inflight_limit: cfg.inflight_bytes,
             drives: Vec::new(),
@@ -657,6 +661,13 @@ impl RingLoop {
                 self.slab.len() - 1
             });
             let entry = self.entry(&req, id as u64);
+            let (file, at) = (Arc::as_ptr(&req.op.file) as usize, req.file_offset());
+            if self.last_pushed == Some((file, at)) {
+                // The block layer would merge it with the request before it into one
+                // larger than request_bytes (a plugged submission); some drives are
+                // slower on those (measured: 4 MiB at 0.83x of 1 MiB, design notes).
+                self.send();
+            }
             // SAFETY: the entry points into a slot owned by `req`'s op (its lease keeps
             // the arena mapped), or into caller memory that the op's submitter keeps
             // valid until the op ends (`Engine::submit_read_into`); `req` is parked in
@@ -676,8 +687,26 @@ impl RingLoop {
                 let (depth, waiting) = (self.in_flight as u32, self.queue.len() as u32);
                 req.stamps.submitted = Some((Instant::now(), depth, waiting));
             }
+            self.last_pushed = Some((file, at + req.remaining()));
             self.slab[id] = InFlight::Request(req);
             self.unsubmitted.push_back(id);
+        }
+    }
+
+    /// Hand the kernel what is in the submission queue, without waiting. An error leaves
+    /// the entries there for the next `enter`, which reports it.
+    fn send(&mut self) {
+        if self.ring.submission().is_empty() {
+            return;
+        }
+        let _ = self.ring.submit();
+        self.trim_unsubmitted();
+    }
+
+    fn trim_unsubmitted(&mut self) {
+        let left = self.ring.submission().len();
+        while self.unsubmitted.len() > left {
+            self.unsubmitted.pop_front();
         }
     }
 
@@ -782,10 +811,7 @@ impl RingLoop {
         }
         let res = self.ring.submit_and_wait(want);
         // Whatever the outcome, what is left in the submission queue was not taken.
-        let left = self.ring.submission().len();
-        while self.unsubmitted.len() > left {
-            self.unsubmitted.pop_front();
-        }
+        self.trim_unsubmitted();
         res
     }
 
