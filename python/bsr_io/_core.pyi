@@ -252,7 +252,7 @@ class Engine:
         slot_bytes: int,
         *,
         queue_depth: int = 32,
-        request_bytes: int = 4 << 20,
+        request_bytes: int = 1 << 20,
         backend: str | None = None,
         inflight_bytes: int = 32 << 20,
     ) -> Self:
