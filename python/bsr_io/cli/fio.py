@@ -256,9 +256,13 @@ def fio_read_payloads(
     iodepth: int = 32,
     timeout_s: float = 3600.0,
     hugemem: HugeMem | None = None,
+    order: list[list[Path]] | None = None,
 ) -> FioResult:
     """fio reading the payload range `[payload_offset, payload_offset + payload_bytes)` of
     every file in `directory` (record files: header, then payload), O_DIRECT, io_uring.
+    `order`: per directory, the files to read in the order the restore reads them (then
+    `files` is ignored); without it fio takes the directory's order, which is not where
+    the records lie on the drive, and reads them slower than a restore does.
 
     fio issues whole blocks only, so a payload that is not a multiple of `block_bytes` is
     read as two concurrent jobs, as the engine splits it: the whole blocks, and each
@@ -268,6 +272,10 @@ def fio_read_payloads(
     same time and a striped tier reads its drives."""
     dirs = directory if isinstance(directory, list) else [directory]
     counts = files if isinstance(files, list) else [files] * len(dirs)
+    if order is not None:
+        if len(order) != len(dirs):
+            raise ValueError(f"{len(order)} file orders for {len(dirs)} directories")
+        counts = [len(o) for o in order]
     if len(counts) != len(dirs):
         raise ValueError(f"{len(counts)} file counts for {len(dirs)} directories")
     body = payload_bytes // block_bytes * block_bytes
@@ -284,10 +292,13 @@ def fio_read_payloads(
         jobs.append(("tail", payload_offset + body, tail, tail_depth or iodepth, tail))
     text = ""
     for d, (one_dir, nfiles) in enumerate(zip(dirs, counts, strict=True)):
-        common = (
-            f"opendir={os.fspath(one_dir)}\nioengine=io_uring\ndirect=1\nfixedbufs=1\n"
-            "rw=read\nfile_service_type=sequential\n"
+        where = (
+            f"opendir={os.fspath(one_dir)}\n"
+            if order is None
+            else "filename=" + ":".join(_fio_name(p) for p in order[d]) + "\n"
         )
+        common = where + "ioengine=io_uring\ndirect=1\nfixedbufs=1\nrw=read\n"
+        common += "file_service_type=sequential\n"
         for name, off, bs, depth, per_file in jobs:
             mem = hugemem.iomem(f"{name}{d}") if hugemem else None
             text += (
@@ -303,3 +314,8 @@ def fio_read_payloads(
         raise RuntimeError(f"fio read {nbytes} bytes of the payloads' {want}: {text}")
     seconds = seconds or wall  # under a millisecond: fio reports 0, the process time stands
     return FioResult(nbytes / seconds / GiB, nbytes, seconds, [*cmd, text], wall)
+
+
+def _fio_name(path: Path) -> str:
+    """A path in fio's `filename=` list, where ':' separates names."""
+    return os.fspath(path).replace(":", "\\:")
