@@ -154,10 +154,12 @@ class Slot:
             slot.fill_from(data)
     """
 
-    def release(self) -> None:
+    def release(self, *, after_writes: bool = False) -> None:
         """Give the slot back to the engine's ring now. BufferError while a view of it
         lives; ValueError while a write from it is in flight (the write owns it until
-        it completes). Any later use raises ValueError; a second release is a no-op."""
+        it completes), unless `after_writes`: then the last such write returns it to the
+        ring as it ends, never before (the kernel may still read it). Any later use
+        raises ValueError; a second release is a no-op."""
     @property
     def released(self) -> bool: ...
     def __enter__(self) -> Slot: ...

@@ -102,9 +102,12 @@ def lease(engine: Engine, deadline: float) -> Slot:
 
 def give_back(slot: Slot) -> None:
     """Release `slot` now unless a view of it still lives (a destination that kept the
-    payload tensor); then the view's end returns it, the fallback."""
+    payload tensor): then the view's end returns it, the fallback. A write from it still
+    in flight (a publication given up at its deadline, the kernel still writing) keeps
+    it until that write ends, then the engine returns it: the caller's own error stands
+    and the bytes are never reused while the kernel may read them."""
     try:
-        slot.release()
+        slot.release(after_writes=True)
     except BufferError:
         pass
 

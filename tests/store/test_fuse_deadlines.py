@@ -33,11 +33,13 @@ from fuse_stall import late_dir
 from stalls import ends_within
 
 from bsr_io import Engine
-from bsr_io.cli.synthetic import fill_state, synthetic_chunk
+from bsr_io.cli.synthetic import fill_state, synthetic_chunk, synthetic_tokens
 from bsr_io.errors import ChunkWriteError
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.load.window import Window
+from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import AllocatorGroup, KVLayout
+from bsr_io.save.records import write_staged
 from bsr_io.tiers import LowerTier, SSDTier
 from bsr_io.tiers.files import FileTier
 
@@ -173,3 +175,42 @@ def test_a_stalled_save_fails_by_its_deadline_and_publishes_nothing(tmp_path, ma
             finally:
                 slot.release()
         assert fresh.stats()["quarantined"] == 0
+
+
+def test_a_caller_slot_given_back_at_a_stalled_write_returns_only_when_the_write_ends(tmp_path):
+    """A save from a slot its caller leased (a vLLM step cut, `write_staged`), whose
+    write the kernel still holds at the tier's deadline. The caller gives the slot back
+    at once (`give_back`): the save fails with its own error, not a refused release (the
+    engine counts the write in flight against the slot); the slot stays out of the ring
+    while the kernel may still read it and comes back when the write ends; nothing is
+    published."""
+    root = tmp_path / "l2"
+    window = 2
+    with Engine(window, LAYOUT.chunk_bytes) as engine:
+        tier = _l2(root, engine)
+        _, first = fill_state(tier, LAYOUT, 64, seed=1)
+        key = chunk_keys(synthetic_tokens(2, 64), LAYOUT, "synthetic", 0, 1)[0]
+        slot = engine.lease()
+        slot.fill_from(synthetic_chunk(LAYOUT, 2, 0))
+        slot.set_length(LAYOUT.chunk_bytes)
+        errors: list[BaseException | None] = []
+        with late_dir(root, STALL_S, ["write"], ".tmp") as late:
+            took, got = ends_within(
+                lambda: write_staged(
+                    tier, [key], [LAYOUT], [slot], width=1, on_done=lambda i, e: errors.append(e)
+                ),
+                DEADLINE_S + SLACK_S,
+                "save",
+            )
+            assert got == 0, got
+            (exc,) = errors
+            assert isinstance(exc, ChunkWriteError), exc
+            assert "the write of" in str(exc) and "did not end within" in str(exc), exc
+            # Given back by its caller, but the write from it is still the kernel's.
+            assert slot.released and len(list(root.rglob("*.tmp"))) == 1
+            assert engine.free_slots() == window - 1
+            late.release()
+            _until(lambda: engine.free_slots() == window, "slot's return")
+            _until(lambda: not list(root.rglob("*.tmp")), "temp file's removal")
+            assert tier.keys() == first and len(list(root.rglob("*.chunk"))) == 1
+        assert _l2(root, engine).keys() == first  # as another process sees the drive

@@ -202,6 +202,7 @@ impl Arena {
             len: AtomicUsize::new(self.slot_bytes),
             writes_in_flight: AtomicUsize::new(0),
             released: AtomicBool::new(false),
+            given_back: AtomicBool::new(false),
         })
     }
 
@@ -361,6 +362,9 @@ pub struct SlotLease {
     writes_in_flight: AtomicUsize,
     /// Given back to the ring by `release()`; Drop must not give it back twice.
     released: AtomicBool,
+    /// Given up by its holder while a write from it was in flight (`release_after_writes`):
+    /// the last write to end gives it back to the ring.
+    given_back: AtomicBool,
 }
 
 impl SlotLease {
@@ -394,9 +398,16 @@ impl SlotLease {
         self.writes_in_flight.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// A write from this slot completed.
+    /// A write from this slot completed. The last one of a slot given back meanwhile
+    /// (`release_after_writes`) returns it to the ring.
     pub fn write_ended(&self) {
-        self.writes_in_flight.fetch_sub(1, Ordering::AcqRel);
+        // SeqCst here and in `release_after_writes`: of the last write's end and the
+        // holder's give-back, whichever comes second sees the other and releases.
+        if self.writes_in_flight.fetch_sub(1, Ordering::SeqCst) == 1
+            && self.given_back.load(Ordering::SeqCst)
+        {
+            let _ = self.release(); // refused only if a new write started: it ends later
+        }
     }
 
     /// Whether a write from this slot is in flight (the kernel may be reading it).
@@ -404,8 +415,9 @@ impl SlotLease {
         self.writes_in_flight.load(Ordering::Acquire) > 0
     }
 
+    /// Given back by its holder: in the ring already, or once its writes end.
     pub fn is_released(&self) -> bool {
-        self.released.load(Ordering::Acquire)
+        self.released.load(Ordering::Acquire) || self.given_back.load(Ordering::Acquire)
     }
 
     /// Give the slot back to the free ring now. Refused while a write from it is in
@@ -416,6 +428,17 @@ impl SlotLease {
             self.arena.release(self.index);
         }
         Ok(())
+    }
+
+    /// Give the slot up now: back to the ring at once, or, while a write from it is in
+    /// flight (a publication its caller stopped waiting for, whose write the kernel still
+    /// holds), by the last such write as it ends, never before: the kernel may still read
+    /// the bytes. Either way the holder may not use it again (`check_live`). Idempotent.
+    pub fn release_after_writes(&self) {
+        self.given_back.store(true, Ordering::SeqCst);
+        if self.writes_in_flight.load(Ordering::SeqCst) == 0 {
+            let _ = self.release(); // refused only if a write started: its end releases
+        }
     }
 
     /// Refuse any use of a released slot: its memory may belong to another lease now.
@@ -558,6 +581,35 @@ mod tests {
         w.write_ended();
         w.release().unwrap();
         assert_eq!(a.free_slots(), 2);
+    }
+
+    #[test]
+    fn a_slot_given_back_during_a_write_returns_when_the_write_ends() {
+        let a = Arena::new(2, 4096).unwrap();
+        let w = Arc::new(a.try_lease().unwrap());
+        let op_share = Arc::clone(&w); // what an in-flight operation holds
+        w.write_started();
+        w.write_started();
+        w.release_after_writes();
+        // Not in the ring while the kernel may still read it; no use by its holder.
+        assert_eq!(a.free_slots(), 1);
+        assert!(w.is_released() && w.copy_in(0, b"x").is_err() && w.check_live().is_err());
+        // One write still in flight, then the last one's end gives it back, once (not
+        // again on Drop).
+        w.write_ended();
+        assert_eq!(a.free_slots(), 1);
+        w.write_ended();
+        assert_eq!(a.free_slots(), 2);
+        drop(op_share);
+        drop(w);
+        assert_eq!(a.free_slots(), 2);
+        // With no write in flight it goes back at once.
+        let s = a.try_lease().unwrap();
+        s.release_after_writes();
+        assert_eq!(a.free_slots(), 2);
+        s.release_after_writes();
+        drop(s);
+        assert_eq!(a.live_bytes(), 0);
     }
 
     #[test]

@@ -149,10 +149,17 @@ impl PySlot {
 #[pymethods]
 impl PySlot {
     /// Give the slot back to the engine's ring now, deterministically. Refused (BufferError)
-    /// while a view of it lives, (ValueError) while a write from it is in flight. Later
-    /// use of this Slot raises ValueError; releasing twice is a no-op.
-    fn release(&self) -> PyResult<()> {
+    /// while a view of it lives, (ValueError) while a write from it is in flight; with
+    /// `after_writes`, such a write keeps the slot until it ends and then returns it
+    /// itself (a publication given up at its deadline whose write the kernel still holds).
+    /// Later use of this Slot raises ValueError; releasing twice is a no-op.
+    #[pyo3(signature = (*, after_writes = false))]
+    fn release(&self, after_writes: bool) -> PyResult<()> {
         self.check_no_views()?;
+        if after_writes {
+            self.lease.release_after_writes();
+            return Ok(());
+        }
         self.lease.release().raise()
     }
 
@@ -168,7 +175,7 @@ impl PySlot {
     /// Release on leaving the block, whatever happened inside it.
     #[pyo3(signature = (*_exc))]
     fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> PyResult<()> {
-        self.release()
+        self.release(false)
     }
 
     #[getter]

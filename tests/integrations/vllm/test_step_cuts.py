@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fuse_stall import late_dir
 from step_records import STEP, expected, fill, gemma_worker, group_of, stored, wait_for
 
 from bsr_io._core import NoFreeSlot
@@ -277,6 +278,43 @@ def test_a_cut_whose_lease_raises_is_counted_failed(tmp_path, monkeypatch):
         f = _done(events)["f"]
         assert (f["outcome"], f["records"], f["written"], f["failed"]) == ("zero", 1, 0, 1), f
         assert "1 failed" in f["reason"], f
+        assert worker.worker_meta().lost_cuts == [("tiny", full.index, 100)]
+    finally:
+        worker.close()
+
+
+def test_a_cut_whose_write_outlasts_its_deadline_is_reported_with_that_reason(
+    tmp_path, monkeypatch
+):
+    """A cut's write the kernel still holds at the tier's deadline (a real stall: the
+    store served through FUSE, its temp files' writes answered late, tests/fuse_stall.py).
+    Under load a cut ended with "the slot has a write in flight" and no phases: its
+    writer's give-back of the slot, refused while the write was in flight, replaced the
+    real error. Now the cut ends failed with its own reason and its phases, its slot
+    comes back only once the stalled write ends, and nothing is stored."""
+    store, events = tmp_path / "store", tmp_path / "events.jsonl"
+    monkeypatch.setenv(LIMIT_ENV, "10")  # one write 1 s
+    window = 2
+    worker = _logged_worker(tmp_path, window=window)
+    full = group_of(worker, FULL)
+    engine = worker.save_engine
+    try:
+        fill(worker, 1)
+        with late_dir(store, 60.0, ["write"], ".tmp") as late:
+            t = Transfer("w", "tiny", (RecordOrder(full.index, 0, 100, (1, 2)),))
+            worker.save_step(BsrMetadata(step_saves=[t]))
+            wait_for(worker, "failed", 1)
+            (cut,) = _lines(events, "step_save")
+            assert cut["outcome"] == "failed", cut
+            assert "the write of" in cut["reason"] and "did not end within" in cut["reason"], cut
+            assert cut["phases"]["write"] > 0, cut
+            assert engine.free_slots() == window - 1  # the kernel may still read it
+            late.release()
+            deadline = time.monotonic() + 10
+            while engine.free_slots() < window:
+                assert time.monotonic() < deadline, "the slot never came back"
+                time.sleep(0.02)
+        assert stored(store) == []
         assert worker.worker_meta().lost_cuts == [("tiny", full.index, 100)]
     finally:
         worker.close()
