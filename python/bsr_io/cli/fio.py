@@ -290,30 +290,31 @@ def fio_read_payloads(
         jobs.append(("body", payload_offset, block_bytes, iodepth - tail_depth, body))
     if tail:
         jobs.append(("tail", payload_offset + body, tail, tail_depth or iodepth, tail))
-    text = ""
+    # Jobs as command-line options: a job file's lines are length-limited, and a list of
+    # a few hundred record paths is longer than that.
+    args: list[str] = []
     for d, (one_dir, nfiles) in enumerate(zip(dirs, counts, strict=True)):
         where = (
-            f"opendir={os.fspath(one_dir)}\n"
+            f"--opendir={os.fspath(one_dir)}"
             if order is None
-            else "filename=" + ":".join(_fio_name(p) for p in order[d]) + "\n"
+            else "--filename=" + ":".join(_fio_name(p) for p in order[d])
         )
-        common = where + "ioengine=io_uring\ndirect=1\nfixedbufs=1\nrw=read\n"
-        common += "file_service_type=sequential\n"
+        common = [where, "--ioengine=io_uring", "--direct=1", "--fixedbufs=1", "--rw=read"]
+        common.append("--file_service_type=sequential")
         for name, off, bs, depth, per_file in jobs:
             mem = hugemem.iomem(f"{name}{d}") if hugemem else None
-            text += (
-                f"[{name}{d}]\n{common}offset={off}\nbs={bs}\niodepth={depth}\n"
-                f"io_size={per_file * nfiles}\n" + (f"iomem={mem}\n" if mem else "")
-            )
-    cmd = [_exe(), "--readonly", "--output-format=json", "-"]
-    report, wall = _run(cmd, timeout_s, stdin=text)
+            args += [f"--name={name}{d}", *common, f"--offset={off}", f"--bs={bs}"]
+            args += [f"--iodepth={depth}", f"--io_size={per_file * nfiles}"]
+            args += [f"--iomem={mem}"] if mem else []
+    cmd = [_exe(), "--readonly", "--output-format=json", *args]
+    report, wall = _run(cmd, timeout_s)
     nbytes = sum(int(j["read"]["io_bytes"]) for j in report["jobs"])
     seconds = max(j["read"]["runtime"] for j in report["jobs"]) / 1000.0
     want = payload_bytes * sum(counts)
     if nbytes != want:
-        raise RuntimeError(f"fio read {nbytes} bytes of the payloads' {want}: {text}")
+        raise RuntimeError(f"fio read {nbytes} bytes of the payloads' {want}: {cmd}")
     seconds = seconds or wall  # under a millisecond: fio reports 0, the process time stands
-    return FioResult(nbytes / seconds / GiB, nbytes, seconds, [*cmd, text], wall)
+    return FioResult(nbytes / seconds / GiB, nbytes, seconds, cmd, wall)
 
 
 def _fio_name(path: Path) -> str:
