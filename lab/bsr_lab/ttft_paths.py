@@ -110,7 +110,6 @@ class TtftPaths:
                 files=self.chunks,
                 iodepth=FIO_DEPTH,
                 hugemem=huge,
-                order=[[self.l2.path_of(k) for k in self.keys[: self.chunks]]],
             )
         seconds = res.seconds or res.wall_s  # under a millisecond fio reports 0
         return {

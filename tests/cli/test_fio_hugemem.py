@@ -90,26 +90,6 @@ def test_fio_reads_exactly_the_payload_ranges(tmp_path):
 
 
 @needs_fio
-def test_fio_reads_the_files_in_the_order_given(tmp_path):
-    # Two records, one with fio's name separator in its name, kept apart from the
-    # directory named: read in that directory's order, fio would find nothing to read.
-    payload = 1 << 20
-    elsewhere, empty = tmp_path / "records", tmp_path / "empty"
-    elsewhere.mkdir()
-    empty.mkdir()
-    names = ["b:1.chunk", "a.chunk"]
-    for i, name in enumerate(names):
-        (elsewhere / name).write_bytes(bytes([i]) * (4096 + payload))
-    order = [[elsewhere / n for n in names]]
-    r = fio_read_payloads(empty, payload_offset=4096, payload_bytes=payload, files=9, order=order)
-    assert r.bytes_read == 2 * payload
-    with pytest.raises(ValueError, match="orders"):
-        fio_read_payloads(
-            [empty, empty], payload_offset=4096, payload_bytes=payload, files=2, order=order
-        )
-
-
-@needs_fio
 def test_ttft_fio_reads_the_records_and_the_control_splits_the_speedup(tmp_path):
     out = tmp_path / "ttft.json"
     # Two deepseek-v4-flash chunks: payloads are 4 KiB multiples, so fio reads the records.

@@ -2,15 +2,15 @@
 
 One state of the largest size is written once; each size is a prefix of it (log-spaced,
 doubling from MIN to MAX). Every round restores each size (cold cache, fresh random order
-of sizes and of paths) next to fio reading the same record payloads, in the restore's
-order, on huge-page buffers (the drive's limit), and, with `--compare-inflight N`, next
-to the same restore through an engine whose bytes in flight per drive are bounded by N
-instead (0: by its queue depth alone, as before the bound). Per size: the medians, their
-ratio, the ratio within each round, and where the restore's time went (discovery,
-agreement, setup and registration, the first read, the stream, the last chunk's hash and
-install, the commit: the restore's own stamps, `RestoreResult.marks`, and the engine's
-request trace). Over all sizes: the fixed cost, the intercept of time against bytes,
-with a 95% bootstrap interval, for the restore and for fio.
+of sizes and of paths) next to fio reading the same record payloads on huge-page buffers
+(the drive's limit), and, with `--compare-inflight N`, next to the same restore through
+an engine whose bytes in flight per drive are bounded by N instead (0: by its queue
+depth alone, as before the bound). Per size: the medians, their ratio, the ratio within
+each round, and where the restore's time went (discovery, agreement, setup and
+registration, the first read, the stream, the last chunk's hash and install, the
+commit: the restore's own stamps, `RestoreResult.marks`, and the engine's request
+trace). Over all sizes: the fixed cost, the intercept of time against bytes, with a 95%
+bootstrap interval, for the restore and for fio.
 """
 
 from __future__ import annotations
@@ -128,7 +128,6 @@ class Sweep:
             files=chunks,
             iodepth=FIO_DEPTH,
             hugemem=self.huge,
-            order=[[self.paths.l2.path_of(k) for k in self.paths.keys[:chunks]]],
         )
         return {"seconds": res.seconds or res.wall_s, "fio_runtime_s": res.seconds}
 

@@ -256,13 +256,9 @@ def fio_read_payloads(
     iodepth: int = 32,
     timeout_s: float = 3600.0,
     hugemem: HugeMem | None = None,
-    order: list[list[Path]] | None = None,
 ) -> FioResult:
     """fio reading the payload range `[payload_offset, payload_offset + payload_bytes)` of
     every file in `directory` (record files: header, then payload), O_DIRECT, io_uring.
-    `order`: per directory, the files to read in the order the restore reads them (then
-    `files` is ignored); without it fio takes the directory's order, which is not where
-    the records lie on the drive, and reads them slower than a restore does.
 
     fio issues whole blocks only, so a payload that is not a multiple of `block_bytes` is
     read as two concurrent jobs, as the engine splits it: the whole blocks, and each
@@ -272,10 +268,6 @@ def fio_read_payloads(
     same time and a striped tier reads its drives."""
     dirs = directory if isinstance(directory, list) else [directory]
     counts = files if isinstance(files, list) else [files] * len(dirs)
-    if order is not None:
-        if len(order) != len(dirs):
-            raise ValueError(f"{len(order)} file orders for {len(dirs)} directories")
-        counts = [len(o) for o in order]
     if len(counts) != len(dirs):
         raise ValueError(f"{len(counts)} file counts for {len(dirs)} directories")
     body = payload_bytes // block_bytes * block_bytes
@@ -290,33 +282,24 @@ def fio_read_payloads(
         jobs.append(("body", payload_offset, block_bytes, iodepth - tail_depth, body))
     if tail:
         jobs.append(("tail", payload_offset + body, tail, tail_depth or iodepth, tail))
-    # Jobs as command-line options: a job file's lines are length-limited, and a list of
-    # a few hundred record paths is longer than that.
-    args: list[str] = []
+    text = ""
     for d, (one_dir, nfiles) in enumerate(zip(dirs, counts, strict=True)):
-        where = (
-            f"--opendir={os.fspath(one_dir)}"
-            if order is None
-            else "--filename=" + ":".join(_fio_name(p) for p in order[d])
+        common = (
+            f"opendir={os.fspath(one_dir)}\nioengine=io_uring\ndirect=1\nfixedbufs=1\n"
+            "rw=read\nfile_service_type=sequential\n"
         )
-        common = [where, "--ioengine=io_uring", "--direct=1", "--fixedbufs=1", "--rw=read"]
-        common.append("--file_service_type=sequential")
         for name, off, bs, depth, per_file in jobs:
             mem = hugemem.iomem(f"{name}{d}") if hugemem else None
-            args += [f"--name={name}{d}", *common, f"--offset={off}", f"--bs={bs}"]
-            args += [f"--iodepth={depth}", f"--io_size={per_file * nfiles}"]
-            args += [f"--iomem={mem}"] if mem else []
-    cmd = [_exe(), "--readonly", "--output-format=json", *args]
-    report, wall = _run(cmd, timeout_s)
+            text += (
+                f"[{name}{d}]\n{common}offset={off}\nbs={bs}\niodepth={depth}\n"
+                f"io_size={per_file * nfiles}\n" + (f"iomem={mem}\n" if mem else "")
+            )
+    cmd = [_exe(), "--readonly", "--output-format=json", "-"]
+    report, wall = _run(cmd, timeout_s, stdin=text)
     nbytes = sum(int(j["read"]["io_bytes"]) for j in report["jobs"])
     seconds = max(j["read"]["runtime"] for j in report["jobs"]) / 1000.0
     want = payload_bytes * sum(counts)
     if nbytes != want:
-        raise RuntimeError(f"fio read {nbytes} bytes of the payloads' {want}: {cmd}")
+        raise RuntimeError(f"fio read {nbytes} bytes of the payloads' {want}: {text}")
     seconds = seconds or wall  # under a millisecond: fio reports 0, the process time stands
-    return FioResult(nbytes / seconds / GiB, nbytes, seconds, cmd, wall)
-
-
-def _fio_name(path: Path) -> str:
-    """A path in fio's `filename=` list, where ':' separates names."""
-    return os.fspath(path).replace(":", "\\:")
+    return FioResult(nbytes / seconds / GiB, nbytes, seconds, [*cmd, text], wall)
