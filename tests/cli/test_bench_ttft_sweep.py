@@ -36,7 +36,12 @@ def test_sweep_smoke_with_compare_and_store_scale(tmp_path, capsys):
         assert r["fast_over_fio_hugemem"] == r["fast_s"] / r["fio_hugemem_s"]
         assert set(PHASES) <= set(r["fast_phases_ms"])
         assert r["fast_phases_ms"]["drive_busy"] > 0  # from the engine's trace
-        assert r["target_fast_over_fio_hugemem"] is None  # below 64 MiB: no goal
+        # The drive's limit in each round: the faster of fio on the records and on one
+        # file of the same bytes (each round's pair, so never above either median).
+        assert r["fio_file_s"] > 0
+        assert r["drive_s"] <= min(r["fio_hugemem_s"], r["fio_file_s"])
+        assert r["fast_over_drive"] == r["fast_s"] / r["drive_s"]
+        assert r["target_fast_over_drive"] is None  # below 64 MiB: no goal
     fit = doc["fit"]["fast"]
     lo, hi = fit["intercept_95_s"]
     assert lo <= fit["intercept_s"] <= hi and doc["fixed_cost_s"] == fit["intercept_s"]
