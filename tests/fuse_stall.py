@@ -11,14 +11,16 @@ FOPEN_DIRECT_IO, so the page cache never answers for the server.
 
 `late_dir(path, delay_s, ops, suffix)` serves a whole directory (a save's temp file has a
 fresh name, so no one-file mount can stand where it will be) and answers the chosen calls
-(lookup, open, read, write, fsync, getattr) on the files whose name ends with `suffix` late.
+(lookup, open, read, write, fsync, getattr) on the files whose name ends with `suffix` late:
+all of them, or (`every`, `per_file`) the first of each `every`-th such file, one stall per
+record written, as `bsr-lab bench serve --write-stall` uses it; each held call is logged.
 
 The server speaks the kernel's FUSE protocol itself (<linux/fuse.h>, protocol 7.31 replies):
 no libfuse, no Python package. It needs root and /dev/fuse. `release()` answers held reads
 at once; leaving the block unmounts (`umount -l`) and waits for the server.
 
     python fuse_stall.py SOURCE MOUNTPOINT DELAY_S FROM_OFFSET READY_FILE [SHORT_AT]
-    python fuse_stall.py --dir DIRECTORY DELAY_S OPS SUFFIX READY_FILE
+    python fuse_stall.py --dir DIRECTORY DELAY_S OPS SUFFIX READY_FILE [EVERY PER_FILE LOG]
 """
 
 from __future__ import annotations
@@ -169,10 +171,18 @@ def main() -> None:
 
 
 class LateFile:
-    """The running server: `release()` answers every held read now."""
+    """The running server: `release()` answers every held read now; `held()` lists the
+    calls it held (op, path, seconds), when it logs them (`late_dir`'s `log`)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], log: Path | None = None) -> None:
         self.proc = proc
+        self.log = log
+
+    def held(self) -> list[tuple[str, str, float]]:
+        if self.log is None or not self.log.exists():
+            return []
+        rows = [line.split("\t") for line in self.log.read_text().splitlines()]
+        return [(op, path, float(s)) for op, path, s in rows]
 
     def release(self) -> None:
         if self.proc.poll() is None:
@@ -205,7 +215,9 @@ def late_file(
 
 
 @contextmanager
-def _serving(proc: subprocess.Popen[bytes], path: Path, ready: Path) -> Iterator[LateFile]:
+def _serving(
+    proc: subprocess.Popen[bytes], path: Path, ready: Path, log: Path | None = None
+) -> Iterator[LateFile]:
     """The server `proc` once it has mounted `path`; unmounted and ended afterwards."""
     try:
         for _ in range(500):
@@ -216,7 +228,7 @@ def _serving(proc: subprocess.Popen[bytes], path: Path, ready: Path) -> Iterator
             time.sleep(0.01)
         else:
             raise RuntimeError(f"{path} was not mounted within 5 s")
-        yield LateFile(proc)
+        yield LateFile(proc, log)
     finally:
         LateFile(proc).release()
         subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
@@ -252,13 +264,29 @@ def _name(body: bytes, at: int = 0) -> str:
 class _DirServer(_Server):
     """A pass-through of the directory `root_fd` (nodes by relative path, open files by
     backing descriptor); the calls named in `ops` on files whose name ends with `suffix`
-    are answered after `delay_s` (or at `release()`), each on a thread of its own."""
+    are answered after `delay_s` (or at `release()`), each on a thread of its own: on
+    every `every`-th such file (in the order their first such call came), and with
+    `per_file` only its first one. Each held call gets a line in `log` once answered."""
 
-    def __init__(self, root_fd: int, delay_s: float, ops: set[int], suffix: str) -> None:
+    def __init__(  # noqa: PLR0913
+        self,
+        root_fd: int,
+        delay_s: float,
+        ops: set[int],
+        suffix: str,
+        every: int = 1,
+        per_file: bool = False,
+        log: str = "",
+    ) -> None:
         self.root = root_fd
         self.delay_s = delay_s
         self.ops = ops
         self.suffix = suffix
+        self.every = every
+        self.per_file = per_file
+        self.log = log
+        self.seen: dict[str, int] = {}  # file -> its place among the files called late
+        self.stalled: set[str] = set()  # files whose one late call (`per_file`) came
         self.released = threading.Event()
         self.fd = os.open("/dev/fuse", os.O_RDWR)
         self.lock = threading.Lock()
@@ -307,11 +335,25 @@ class _DirServer(_Server):
             path = self.child(node, _name(body, 16 if op == CREATE else 0))
         else:
             path = self.paths.get(node, "")
-        return path.endswith(self.suffix)
+        if not path.endswith(self.suffix):
+            return False
+        with self.lock:
+            place = self.seen.setdefault(path, len(self.seen) + 1)
+            if place % self.every or path in self.stalled:
+                return False
+            if self.per_file:
+                self.stalled.add(path)
+        return True
 
     def answer(self, op: int, unique: int, node: int, body: bytes, late: bool) -> None:
         if late:
+            t0 = time.monotonic()
             self.released.wait(self.delay_s)
+            if self.log:
+                name = next(k for k, v in LATE_OPS.items() if v == op)
+                line = f"{name}\t{self.paths.get(node, '?')}\t{time.monotonic() - t0:.3f}\n"
+                with self.lock, open(self.log, "a") as f:
+                    f.write(line)
         try:
             self.reply(unique, self.handle(op, node, body))
         except OSError as exc:
@@ -445,9 +487,11 @@ class _DirServer(_Server):
 
 
 def dir_main(argv: list[str]) -> None:
-    target, delay, ops, suffix, ready = argv
+    target, delay, ops, suffix, ready, *more = argv
+    every, per_file, log = more or ("1", "0", "")
     root = os.open(target, os.O_RDONLY | os.O_DIRECTORY)  # what the mount will cover
-    server = _DirServer(root, float(delay), {LATE_OPS[o] for o in ops.split(",")}, suffix)
+    late_ops = {LATE_OPS[o] for o in ops.split(",")}
+    server = _DirServer(root, float(delay), late_ops, suffix, int(every), per_file == "1", log)
     signal.signal(signal.SIGUSR1, lambda *_: server.released.set())
     _mount(server.fd, target, S_IFDIR)
     Path(ready).write_text("mounted")
@@ -455,19 +499,32 @@ def dir_main(argv: list[str]) -> None:
 
 
 @contextmanager
-def late_dir(path: Path, delay_s: float, ops: Iterable[str], suffix: str) -> Iterator[LateFile]:
+def late_dir(  # noqa: PLR0913
+    path: Path,
+    delay_s: float,
+    ops: Iterable[str],
+    suffix: str,
+    every: int = 1,
+    per_file: bool = False,
+    log: Path | None = None,
+) -> Iterator[LateFile]:
     """The directory `path` served through the kernel's FUSE from its own contents until
     the block ends; each of `ops` ("lookup", "open", "read", "write", "fsync", "getattr")
     on a file below it whose name ends with `suffix` is answered `delay_s` seconds late (at once
-    after `release()`). Files open through the mount reply FOPEN_DIRECT_IO, as in
-    `late_file`: every read and write is a request the server answers."""
+    after `release()`): on every `every`-th such file, and with `per_file` only its first
+    such call (one stall per file). Files open through the mount reply FOPEN_DIRECT_IO, as in
+    `late_file`: every read and write is a request the server answers. With `log`, each
+    held call is a line there (`LateFile.held()`)."""
     path = path.resolve()
     unknown = set(ops) - set(LATE_OPS)
     if unknown:
         raise ValueError(f"cannot answer {sorted(unknown)} late; one of {sorted(LATE_OPS)}")
+    if every < 1:
+        raise ValueError(f"every must be >= 1, not {every}")
     ready = path.with_name(path.name + ".fuse-ready")
     args = [sys.executable, __file__, "--dir", str(path), str(delay_s), ",".join(ops), suffix]
-    with _serving(subprocess.Popen([*args, str(ready)]), path, ready) as late:
+    args += [str(ready), str(every), "1" if per_file else "0", str(log or "")]
+    with _serving(subprocess.Popen(args), path, ready, log) as late:
         yield late
 
 

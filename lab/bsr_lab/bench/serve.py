@@ -47,6 +47,10 @@ figures pair each request bsr-io restored with the same request on the reference
 TTFT p50/p90/p99 per kind of request (restored, vLLM's own hit, miss), save latency
 percentiles and restore bandwidth from the connector's events, the store's growth, the
 servers' RSS over time, the load average around the run.
+
+`--write-stall SECONDS[:EVERY]` serves the bsr-io server's store through FUSE with its
+records' writes held (serve_stall.py): the holds and the throughput they cost, reported
+as `write_stall`, against the servers that never touch the store.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -70,6 +75,7 @@ from typing import Any
 import numpy as np
 
 from bsr_io.cli.report import write_json
+from bsr_lab.bench import serve_stall
 from bsr_lab.bench.serve_pool import intervals
 from bsr_lab.bench.verdict import judge, lines
 from bsr_lab.bench.vllm_trace import segments_by_chunks
@@ -146,6 +152,14 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
         "JSON (a bare word is text), e.g. --set window=2 --set save_gate_s=0: an A/B of "
         "the connector's settings, run by run (repeatable; checked before any server "
         "starts)",
+    )
+    p.add_argument(
+        "--write-stall",
+        default=None,
+        metavar="SECONDS[:EVERY]",
+        help="serve the bsr-io server's store through FUSE with the first write of every "
+        "record (or of every EVERY-th) held SECONDS in the kernel: holds under load, "
+        "reported as write_stall (needs root, /dev/fuse and the source checkout)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
@@ -597,6 +611,15 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
 
+    try:
+        stall = serve_stall.parse(args.write_stall) if args.write_stall else None
+    except ValueError as exc:
+        print(f"bsr-lab bench serve: {exc}", file=sys.stderr)
+        return 2
+    if stall is not None and serve_stall.refused():
+        print(f"bsr-lab bench serve: {serve_stall.refused()}", file=sys.stderr)
+        return 2
+
     work = Path(args.dir or tempfile.mkdtemp(prefix="bsr-bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     store, events_path = work / "store", work / "events.jsonl"
@@ -613,6 +636,7 @@ def run(args: argparse.Namespace) -> int:
         heads=heads,
         kv_heads=max(1, heads // 3),
     )
+    serve_stall.unmount_stale(store)  # a stalled run's mount, if a kill left it
     shutil.rmtree(store, ignore_errors=True)  # every run starts from an empty store
     events_path.unlink(missing_ok=True)
     sides = (
@@ -639,6 +663,11 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     t_start = time.perf_counter()
+    held_log = work / "write-stall-held.tsv"
+    stalls = ExitStack()  # the FUSE server of --write-stall, ended after the servers
+    late = (
+        stalls.enter_context(serve_stall.stalled_store(store, stall, held_log)) if stall else None
+    )
     try:
         for srv in servers.values():  # one at a time: two starting at once slow each other
             srv.start()
@@ -680,8 +709,11 @@ def run(args: argparse.Namespace) -> int:
         time.sleep(2.0)  # the last saves
     finally:
         stop.set()
-        for srv in servers.values():
-            srv.stop()
+        try:
+            for srv in servers.values():
+                srv.stop()
+        finally:
+            stalls.close()
     load["after"] = os.getloadavg()
     # The raw rounds first: a summary that fails must not lose a run's measurements.
     (work / "rounds.json").write_text(json.dumps({"rounds": rounds, "rate": rate, "sat": sat}))
@@ -695,6 +727,14 @@ def run(args: argparse.Namespace) -> int:
     doc["bsr_io"]["store_fs"] = file_system(store)  # the drive's, or RAM's (tmpfs)
     doc["bsr_io"]["store_bytes"] = grown
     doc["bsr_io"]["save_bytes_per_s"] = grown / active_s  # over its server's busy time
+    if stall is not None:
+        held = late.held() if late is not None else []
+        doc["write_stall"] = serve_stall.report(stall, held, events, rounds, PHASES, CONTROL)
+        ws = doc["write_stall"]
+        print(
+            f"write stall {stall.seconds:g} s every {stall.every}: {ws['writes_held']['n']} "
+            f"writes held, {ws['holds']['n']} holds, cuts {ws['cuts']['by_outcome']}"
+        )
     shown = ("miss_penalty", "noise_floor", "saturated_95", "restore_vs_recompute")
     print(json.dumps({k: doc[k] for k in shown if k in doc}, indent=1))
     for line in lines(doc.get("verdict", {})):
