@@ -227,6 +227,11 @@ class DirectRead:
         where the read is, as `Pending.wait` does), and
         KernelOwnedError when the engine broke down with the read in the kernel's hands
         (the buffers then stay exported for good)."""
+    def wait_xxh3(self, timeout: float | None = None) -> tuple[int, float]:
+        """As `wait`, hashing the bytes as they land (request by request, in order), so
+        that only the last request's bytes are hashed after the read ended: (xxh3-64 of
+        the payload in run order, when the read ended on the `time.perf_counter` clock).
+        Raises as `wait` does; what was hashed of a read that failed is dropped."""
     @property
     def length(self) -> int: ...
 

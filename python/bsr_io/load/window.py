@@ -236,12 +236,18 @@ class _DirectRead(_Read):
     handle: DirectChunk
     where: HostRuns
 
-    def wait(self, window: Window, timeout: float) -> None:
+    def wait(
+        self, window: Window, timeout: float, hashed: bool = False
+    ) -> tuple[int, float] | None:
         """The bytes are in place, or ReadTimedOut at the deadline: the read is given up
         then, and its blocks, which it may still write, are reported unusable (unless it
-        never started). DestinationUnusable when its tier gave it up the same way."""
+        never started). DestinationUnusable when its tier gave it up the same way.
+        `hashed`: hashed as they landed where the tier can (`DirectChunk.wait_hashed`)."""
         try:
-            self.handle.wait(timeout)
+            got = self.handle.wait_hashed(timeout) if hashed else None
+            if got is None:
+                self.handle.wait(timeout)
+            return got
         except TimeoutError as exc:
             if not self.handle.done() and not self.handle.abandon():
                 window._unusable(self.index, self.handle, self.where)
@@ -253,9 +259,12 @@ class _DirectRead(_Read):
     def land(self, window: Window, trail: _Trail) -> _Landed | None:
         tier = window.tiers[self.source]
         try:
-            self.wait(window, window._remaining())
+            # Hashed as its requests landed, but for the last one's bytes; nothing counts
+            # as verified before the whole payload's hash matched the record's.
+            hashed = self.wait(window, window._remaining(), hashed=True)
+            got = window._hash_in_place(self.where, hashed)
             # A pool's header arrives with its payload: the expected hash is final only now.
-            if window._hash_in_place(self.where) == self.handle.expected_xxh3:
+            if got == self.handle.expected_xxh3:
                 window._direct_done += 1
                 return _Landed(self.source, trail.causes)
         except ChunkError as exc:
@@ -739,16 +748,23 @@ class Window:
         self._report.given_up.append(handle)
         memory.give_up(where, handle)
 
-    def _hash_in_place(self, where: HostRuns) -> int:
-        """xxh3 of a direct read's bytes where they lie (counted as install time)."""
+    def _hash_in_place(self, where: HostRuns, hashed: tuple[int, float] | None = None) -> int:
+        """xxh3 of a direct read's bytes where they lie (counted as install time), or
+        `hashed`'s (xxh3, landed at) when the read hashed them as they landed: then
+        what ran after the landing counts."""
+        if hashed is not None:
+            got, landed = hashed
+            self._hash_mark(landed)
+            self._install_s += time.perf_counter() - landed
+            return got
         t0 = self._hash_mark()
         got = xxh3_runs(*where)
         self._install_s += time.perf_counter() - t0
         return got
 
-    def _hash_mark(self) -> float:
-        """Now; a chunk's read has landed and its verification begins."""
-        now = time.perf_counter()
+    def _hash_mark(self, at: float | None = None) -> float:
+        """Now (or `at`); a chunk's read has landed and its verification begins."""
+        now = time.perf_counter() if at is None else at
         marks = self._report.marks
         marks.setdefault("first_hash", now)
         marks["last_hash"] = now

@@ -129,7 +129,11 @@ class DirectChunk:
 
     `returned()`: whether the memory is the caller's again. A read the kernel or a pool
     still holds is not; nor is one an engine break-down left in the kernel's hands (its
-    memory is never given back). By default, `done()`."""
+    memory is never given back). By default, `done()`.
+
+    `wait_hashed()`, where the tier gives `hashed`: `wait()` that hashes the bytes as
+    they land (`DirectRead.wait_xxh3`), returning (their xxh3, when the read ended on the
+    `time.perf_counter` clock); None where it cannot (then `wait()` and hash in place)."""
 
     def __init__(
         self,
@@ -141,9 +145,11 @@ class DirectChunk:
         reject: Callable[[str], Exception],
         abandon: Callable[[], bool] | None = None,
         returned: Callable[[], bool] | None = None,
+        hashed: Callable[[float | None], tuple[int, float]] | None = None,
     ) -> None:
         self.key = key
         self._finish = finish
+        self._hashed = hashed
         self._done = done
         self._returned = returned
         self._ended = False
@@ -166,6 +172,13 @@ class DirectChunk:
         if not self._ended:
             self._finish(timeout)
             self._ended = True
+
+    def wait_hashed(self, timeout: float | None = None) -> tuple[int, float] | None:
+        if self._hashed is None or self._ended:
+            return None
+        got = self._hashed(timeout)
+        self._ended = True
+        return got
 
 
 def _spent(_timeout: float | None) -> Slot:

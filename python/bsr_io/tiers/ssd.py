@@ -303,6 +303,14 @@ class SSDTier(FileTier):
             self._touch(key)
             self._count(hits=1, reads=1, bytes_read=n)
 
+        def hashed(timeout: float | None) -> tuple[int, float]:
+            got: tuple[int, float] = self._payload_wait(
+                key, path, record, f, lambda: direct.wait_xxh3(timeout)
+            )
+            self._touch(key)
+            self._count(hits=1, reads=1, bytes_read=n)
+            return got
+
         return DirectChunk(
             key,
             finish,
@@ -313,6 +321,7 @@ class SSDTier(FileTier):
             # unsent: its blocks stay usable.
             abandon=direct.withdraw,
             returned=lambda: _memory_returned(direct),
+            hashed=hashed,
         )
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:

@@ -254,6 +254,15 @@ class StripedSSDTier(Tier):
                 raise self._drive_failed(d, key, exc) from exc
             self._count(hits=1, reads=1, bytes_read=sum(r[3] for r in runs))
 
+        def hashed(timeout: float | None) -> tuple[int, float]:
+            try:
+                got = inner.wait_hashed(timeout)
+            except DRIVE_ERRORS as exc:
+                raise self._drive_failed(d, key, exc) from exc
+            assert got is not None  # an SSDTier's direct read hashes as it lands
+            self._count(hits=1, reads=1, bytes_read=sum(r[3] for r in runs))
+            return got
+
         return DirectChunk(
             key,
             finish,
@@ -262,6 +271,7 @@ class StripedSSDTier(Tier):
             reject=inner.reject,
             abandon=inner.abandon,
             returned=inner.returned,
+            hashed=hashed,
         )
 
     def read_into(self, key: ChunkKey, engine: Engine | None = None) -> Slot:

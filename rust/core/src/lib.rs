@@ -14,6 +14,7 @@ pub mod error;
 pub mod file;
 pub mod fstype;
 pub mod install;
+pub mod landing;
 pub mod prefix;
 pub mod publish;
 

@@ -3,11 +3,13 @@
 //! where the read left it.
 
 use std::sync::Mutex;
+use std::time::Instant;
 
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
 use bsr_io_core::install::{self, Run};
+use bsr_io_core::landing;
 use bsr_io_core::{Error, MemoryRegistration, Pending};
 
 use crate::errors::{raise_wait, value_err, Raise};
@@ -152,10 +154,60 @@ impl PyDirectRead {
         raise_wait(res, op)
     }
 
+    /// As `wait`, hashing the bytes as they land (the engine's requests, in order), so
+    /// that only the last request's bytes are left to hash once the read has ended:
+    /// (xxh3-64 of the whole payload in run order, when the read ended on the
+    /// `time.perf_counter` clock). Any error of the read is raised as `wait` raises it,
+    /// and what was hashed of it is dropped.
+    #[pyo3(signature = (timeout = None))]
+    fn wait_xxh3(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<(u64, f64)> {
+        let timeout = timeout_arg(timeout)?;
+        let op = &self.op;
+        // The read's own pieces: no install or hash of this process may write them while
+        // they are hashed (as `xxh3_runs` claims its runs).
+        let ranges = op
+            .segments()
+            .iter()
+            .map(|s| (s.addr, s.addr + s.len as usize))
+            .collect();
+        let claim = Claim::take(ranges).raise()?;
+        // The exports are this call's while it hashes: a `wait` on another thread that
+        // sees the read end first finds none to release.
+        let held = self.held().take();
+        let res = py.detach(move || {
+            // SAFETY: the pieces lie in the exports `held` keeps (or, taken by a withdraw
+            // that won, none of them was ever written or landed, so none is read); the
+            // kernel writes only requests not yet landed, which are not read; `claim`
+            // keeps this process's installs and hashes off them.
+            let r = unsafe { landing::xxh3_as_landed(op, timeout) };
+            drop(claim);
+            r
+        });
+        match &res {
+            Err(Error::Timeout) => *self.held() = held, // still in flight: kept
+            Err(Error::KernelOwned { .. }) => std::mem::forget(held),
+            _ => drop(held), // the kernel gave the memory back
+        }
+        let (h, ended) = raise_wait(res, op)?;
+        Ok((h, perf_counter_at(ended)))
+    }
+
     #[getter]
     fn length(&self) -> u64 {
         self.op.want
     }
+}
+
+/// `at` on the clock of Python's `time.perf_counter` (CLOCK_MONOTONIC on Linux).
+fn perf_counter_at(at: Instant) -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to fill; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let now = ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9;
+    now - at.elapsed().as_secs_f64()
 }
 
 impl PyDirectRead {

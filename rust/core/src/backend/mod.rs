@@ -10,6 +10,7 @@ pub mod trace;
 pub mod uring;
 pub mod wake;
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
@@ -38,6 +39,30 @@ struct Progress {
     result: Option<Result<u64>>,
     /// The caller dropped its handle: nobody will take the slot of this read.
     abandoned: bool,
+    /// Bytes from the op's start whose requests all completed: the prefix a waiter may
+    /// read while the rest is still in flight (`OpState::wait_landed`).
+    landed: u64,
+    /// Requests that completed past a gap, start -> end, taken into `landed` as it
+    /// reaches them (requests tile the op, so each key is an earlier request's end).
+    ahead: BTreeMap<u64, u64>,
+    /// Threads in `wait_landed`: only then does a landed request wake anyone.
+    watching: usize,
+}
+
+impl Progress {
+    /// Request `[from, to)` completed; whether the landed prefix grew.
+    fn land(&mut self, from: u64, to: u64) -> bool {
+        if from > self.landed {
+            self.ahead.insert(from, to);
+            return false;
+        }
+        let before = self.landed;
+        self.landed = self.landed.max(to);
+        while let Some(end) = self.ahead.remove(&self.landed) {
+            self.landed = end;
+        }
+        self.landed > before
+    }
 }
 
 /// A piece of an operation's memory: `len` bytes at `addr`, for the op's bytes
@@ -69,6 +94,10 @@ pub struct OpState {
     lease: Mutex<Option<Arc<SlotLease>>>,
     progress: Mutex<Progress>,
     done: Condvar,
+    /// Woken as the landed prefix grows, for `wait_landed`'s waiters.
+    grew: Condvar,
+    /// When every request had ended (the op's result was set).
+    ended: OnceLock<Instant>,
     /// When it was submitted, and when its first request reached the kernel: what a
     /// wait that ran past its deadline reports (`Pending::whereabouts`).
     sent: Instant,
@@ -110,6 +139,8 @@ impl OpState {
             lease: Mutex::new(Some(lease)),
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
+            grew: Condvar::new(),
+            ended: OnceLock::new(),
             sent: Instant::now(),
             pushed: OnceLock::new(),
             launch: AtomicU8::new(QUEUED),
@@ -132,6 +163,8 @@ impl OpState {
             lease: Mutex::new(None),
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
+            grew: Condvar::new(),
+            ended: OnceLock::new(),
             sent: Instant::now(),
             pushed: OnceLock::new(),
             launch: AtomicU8::new(QUEUED),
@@ -155,6 +188,8 @@ impl OpState {
             lease: Mutex::new(None),
             progress: Mutex::new(Progress::default()),
             done: Condvar::new(),
+            grew: Condvar::new(),
+            ended: OnceLock::new(),
             sent: Instant::now(),
             pushed: OnceLock::new(),
             launch: AtomicU8::new(QUEUED),
@@ -247,8 +282,9 @@ impl OpState {
         if p.result.is_some() {
             return; // ended already (failed before its requests were issued)
         }
+        let mut grew = false;
         match outcome {
-            RequestEnd::Complete => {}
+            RequestEnd::Complete => grew = p.land(start, start + moved),
             RequestEnd::EndOfFile => {
                 let at = start + moved;
                 p.eof_at = Some(p.eof_at.map_or(at, |e| e.min(at)));
@@ -265,6 +301,8 @@ impl OpState {
         p.outstanding -= 1;
         if p.outstanding == 0 {
             self.finalize(&mut p);
+        } else if grew && p.watching > 0 {
+            self.grew.notify_all();
         }
     }
 
@@ -316,7 +354,9 @@ impl OpState {
         }
         drop(lease);
         p.result = Some(result);
+        let _ = self.ended.set(Instant::now());
         self.done.notify_all();
+        self.grew.notify_all();
     }
 
     pub fn is_done(&self) -> bool {
@@ -352,6 +392,52 @@ impl OpState {
                 }
             };
         }
+    }
+
+    /// Wait until more than `past` bytes from the op's start have landed (their requests
+    /// completed) or the op has ended, at most until `deadline` (`Error::Timeout`).
+    /// `Ok((landed, ended))`: `ended` once every request ended well, and then `landed` is
+    /// `want`. Once the op failed, its error, whatever had landed: a prefix is only ever
+    /// used by a caller that also sees the whole op succeed.
+    pub fn wait_landed(&self, past: u64, deadline: Option<Instant>) -> Result<(u64, bool)> {
+        let mut p = locked(&self.progress);
+        loop {
+            match &p.result {
+                Some(Ok(_)) => return Ok((self.want, true)),
+                Some(Err(e)) => return Err(e.clone()),
+                None => {}
+            }
+            let landed = p.landed.min(self.want);
+            if landed > past {
+                return Ok((landed, false));
+            }
+            p.watching += 1;
+            p = match deadline {
+                None => self.grew.wait(p).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        p.watching -= 1;
+                        return Err(Error::Timeout);
+                    }
+                    self.grew
+                        .wait_timeout(p, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+            p.watching -= 1;
+        }
+    }
+
+    /// When the op ended (its last request), once it has.
+    pub fn ended_at(&self) -> Option<Instant> {
+        self.ended.get().copied()
+    }
+
+    /// The op's memory in order: for op bytes `[s.start, s.start + s.len)`, `s.addr`.
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
     }
 
     /// Where the op is, for a wait that ran past its deadline: a request the kernel
