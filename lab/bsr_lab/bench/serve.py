@@ -664,6 +664,7 @@ def run(args: argparse.Namespace) -> int:
     rounds: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     t_start = time.perf_counter()
     held_log = work / "write-stall-held.tsv"
+    drained: list[float] = []  # --write-stall: bsr-io's engine busy after each round
     stalls = ExitStack()  # the FUSE server of --write-stall, ended after the servers
     late = (
         stalls.enter_context(serve_stall.stalled_store(store, stall, held_log)) if stall else None
@@ -690,6 +691,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"warm-up: reference saturated at {sat:.2f} req/s; paced at {rate:.2f} req/s")
         t1 = time.perf_counter()
         run_round(servers["bsr_io"], args, warm, rate)
+        if stall is not None:  # its holds' tail, not another server's round
+            drained.append(serve_stall.drain(servers["bsr_io"]))
         active_s = time.perf_counter() - t1  # bsr-io's server busy: warm-up and rounds
         for side in (CONTROL, CACHED):
             if side in servers:
@@ -703,6 +706,8 @@ def run(args: argparse.Namespace) -> int:
                 rounds[side].append(
                     run_round(servers[side], args, prompts, rate, ROUND_PHASES[side])
                 )
+                if side == "bsr_io" and stall is not None:
+                    drained.append(serve_stall.drain(servers[side]))
                 if side == "bsr_io":
                     active_s += time.perf_counter() - t0
                 print(f"round {r} {side}: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -729,11 +734,14 @@ def run(args: argparse.Namespace) -> int:
     doc["bsr_io"]["save_bytes_per_s"] = grown / active_s  # over its server's busy time
     if stall is not None:
         held = late.held() if late is not None else []
-        doc["write_stall"] = serve_stall.report(stall, held, events, rounds, PHASES, CONTROL)
+        doc["write_stall"] = serve_stall.report(
+            stall, held, events, rounds, PHASES, CONTROL, drained
+        )
         ws = doc["write_stall"]
         print(
             f"write stall {stall.seconds:g} s every {stall.every}: {ws['writes_held']['n']} "
-            f"writes held, {ws['holds']['n']} holds, cuts {ws['cuts']['by_outcome']}"
+            f"writes held, {ws['holds']['n']} holds, cuts {ws['cuts']['by_outcome']}, "
+            f"drains {[round(x, 1) for x in drained]} s"
         )
     shown = ("miss_penalty", "noise_floor", "saturated_95", "restore_vs_recompute")
     print(json.dumps({k: doc[k] for k in shown if k in doc}, indent=1))

@@ -10,6 +10,13 @@ without the stall. The bench starts the FUSE server before the servers and ends 
 its PID: `umount -l`, then wait, then kill) on any exit of the bench it can see, SIGTERM
 included; a mount left by a bench killed outright is taken down at the next run's start.
 
+While a hold or a cut is pending the bsr-io engine steps without pause (the connector's
+`has_pending_push_work`): in the smoke run on 2 cores, the reference driven right after
+bsr-io's warm-up waited 20.9 s for its first tokens, until bsr-io's holds had ended (their
+bound). So after each of bsr-io's rounds the bench waits until its engine is idle again
+(`drain`) before it drives another server, and reports those waits (`drain_s`): the
+references' figures are then the run without the stall.
+
 The report (`write_stall`): the writes the FUSE server held; the holds (count, seconds
 p50/p90/max, why any ended short); the cuts and finish saves by outcome, the unwritten
 ones by reason; and per phase the bsr-io server's output throughput and TTFT p50
@@ -23,6 +30,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +42,7 @@ from typing import Any
 import numpy as np
 
 import bsr_lab
+from bsr_lab.vllm import sched
 
 # The FUSE server of the project's stall tests, run from the source checkout (the lab is
 # installed editable from it): one implementation of the kernel stall, not two.
@@ -108,6 +117,21 @@ def stalled_store(store: Path, stall: WriteStall, log: Path) -> Iterator[Any]:
         signal.signal(signal.SIGTERM, before)
 
 
+def drain(srv: Any, cap_s: float = 120.0, poll_s: float = 0.5) -> float:
+    """Wait until `srv`'s engine core and forward thread are idle (under a fifth of a core
+    together over two polls in a row), at most `cap_s`: the seconds waited."""
+    t0 = time.monotonic()
+    idle = 0
+    before = sched.counters(srv.group_pids())
+    while idle < 2 and time.monotonic() - t0 < cap_s:
+        time.sleep(poll_s)
+        after = sched.counters(srv.group_pids())
+        busy = sum(c["run_s"] for c in sched.delta(before, after).values())
+        idle = idle + 1 if busy < 0.2 * poll_s else 0
+        before = after
+    return time.monotonic() - t0
+
+
 # -- the report ---------------------------------------------------------------------------
 def spread(xs: list[float]) -> dict[str, float | int]:
     if not xs:
@@ -178,11 +202,14 @@ def report(
     rounds: dict[str, list[dict[str, Any]]],
     phases: tuple[str, ...],
     control: str,
+    drained: list[float],
 ) -> dict[str, Any]:
     holds = [e for e in events if e.get("kind") == "hold"]
     return {
         "seconds": stall.seconds,
         "every": stall.every,
+        # After each of bsr-io's rounds (the warm-up first): its engine busy until idle.
+        "drain_s": drained,
         # What the FUSE server saw: the record writes it answered late, and how late.
         "writes_held": spread([s for _, _, s in held]),
         "holds": spread([e["seconds"] for e in holds])

@@ -69,7 +69,7 @@ def test_stalled_writes_hold_requests_under_load(vllm_root: Path) -> None:
     one slot: cuts queue behind the stalled write, so requests vLLM finished are held
     until their cuts copy. The FUSE server saw the writes it held, the JSON reports the
     holds, the cuts by outcome and what they cost against the reference, and the mount is
-    gone after the run."""
+    gone after the run. Fails with the stall's wiring removed (no held writes, no holds)."""
     work = vllm_root / "serve-stall"
     out = work / "serve.json"
     args = _args(
@@ -96,6 +96,8 @@ def test_stalled_writes_hold_requests_under_load(vllm_root: Path) -> None:
         assert set(ws["vs_baseline"][ph]) == {"throughput_ratio", "ttft_p50_ratio"}, ws
         assert ws["vs_baseline"][ph]["throughput_ratio"] is not None, ws
     assert doc["bsr_io"]["holds"]["n"] == ws["holds"]["n"]
+    # bsr-io's engine was waited for after its warm-up and its round, before another server.
+    assert len(ws["drain_s"]) == 2, ws
     # Ended with the run: no mount left on the store, the store removed.
     assert not _mounted((work / "store").resolve())
     assert not (work / "store").exists()
