@@ -11,26 +11,16 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from tiny_tiers import LAYOUT, tier_at
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
 from bsr_io.errors import ChunkCorrupt, ChunkWriteError, TierDown
 from bsr_io.model.layout import preset
 from bsr_io.model.record import HEADER_BYTES
-from bsr_io.tiers import LowerTier, SSDTier
+from bsr_io.tiers import SSDTier
 
-LAYOUT = preset("tiny")
 SEED = 4
-
-
-@pytest.fixture
-def engine():
-    with Engine(4, LAYOUT.chunk_bytes) as eng:
-        yield eng
-
-
-def make(kind, root, engine):
-    return SSDTier(root, None, engine) if kind == "L2" else LowerTier(root)
 
 
 def check_intact(tier, keys, engine, skip=()):
@@ -67,7 +57,7 @@ DAMAGE = {
 @pytest.mark.parametrize("kind", ["L2", "L3"])
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damage_found_on_read(kind, damage, tmp_path, engine):
-    tier = make(kind, tmp_path, engine)
+    tier = tier_at(kind, tmp_path, engine)
     _, keys = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens * 4, seed=SEED)
     do, msg = DAMAGE[damage]
     do(tier, keys)
@@ -77,16 +67,16 @@ def test_damage_found_on_read(kind, damage, tmp_path, engine):
     assert tier.probe(keys) == 1
     assert len(tier.quarantined_files()) == 1
     check_intact(tier, keys, engine, skip={1})
-    assert make(kind, tmp_path, engine).probe(keys) == 1  # stays withdrawn after reopen
+    assert tier_at(kind, tmp_path, engine).probe(keys) == 1  # stays withdrawn after reopen
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damage_found_on_reopen(damage, tmp_path, engine):
-    tier = make("L2", tmp_path, engine)
+    tier = tier_at("L2", tmp_path, engine)
     _, keys = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens * 4, seed=SEED)
     do, msg = DAMAGE[damage]
     do(tier, keys)
-    again = make("L2", tmp_path, engine)
+    again = tier_at("L2", tmp_path, engine)
     if damage == "payload bit flip":  # only a read can see payload damage
         assert again.probe(keys) == 4
         with pytest.raises(ChunkCorrupt):
@@ -124,13 +114,13 @@ def small_fs():
 def test_full_disk(kind, small_fs):
     big = preset("tiny", chunk_tokens=1024)  # 135 KiB chunks: the disk fills in ~50
     with Engine(2, big.chunk_bytes) as engine:
-        tier = SSDTier(small_fs, None, engine) if kind == "L2" else LowerTier(small_fs)
+        tier = tier_at(kind, small_fs, engine)
         with pytest.raises(ChunkWriteError, match="no space left") as info:
             fill_state(tier, big, big.chunk_tokens * 200, seed=SEED)
         assert info.value.cause.errno == errno.ENOSPC
         held = tier.keys()
         assert 10 < len(held) < 200
-        again = SSDTier(small_fs, None, engine) if kind == "L2" else LowerTier(small_fs)
+        again = tier_at(kind, small_fs, engine)
         assert sorted(again.keys(), key=str) == sorted(held, key=str)
         assert not list(small_fs.rglob("*.tmp"))
         for key in held:
@@ -213,14 +203,14 @@ def test_store_root_gone_is_tier_down(tmp_path, engine):
 
 @pytest.mark.parametrize("kind", ["L2", "L3"])
 def test_links_in_the_store_are_never_records(kind, tmp_path, engine):
-    tier = make(kind, tmp_path / "s", engine)
+    tier = tier_at(kind, tmp_path / "s", engine)
     _, keys = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens * 2, seed=SEED)
     outside = tmp_path / "outside"
     shutil.copyfile(tier.path_of(keys[0]), outside)  # a valid record, but out of the store
     os.symlink(outside, tier.path_of(keys[1]).with_name("0123456789abcdef.chunk"))
     tier.path_of(keys[1]).unlink()
     os.symlink(outside, tier.path_of(keys[1]))
-    again = make(kind, tmp_path / "s", engine)
+    again = tier_at(kind, tmp_path / "s", engine)
     assert again.problems == [] and again.keys() == [keys[0]]
     assert again.probe(keys) == 1 and not again.contains(keys[1])
     assert outside.exists()

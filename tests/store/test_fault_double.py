@@ -3,6 +3,7 @@
 import time
 
 import pytest
+from tiny_tiers import LAYOUT, tier_at
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
@@ -11,14 +12,6 @@ from bsr_io.faults import Fault, FaultPlan, FaultyTier
 from bsr_io.model.layout import preset
 from bsr_io.store import Store
 from bsr_io.tiers import LowerTier, MemoryTier, SSDTier
-
-LAYOUT = preset("tiny")
-
-
-@pytest.fixture
-def engine():
-    with Engine(4, LAYOUT.chunk_bytes) as eng:
-        yield eng
 
 
 @pytest.fixture
@@ -44,9 +37,9 @@ def test_error_hits_only_the_named_chunk(l2, engine):
     assert t.injected == [("error", 2)]
 
 
-@pytest.mark.parametrize("make", [lambda p, e: SSDTier(p, None, e), lambda p, e: LowerTier(p)])
-def test_corrupt_is_caught_by_the_real_checks(tmp_path, engine, make):
-    tier = make(tmp_path, engine)
+@pytest.mark.parametrize("kind", ["L2", "L3"])
+def test_corrupt_is_caught_by_the_real_checks(tmp_path, engine, kind):
+    tier = tier_at(kind, tmp_path, engine)
     _, keys = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens * 3, seed=1)
     t = wrapped(tier, keys, Fault("corrupt", tier=tier.name, chunks=[1]))
     with pytest.raises(ChunkCorrupt, match="checksum"):

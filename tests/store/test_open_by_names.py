@@ -8,32 +8,15 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
+from tiny_tiers import LAYOUT, REC
 
-from bsr_io import Engine, PagedKVCache, Restorer, open_store
+from bsr_io import PagedKVCache, Restorer, open_store
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
 from bsr_io.errors import ChunkCorrupt
-from bsr_io.model.keys import chunk_keys
-from bsr_io.model.layout import preset
-from bsr_io.model.record import HEADER_BYTES
 from bsr_io.tiers import LowerTier, SSDTier
 from bsr_io.tiers.files import records
 from bsr_io.tiers.files import tier as tier_module
-
-LAYOUT = preset("tiny")
-REC = HEADER_BYTES + LAYOUT.chunk_bytes
-
-
-@pytest.fixture
-def engine():
-    with Engine(4, LAYOUT.chunk_bytes) as eng:
-        yield eng
-
-
-@pytest.fixture
-def keys():
-    return chunk_keys(np.arange(LAYOUT.chunk_tokens * 8), LAYOUT, "test/model")
 
 
 @pytest.fixture

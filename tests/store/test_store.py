@@ -2,24 +2,14 @@
 
 import numpy as np
 import pytest
+from tiny_tiers import LAYOUT, REC
 
-from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk, synthetic_tokens
 from bsr_io.errors import ChunkCorrupt, ChunkMissing
 from bsr_io.model.keys import chunk_keys
-from bsr_io.model.layout import preset
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.store import Store, open_store
 from bsr_io.tiers import LowerTier, MemoryTier
-
-LAYOUT = preset("tiny")
-REC = HEADER_BYTES + LAYOUT.chunk_bytes
-
-
-@pytest.fixture
-def engine():
-    with Engine(4, LAYOUT.chunk_bytes) as eng:
-        yield eng
 
 
 def chunk_of(slot):

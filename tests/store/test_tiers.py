@@ -4,9 +4,9 @@ import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 import torch
+from tiny_tiers import LAYOUT, REC, tier_at
 
 from bsr_io import Engine, NoFreeSlot
 from bsr_io.cli.synthetic import synthetic_chunk
@@ -14,30 +14,11 @@ from bsr_io.errors import CapacityError, ChunkCorrupt, ChunkMissing, LayoutError
 from bsr_io.faults import Fault, FaultPlan
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import preset
-from bsr_io.model.record import HEADER_BYTES
 from bsr_io.tiers import LowerTier, MemoryTier, SSDTier
-
-LAYOUT = preset("tiny")
-REC = HEADER_BYTES + LAYOUT.chunk_bytes
-
-
-@pytest.fixture
-def engine():
-    with Engine(4, LAYOUT.chunk_bytes) as eng:
-        yield eng
-
-
-@pytest.fixture
-def keys():
-    return chunk_keys(np.arange(LAYOUT.chunk_tokens * 8), LAYOUT, "test/model")
 
 
 def make_tier(kind, tmp_path, engine, records=None):
-    if kind == "L1":
-        return MemoryTier(LAYOUT.chunk_bytes * (records or 64), layout=LAYOUT)
-    if kind == "L2":
-        return SSDTier(tmp_path / "l2", REC * records if records else None, engine, layout=LAYOUT)
-    return LowerTier(tmp_path / "l3", REC * records if records else None, layout=LAYOUT)
+    return tier_at(kind, tmp_path / kind.lower(), engine, records, layout=LAYOUT)
 
 
 def payload(i):
