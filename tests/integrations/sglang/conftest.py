@@ -9,10 +9,13 @@ host pools, storage config, backend factory and cache controller code on the CPU
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sglang  # noqa: F401  - a missing SGLang must fail loudly, never skip
@@ -43,3 +46,26 @@ def backend(store_dir: Path, host_layout: str) -> Iterator[BsrHiCacheStorage]:
     b = make_backend(store_dir, mha_pool(host_layout))
     yield b
     b.close()
+
+
+@pytest.fixture
+def run_stall_worker(store_dir: Path, tmp_path: Path) -> Callable[[str], dict[str, Any]]:
+    """Runs a kernel-stall worker of this folder (stall_worker.py, hybrid_stall_worker.py:
+    each says why in a process of its own) on an empty store and returns the facts it
+    wrote. THP_MEM_ALLOC_ENABLE makes SGLang's host pool page-aligned, as the workers'
+    O_DIRECT reads through FUSE need."""
+
+    def run(worker: str) -> dict[str, Any]:
+        out = tmp_path / "facts.json"
+        done = subprocess.run(
+            [sys.executable, str(Path(__file__).parent / worker), str(store_dir), str(out)],
+            env={**os.environ, "THP_MEM_ALLOC_ENABLE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+        facts: dict[str, Any] = json.loads(out.read_text())
+        return facts
+
+    return run

@@ -11,31 +11,16 @@ lands in the indexer's page 1.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
-WORKER = Path(__file__).parent / "hybrid_stall_worker.py"
 NAMES = ["deepseek_v4_c4", "deepseek_v4_c4_indexer", "deepseek_v4_c128"]
 
 
 def test_a_stalled_read_in_a_v2_batch_cuts_every_pool_and_holds_its_pages(
-    tmp_path: Path,
+    run_stall_worker: Callable[[str], dict[str, Any]],
 ) -> None:
-    store, out = tmp_path / "store", tmp_path / "facts.json"
-    store.mkdir()
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(WORKER), str(store), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    facts = json.loads(out.read_text())
+    facts = run_stall_worker("hybrid_stall_worker.py")
     assert facts["aligned"], facts  # else no direct read: the case would not be this one
     # While the kernel holds the indexer's page 1, the batch has not answered and the
     # backend reports no hit, so no new load starts.

@@ -12,28 +12,14 @@ refused.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-WORKER = Path(__file__).parent / "stall_worker.py"
+from collections.abc import Callable
+from typing import Any
 
 
-def test_a_stalled_read_never_hands_back_a_page_the_kernel_may_write(tmp_path: Path) -> None:
-    store, out = tmp_path / "store", tmp_path / "facts.json"
-    store.mkdir()
-    env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
-    done = subprocess.run(
-        [sys.executable, str(WORKER), str(store), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    facts = json.loads(out.read_text())
+def test_a_stalled_read_never_hands_back_a_page_the_kernel_may_write(
+    run_stall_worker: Callable[[str], dict[str, Any]],
+) -> None:
+    facts = run_stall_worker("stall_worker.py")
     assert facts["aligned"], facts  # else no direct read: the case would not be this one
     # While the kernel holds page 1's read, the batch has not answered (its pages are not
     # SGLang's to free) and the backend reports no hit, so no new load starts.
