@@ -24,15 +24,15 @@ two-node tests.
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from node_pair import NodePair, node_pair
 
-from bsr_lab.vllm.harness import CHUNK_TOKENS, SAVE_END, Events, tokens, write_tiny_llama
+from bsr_lab.vllm.harness import CHUNK_TOKENS, SAVE_END, tokens
 from bsr_lab.vllm.nodes import Cluster
 
 EXECUTE_S = 30  # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS on both nodes
@@ -70,21 +70,10 @@ def _running(c: Cluster) -> float:
     return sum(v for k, v in samples.items() if k.startswith("vllm:num_requests_running"))
 
 
-def _drill(root: Path) -> dict[str, Any]:
-    model = write_tiny_llama(root / "model")
-    store, disks = root / "store", (root / "disk0", root / "disk1")
-    for d in (store, *disks):
-        d.mkdir()
-    events = Events(str(root / "events.jsonl"))
-    cfg = {
-        "store_dir": str(store),
-        "window": 4,
-        "chunk_tokens": CHUNK_TOKENS,
-        "load_timeout_s": float(EXECUTE_S),
-        "events_path": events.path,
-    }
-    c = Cluster(model, root / "bsr", store, disks, connector=cfg, env=(NODE_ENV, NODE_ENV))
-    c.work.mkdir()
+def _drill(pair: NodePair) -> dict[str, Any]:
+    events = pair.events
+    cfg = pair.connector(load_timeout_s=float(EXECUTE_S))
+    c = pair.cluster("bsr", cfg, (NODE_ENV, NODE_ENV))
     out: dict[str, Any] = {}
     c.start()
     try:
@@ -137,11 +126,7 @@ def _drill(root: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def drill(vllm_root: Path) -> dict[str, Any]:
-    if shutil.which("unshare") is None:
-        pytest.fail("util-linux's unshare is needed to give each node its own drive")
-    root = vllm_root / "node-loss"
-    root.mkdir()
-    out = _drill(root)
+    out = _drill(node_pair(vllm_root, "node-loss"))
     print(f"node-loss drill: { ({k: v for k, v in out.items() if k != 'log0'}) }")
     return out
 

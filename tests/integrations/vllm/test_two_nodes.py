@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 import threading
 import time
@@ -23,14 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from node_pair import NodePair, node_pair
 
-from bsr_lab.vllm.harness import (
-    CHUNK_TOKENS,
-    SAVE_END,
-    Events,
-    tokens,
-    write_tiny_llama,
-)
+from bsr_lab.vllm.harness import CHUNK_TOKENS, SAVE_END, Events, tokens
 from bsr_lab.vllm.nodes import Cluster
 from bsr_lab.vllm.server import Completion
 
@@ -96,26 +90,13 @@ def _ttft(c: Cluster, prompt: list[int], rounds: int = 3) -> list[float]:
     return seconds
 
 
-def _scenario(root: Path) -> dict[str, Any]:
-    model = write_tiny_llama(root / "model")
-    store, disks = root / "store", (root / "disk0", root / "disk1")
-    for d in (store, *disks):
-        d.mkdir()
-    events = Events(str(root / "events.jsonl"))
-    cfg = {
-        "store_dir": str(store),  # the same path on both nodes, a different drive on each
-        "window": 4,
-        "chunk_tokens": CHUNK_TOKENS,
-        "load_timeout_s": LOAD_TIMEOUT_S,
-        "save_timeout_s": 300.0,
-        "rescan_s": RESCAN_S,
-        "events_path": events.path,  # outside the store: both nodes append to it
-    }
+def _scenario(pair: NodePair) -> dict[str, Any]:
+    events, disks = pair.events, pair.disks
+    cfg = pair.connector(load_timeout_s=LOAD_TIMEOUT_S, save_timeout_s=300.0, rescan_s=RESCAN_S)
     P = _prompts()
     out: dict[str, Any] = {}
 
-    base = Cluster(model, root / "base", store, disks, connector=None, env=(NODE_ENV, NODE_ENV))
-    base.work.mkdir()
+    base = pair.cluster("base", None, (NODE_ENV, NODE_ENV))
     base.start()
     try:
         base.wait_ready()
@@ -126,8 +107,7 @@ def _scenario(root: Path) -> dict[str, Any]:
     for d in disks:  # the baseline saves nothing; start the connector's run from empty drives
         assert not _records(d), f"the baseline wrote into {d}"
 
-    c = Cluster(model, root / "bsr", store, disks, connector=cfg, env=(NODE_ENV, NODE_ENV))
-    c.work.mkdir()
+    c = pair.cluster("bsr", cfg, (NODE_ENV, NODE_ENV))
     c.start()
     try:
         c.wait_ready()
@@ -247,11 +227,7 @@ def _write_result(out: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def two(vllm_root: Path) -> dict[str, Any]:
-    if shutil.which("unshare") is None:
-        pytest.fail("util-linux's unshare is needed to give each node its own drive")
-    root = vllm_root / "two-nodes"
-    root.mkdir()
-    return _scenario(root)
+    return _scenario(node_pair(vllm_root, "two-nodes"))
 
 
 def _hit(step: dict[str, Any], baseline: list[int], tokens_at_least: int) -> None:
