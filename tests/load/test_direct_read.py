@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from layouts import ALIGNED
 
 from bsr_io import Engine
 from bsr_io._core import AlignmentError, xxh3_64, xxh3_runs
@@ -18,21 +19,13 @@ from bsr_io.cli.synthetic import fill_state, synthetic_chunk
 from bsr_io.faults import Fault, FaultPlan
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.load.memory import registered, registrations
-from bsr_io.model.layout import AllocatorGroup, KVLayout
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.store import Store
 from bsr_io.tiers import LowerTier, SSDTier, StripedSSDTier
 
 # Blocks of 4 KiB (16 tokens x 256 bytes), two groups: every run suits O_DIRECT.
-LAYOUT = KVLayout(
-    "aligned",
-    (
-        AllocatorGroup("k", torch.float16, (128,), 16),
-        AllocatorGroup("v", torch.float16, (2, 64), 16),
-    ),
-    64,
-)
+LAYOUT = ALIGNED
 CHUNKS = 12
 TOKENS = CHUNKS * LAYOUT.chunk_tokens
 

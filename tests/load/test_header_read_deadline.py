@@ -22,25 +22,17 @@ import threading
 import time
 
 import pytest
-import torch
+from layouts import ALIGNED
 from stalls import lane_held
 
 from bsr_io import Engine
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.load.window import Window
-from bsr_io.model.layout import AllocatorGroup, KVLayout
 from bsr_io.tiers import LowerTier, SSDTier
 
 # Blocks of 4 KiB: every run suits O_DIRECT, so `direct` reads straight into them.
-LAYOUT = KVLayout(
-    "aligned",
-    (
-        AllocatorGroup("k", torch.float16, (128,), 16),
-        AllocatorGroup("v", torch.float16, (2, 64), 16),
-    ),
-    64,
-)
+LAYOUT = ALIGNED
 CHUNKS = 3
 DEADLINE_S = 1.0
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from fuse_stall import late_dir
+from layouts import ALIGNED
 from stalls import ends_within
 
 from bsr_io import Engine
@@ -38,7 +38,6 @@ from bsr_io.errors import ChunkWriteError
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.load.window import Window
 from bsr_io.model.keys import chunk_keys
-from bsr_io.model.layout import AllocatorGroup, KVLayout
 from bsr_io.save.records import write_staged
 from bsr_io.tiers import LowerTier, SSDTier
 from bsr_io.tiers.files import FileTier
@@ -48,14 +47,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 # 4 KiB blocks: every piece of a record is page-aligned, as O_DIRECT wants.
-LAYOUT = KVLayout(
-    "aligned",
-    (
-        AllocatorGroup("k", torch.float16, (128,), 16),
-        AllocatorGroup("v", torch.float16, (2, 64), 16),
-    ),
-    64,
-)
+LAYOUT = ALIGNED
 CHUNKS = 2
 DEADLINE_S = 1.0
 SLACK_S = 1.5
