@@ -18,7 +18,8 @@ path out of `run`.
 
 Direct reads: where the destination owns plain host memory for the restore
 (`direct_reads`, `host_runs`) and the tier can (`submit_read_into`), a chunk is read
-with O_DIRECT straight into its blocks and hashed there: no slot, no copy. It still
+with O_DIRECT straight into its blocks and hashed there (as its requests land, where
+the tier can: `DirectChunk.wait_hashed`): no slot, no copy. It still
 holds one of the W window positions while in flight. Memory or lengths that O_DIRECT
 refuses (AlignmentError: torch's 64-byte-aligned tensors, a 512-byte drive's odd
 run) send the rest of the run through slots. A hash that differs proves nothing yet
@@ -330,8 +331,9 @@ class InstallReport:
     given_up: list[DirectChunk] = field(default_factory=list)
     # When each step of the run happened (time.perf_counter): "begin", "registered"
     # (a lasting destination's buffers with the ring), "first_submitted" (chunk 0's read
-    # handed to the engine), "first_hash" and "last_hash" (a chunk's verification began:
-    # its read had landed), "end". A bench's phase breakdown; a few stamps per run.
+    # handed to the engine), "first_hash" and "last_hash" (a chunk's read had landed: its
+    # last request's end where it was hashed as it landed, else when its hash began),
+    # "end". A bench's phase breakdown; a few stamps per run.
     marks: dict[str, float] = field(default_factory=dict)
 
 
