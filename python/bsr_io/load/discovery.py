@@ -4,14 +4,13 @@ For each chunk key, in order, the source is the highest tier (first in the
 store's order) whose index says it holds the whole record; the local hit ends at
 the first chunk no tier holds. Per allocator group hits are reported too, since
 a hybrid model's groups can be evicted or lost separately. No payload byte is
-read here. Given a deadline, discovery runs on a thread of its own and is waited for
+read here. Given a deadline, discovery runs on a runner thread and is waited for
 until then: a metadata call that stalls (a header read on a hung drive, a stat on a
 dead mount) ends the request's hit on this rank, never the caller's progress.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from bsr_io._core import BsrError
 from bsr_io.errors import TierDown
 from bsr_io.model.keys import ChunkKey
 from bsr_io.model.layout import KVLayout
+from bsr_io.tiers.files.bounded import run_within
 
 if TYPE_CHECKING:
     from bsr_io.tiers.base import Tier
@@ -36,26 +36,28 @@ class DiscoveryTimedOut(BsrError):
 
 def _by(deadline: float | None, what: str, work: Callable[[], T]) -> T:
     """`work()`, waited for until `deadline` (time.monotonic; None: no limit) on a
-    thread of its own, so that a stalled call costs the deadline, never a hang."""
+    runner thread (kept between calls: starting a thread per probe cost more than a
+    one-chunk probe's own work, most of it on a loaded or cold machine), so that a
+    stalled call costs the deadline, never a hang. A stalled call holds its runner;
+    the next call takes another."""
     if deadline is None:
         return work()
-    out: list[tuple[bool, Any]] = []
 
-    def run() -> None:
+    def kept() -> tuple[bool, Any]:
+        # What `work` raised is handed back as a value: a TimeoutError of its own must
+        # not read as the deadline passing.
         try:
-            out.append((True, work()))
+            return True, work()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiter
-            out.append((False, exc))
+            return False, exc
 
-    worker = threading.Thread(target=run, name="bsr-discovery", daemon=True)
-    worker.start()
-    worker.join(max(0.0, deadline - time.monotonic()))
-    if not out:
+    try:
+        ok, value = run_within(deadline - time.monotonic(), kept)
+    except TimeoutError:
         raise DiscoveryTimedOut(
             f"{what} did not finish by its deadline (a tier's metadata call stalled: a hung "
             "device, mount or storage node?)"
-        )
-    ok, value = out[0]
+        ) from None
     if not ok:
         raise value
     return value  # type: ignore[no-any-return]
