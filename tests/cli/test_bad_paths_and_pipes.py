@@ -10,15 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_errors import one_line
 
 from bsr_io.cli import main
-
-
-def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 def _fill(target: Path | str, *extra: str) -> list[str]:
@@ -29,7 +23,7 @@ def test_fill_into_a_file_is_one_line(tmp_path, capsys):
     f = tmp_path / "afile"
     f.write_bytes(b"x")
     assert main(_fill(f)) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert line.startswith(f"bsr-io: error: cannot create or open store directory {f}")
     assert "Not a directory" in line
     assert f.read_bytes() == b"x"
@@ -38,7 +32,7 @@ def test_fill_into_a_file_is_one_line(tmp_path, capsys):
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="no /proc")
 def test_fill_under_proc_is_one_line(capsys):
     assert main(_fill("/proc/bsr-io-no-such-dir")) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "cannot create or open store directory /proc/bsr-io-no-such-dir" in line
 
 
@@ -47,12 +41,12 @@ def test_other_store_commands_on_a_file_are_one_line(tmp_path, capsys, cmd):
     f = tmp_path / "afile"
     f.write_bytes(b"x")
     assert main(["store", cmd, str(f)]) == 2
-    assert "is not a bsr-io store" in _one_line(capsys.readouterr().err)
+    assert "is not a bsr-io store" in one_line(capsys.readouterr().err)
 
 
 def test_fill_rank_outside_world_is_refused(tmp_path, capsys):
     assert main(_fill(tmp_path, "--rank", "2", "--world-size", "2")) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "0 <= --rank < --world-size" in line
     assert not list(tmp_path.iterdir())
 

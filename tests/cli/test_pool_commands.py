@@ -13,6 +13,7 @@ import sys
 
 import mooncake_fixtures as mf
 import pytest
+from cli_errors import one_line
 
 from bsr_io.cli import main
 from bsr_io.model.layout import preset
@@ -23,13 +24,6 @@ mf.require_mooncake()
 _loopback_ns, netns, pool = mf._loopback_ns, mf.netns, mf.pool
 
 TINY = preset("tiny")
-
-
-def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 def _pool_args(p: mf.LoopbackPool) -> list[str]:
@@ -84,14 +78,14 @@ def test_store_pool_fill_probe_verify_one_chunk_and_quiet_stderr(pool):
 )
 def test_store_pool_bad_arguments_are_one_line(pool, capsys, extra, says):
     assert main(_store_pool("fill", pool, *extra)) == 2
-    assert says in _one_line(capsys.readouterr().err)
+    assert says in one_line(capsys.readouterr().err)
 
 
 def test_store_pool_unreachable_pool_is_one_line():
     argv = ["store", "pool", "probe", "--layout", "tiny", "--tokens", "64", *_dead_pool()]
     proc = _cli([*argv, "--pool-timeout", "2"])
     assert proc.returncode == 2, proc.stderr
-    line = _one_line(proc.stderr)
+    line = one_line(proc.stderr)
     assert line.startswith("bsr-io: error: cannot reach the Mooncake master at 127.0.0.1:")
 
 
@@ -113,7 +107,7 @@ def test_store_pool_fill_into_a_pool_too_small_is_one_line(netns, tmp_path):
     finally:
         small.stop()
     assert proc.returncode == 2, proc.stderr
-    line = _one_line(proc.stderr)
+    line = one_line(proc.stderr)
     assert "0 of 1 chunks in the pool, then: pool full or no storage node" in line
 
 
@@ -182,10 +176,10 @@ def test_bench_remote_state_under_w_chunks_json(tmp_path):
 )
 def test_bench_remote_bad_arguments_refused_before_a_pool(capsys, extra, says):
     assert lab_main(_remote("--size", "64KiB", *extra)) == 2
-    assert says in _one_line(capsys.readouterr().err)
+    assert says in one_line(capsys.readouterr().err)
 
 
 def test_bench_remote_unreachable_pool_is_one_line(capfd):
     assert lab_main(_remote("--size", "64KiB", *_dead_pool(), "--pool-timeout", "2")) == 2
-    line = _one_line(capfd.readouterr().err)
+    line = one_line(capfd.readouterr().err)
     assert line.startswith("bsr-io: error: cannot reach the Mooncake master at 127.0.0.1:")

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_errors import one_line
 
 from bsr_io.cli import main
 from bsr_io.cli.demo.report import print_report
@@ -16,13 +17,6 @@ from bsr_io.model.layout import preset
 from bsr_lab.cli import main as lab_main
 
 TINY = preset("tiny")
-
-
-def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 # -- bench store ------------------------------------------------------------------------
@@ -55,14 +49,14 @@ def test_bench_store_one_tiny_chunk_more_slots_than_chunks(tmp_path, capsys):
 def test_bench_store_size_under_a_chunk_is_refused(tmp_path, capsys):
     argv = ["bench", "store", "--layout", "tiny", "--size", "1KiB", "--dir", str(tmp_path)]
     assert main(argv) == 2
-    assert "--size >= one chunk (2112 bytes)" in _one_line(capsys.readouterr().err)
+    assert "--size >= one chunk (2112 bytes)" in one_line(capsys.readouterr().err)
 
 
 # -- bench ssd --------------------------------------------------------------------------
 @pytest.mark.parametrize("size", ["64KiB", "5000"])
 def test_bench_ssd_file_under_fios_request_refused_in_one_line(tmp_path, capsys, size):
     assert lab_main(["bench", "ssd", "--size", size, "--rounds", "1", "--dir", str(tmp_path)]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "must be at least 1.00 MiB (fio's request)" in line and line.count("--size") == 1
     assert not list(tmp_path.iterdir())  # refused before the test file was written
 
@@ -71,7 +65,7 @@ def test_bench_ssd_file_under_fios_request_refused_in_one_line(tmp_path, capsys,
 def test_bench_stripe_tiny_layout_refused_in_one_clear_line(tmp_path, capsys):
     dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
     assert lab_main(["bench", "stripe", "--layout", "tiny", "--dirs", *dirs, "--quiet"]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert line.startswith("bsr-io: error: --layout tiny: its 2112-byte chunk")
     assert "deepseek-v4-flash, llama-3.1-8b" in line
     assert "its chunk is not" not in line
@@ -83,7 +77,7 @@ def test_demo_state_under_two_windows_refused_up_front(tmp_path, capsys):
     # 128 MiB is 8 chunks of deepseek-v4-flash: under 2 x W = 64, the half state would not
     # fill the window and whole-plan at W chunks of L1 would stage the whole state.
     assert main(["demo", "--state", "128MiB", "--dir", str(tmp_path), "--quiet"]) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "--state 128.00 MiB holds 8 chunk(s)" in line
     assert "--window 32" in line and "at least 2 x W = 64" in line
     assert "--window <= 4" in line
@@ -168,7 +162,7 @@ def test_bench_sweep_tiny_reference_scales_with_the_state(tmp_path, capsys):
 def test_bench_sweep_refuses_tokens_under_a_chunk_and_unknown_layouts(tmp_path, capsys):
     argv = ["bench", "sweep", "--layout", "tiny", "--tokens", "8,64", "--dir", str(tmp_path)]
     assert lab_main(argv) == 2
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "--tokens 8 is less than one chunk (16 tokens of tiny)" in line
     with pytest.raises(SystemExit) as exc:
         lab_main(["bench", "sweep", "--layout", "nope", "--dir", str(tmp_path)])
