@@ -11,29 +11,20 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
+from layouts import ALIGNED
 
 from bsr_io import Engine
 from bsr_io._core import ShortReadError, xxh3_64
 from bsr_io.cli.synthetic import fill_state, synthetic_chunk
 from bsr_io.load import window
 from bsr_io.load.kvcache import PagedKVCache
-from bsr_io.model.layout import AllocatorGroup, KVLayout
 from bsr_io.model.record import HEADER_BYTES
 from bsr_io.restore import Restorer
 from bsr_io.store import Store
 from bsr_io.tiers import LowerTier, SSDTier
 
 PIECE = 4096  # the engine's request size here: a chunk lands in several requests
-# Blocks of 4 KiB, two groups: every run suits O_DIRECT; a chunk is 8 requests.
-LAYOUT = KVLayout(
-    "aligned",
-    (
-        AllocatorGroup("k", torch.float16, (128,), 16),
-        AllocatorGroup("v", torch.float16, (2, 64), 16),
-    ),
-    64,
-)
+LAYOUT = ALIGNED  # 4 KiB blocks, every run suits O_DIRECT; a chunk is 8 requests
 CHUNKS = 8
 TOKENS = CHUNKS * LAYOUT.chunk_tokens
 
