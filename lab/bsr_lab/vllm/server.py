@@ -159,7 +159,13 @@ class Server:
                 env=self.environment(),
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stopped as one
+                # Its own process group (stopped as one), in the caller's session. A
+                # session of its own is a scheduling group of its own (the kernel's
+                # autogroup): on one machine, node 1's connector threads then sit on
+                # node 0's OpenMP core as another group, and were measured runnable
+                # but unscheduled for up to 26 s while node 0's worker spun there
+                # (a load past its deadline; issue 50, test_two_nodes).
+                process_group=0,
             )
         finally:
             if not isinstance(out, int):
