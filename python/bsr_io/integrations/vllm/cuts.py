@@ -171,7 +171,7 @@ class StepCuts:
             failed = self._copy(job, order)
             if failed is not None:
                 return failed  # its end (the table's) puts it past its copy
-            job.copied.set()  # its blocks may go: the record is in the slot
+            self.jobs.copied(job)  # its blocks may go: the record is in the slot
         return self._write(job, order)
 
     def _copy(self, job: Job, order: _Order) -> tuple[bool, str, Details] | None:

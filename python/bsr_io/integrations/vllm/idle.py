@@ -1,4 +1,5 @@
-"""An idle step reports the loads it submitted as soon as they end (for a bounded time).
+"""An idle step reports the loads it submitted as soon as they end, and paces itself
+while other transfers are pending.
 
 vLLM 0.32 learns that a load ended from the workers' `get_finished` at the end of a
 step, and schedules the request's forward only in the step after it learned. An engine
@@ -9,8 +10,24 @@ step costs vLLM's 1 ms sleep plus a round trip to every worker: 2 to 4 ms on thi
 loaded machine). In a step that computes nothing, each worker now waits for the loads
 that step submitted, at most `IDLE_WAIT_S`, before it reports: a small load ends inside
 it, and its request's forward runs in the next step, the protocol's floor. A step with a
-forward never waits: its loads run while it computes. The price: a request that arrives
-while an idle engine waits is scheduled up to `IDLE_WAIT_S` later.
+forward never waits: its loads run while it computes.
+
+While a hold, a finish save or a step cut is pending, the scheduler side keeps vLLM
+stepping (`has_pending_push_work`) so that their reports arrive on an idle engine; left
+alone, vLLM then steps without pause (its engine core and every worker spun a core each
+for the whole write: 20.9 s after a stalled round of `bsr-lab bench serve`). So an idle
+step whose worker has jobs in its table and nothing to report waits, at most `PACE_S`
+from the step's start, for the next job to end or get past its copy (jobs.py
+`wait_change`, told by the job itself: no polling): a report still rides the step in
+which its job ended, and the engine takes at most 1 / `PACE_S` empty steps a second
+instead of hundreds. A step with a forward, or with an inventory batch to send (a start
+listing), never waits.
+
+The price: vLLM admits a request only between steps, and the engine core is inside the
+step meanwhile, so a request that arrives while an idle engine waits is scheduled up to
+`PACE_S` later (`IDLE_WAIT_S` when only this step's loads are pending): 20 ms, about one
+decode step of a served model on a GPU, which is what a request arriving at a busy
+engine waits anyway; and only while writes are pending on an otherwise idle engine.
 """
 
 from __future__ import annotations
@@ -21,32 +38,54 @@ from typing import Any
 from bsr_io.integrations.vllm.metadata import BsrMetadata
 
 IDLE_WAIT_S = 0.01  # a few-chunk load's read on a busy machine, well under a forward step
-POLL_S = 0.0002
+PACE_S = 0.02  # an idle step's longest wait while jobs are pending (above)
 
 
 class IdleReports:
-    """The loads an idle step submitted, waited for in that step's `get_finished`."""
+    """The loads an idle step submitted, waited for in that step's `get_finished`, and the
+    step paced while the worker's other jobs are pending."""
 
-    def __init__(self, wait_s: float = IDLE_WAIT_S) -> None:
+    def __init__(self, wait_s: float = IDLE_WAIT_S, pace_s: float = PACE_S) -> None:
         self.wait_s = wait_s
+        self.pace_s = pace_s
+        self._idle = False
         self._loads: set[str] = set()
 
     def submitted(self, meta: BsrMetadata) -> None:
-        """Submitted (connector.py `_submit`): the step's loads, kept only when the step
-        computes nothing."""
+        """Submitted (connector.py `_submit`): whether the step computes nothing, and then
+        its loads."""
+        self._idle = meta.idle
         self._loads = {t.request_id for t in meta.loads} if meta.idle else set()
 
     def results(
         self, worker: Any, finished: set[str] | None
     ) -> tuple[set[str], set[str], set[str]]:
         """The worker's (finished_sending, finished_recving, failed_recving), once the
-        idle step's loads ended or `wait_s` passed."""
+        idle step's loads ended or `wait_s` passed; with nothing to report, once a job
+        ended or `pace_s` passed."""
+        jobs = worker.jobs
+        start = time.monotonic()
+        seen = jobs.changes()  # before the poll: a job ending after it wakes the wait
         sending, recving, failed = worker.results(finished)
         waiting, self._loads = self._loads - recving, set()
-        end = time.monotonic() + self.wait_s
-        while waiting and time.monotonic() < end:
-            time.sleep(POLL_S)
-            s, r, f = worker.jobs.poll()
+        idle, self._idle = self._idle, False
+
+        def poll() -> None:
+            nonlocal sending, recving, failed, waiting
+            s, r, f = jobs.poll()
             sending, recving, failed = sending | s, recving | r, failed | f
             waiting -= r
+
+        while waiting and (left := start + self.wait_s - time.monotonic()) > 0:
+            if (now := jobs.wait_change(seen, left)) != seen:
+                seen = now
+                poll()
+        if (
+            idle
+            and not (sending or recving)
+            and jobs.pending()
+            and not worker.inventory.pending()
+            and jobs.wait_change(seen, start + self.pace_s - time.monotonic()) != seen
+        ):
+            poll()
         return sending, recving, failed

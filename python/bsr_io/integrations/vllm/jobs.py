@@ -28,6 +28,9 @@ job that ended before its lane took it (deadline passed, request aborted, guard 
 never starts. A lane all of whose threads run a job past its deadline by more than
 `grace_s` is stuck: new jobs of that kind end at once until one returns.
 
+The table counts its changes (a job ended, or got past its copy: `copied`), so that an
+idle step can wait for the next one (`wait_change`, idle.py) instead of polling.
+
 The table knows nothing of vLLM or of what a job does: `run(job)` per kind does the work
 and returns (ok, reason, details); `on_end(job, details)` is told once per job.
 """
@@ -138,6 +141,8 @@ class JobTable:
         self._holds: dict[str, _Hold] = {}  # held request -> its hold
         self._closed = False
         self._polled = clock()  # a long gap between polls: the worker itself did not step
+        self._changes = 0  # jobs ended or past their copy so far (`wait_change`)
+        self._changed = threading.Condition()
         self._lanes: dict[Kind, _Lane] = {}
         for kind, run in runs.items():
             self.add_lane(kind, run)
@@ -217,6 +222,22 @@ class JobTable:
         for job in self._of({request_id}, kind):
             job.over.wait(max(0.0, deadline - self._clock()))
 
+    def copied(self, job: Job) -> None:
+        """`job` no longer needs its blocks (a cut's record is in its slot)."""
+        job.copied.set()
+        self._note_change()
+
+    def changes(self) -> int:
+        """How many times a job ended or got past its copy so far."""
+        with self._changed:
+            return self._changes
+
+    def wait_change(self, seen: int, timeout_s: float) -> int:
+        """Until `changes()` is no longer `seen`, at most `timeout_s`: the count then."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._changes != seen, max(0.0, timeout_s))
+            return self._changes
+
     def jobs_of(self, request_id: str) -> list[Job]:
         """The request's jobs in the table, every kind, in submission order."""
         with self._lock:
@@ -292,6 +313,11 @@ class JobTable:
                 th.join(timeout=max(0.0, end - time.monotonic()))
 
     # -- inside ----------------------------------------------------------------------
+    def _note_change(self) -> None:
+        with self._changed:
+            self._changes += 1
+            self._changed.notify_all()
+
     def _new(
         self, kind: Kind, transfer: Transfer, timeout_s: float, payload: Any, copied: bool
     ) -> Job:
@@ -398,6 +424,8 @@ class JobTable:
             (lane.on_end if lane is not None else self._on_end)(job, details)
         except Exception:  # noqa: BLE001 - reporting a job never stops a lane
             log.exception("bsr-io: on_end of %s %s failed", job.kind, job.request_id)
+        # Last: a step woken by it finds what on_end queued for its report (a lost cut).
+        self._note_change()
 
     def _hold_until_returned(self, job: Job) -> None:
         """Hold `job` until its lane returned from it (and any hold it set itself ended)."""

@@ -63,6 +63,7 @@ _SILENT_STEPS = 3  # steps in a row a worker may miss before its rank holds noth
 # How long one request may wait for cuts in flight: a cut's write takes milliseconds, so
 # this is reached only behind a slow drive or while chasing another request's prefill.
 _CUT_WAIT_S = 1.0
+_SETTLE_S = 0.1  # how late `has_pending_push_work` may see cuts past their age go
 
 
 @dataclass
@@ -112,6 +113,7 @@ class SchedulerSide:
         self._resync: set[int] = set()
         self._silent: dict[int, int] = {}  # worker rank -> steps in a row without its report
         self._cutting: dict[Cut, float] = {}  # cuts ordered, not yet reported -> when
+        self._settled = 0.0  # when `_cutting` was last settled
         self._held: set[str] = set()  # finished, blocks kept for cuts in flight
         # Finished requests whose blocks vLLM keeps for us, until the workers name them in
         # finished_sending -> when we stop waiting for that (twice the workers' bound).
@@ -174,7 +176,9 @@ class SchedulerSide:
     def has_pending_push_work(self) -> bool:
         """Whether a report the workers still owe needs vLLM to step: a held or saved
         request not yet named in finished_sending, a cut not yet reported written or
-        lost, a rank's start listing not yet all reported. Each ends by its bound."""
+        lost, a rank's start listing not yet all reported. Each ends by its bound.
+        vLLM asks this several times a step, and an idle step every few ms: it looks
+        at the holds and saves, not at every cut."""
         self._expire()
         return bool(self._holding or self._saving or self._cutting or self._unsynced)
 
@@ -189,7 +193,10 @@ class SchedulerSide:
         for book in (self._holding, self._saving):
             for rid in [r for r, until in book.items() if until < now]:
                 del book[rid]
-        self._settle_cuts()
+        # Every step's output settles the cuts (their reports come with it); here only
+        # those past their age, at most every `_SETTLE_S`.
+        if now - self._settled >= _SETTLE_S:
+            self._settle_cuts()
 
     # -- names --------------------------------------------------------------------------
     def dirs(self, key_model: str, g: GroupLayout) -> list[str]:
@@ -521,9 +528,10 @@ class SchedulerSide:
     def _settle_cuts(self) -> None:
         """Forget cuts now held on every rank, and any ordered longer ago than a worker
         may take to end one (`Deadlines.cut_s`: a slot, then its write), twice over."""
+        self._settled = time.monotonic()
         if not self._cutting:
             return
-        old = time.monotonic() - 2 * self.cfg.deadlines.cut_s
+        old = self._settled - 2 * self.cfg.deadlines.cut_s
         groups = self.groups_by_index
         for cut, since in list(self._cutting.items()):
             km, gi, h = cut
