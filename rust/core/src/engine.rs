@@ -432,6 +432,7 @@ impl Engine {
     /// The I/O thread registers between its waits: `timeout` bounds the wait for it
     /// (`Error::Timeout` past it, with nothing registered, then or later: a hung
     /// request must not hang the caller, nor pin memory the caller has since freed).
+    /// Other callers' operations are queued meanwhile, not held back behind the wait.
     ///
     /// # Safety
     /// Every region must stay mapped, at the same pages (not unmapped, remapped or
@@ -454,16 +455,20 @@ impl Engine {
             }
             spans.push((addr, len));
         }
-        match self.driver().as_ref() {
+        // Handed over under the driver lock (in order with the operations sent before
+        // and after), waited for without it: a registration the I/O thread is slow to
+        // take must not hold back other callers' submits past their own deadlines.
+        let (request, release) = match self.driver().as_ref() {
             Some(Driver::Uring(d)) if d.info.memory_entries > 0 && !spans.is_empty() => {
-                Ok(MemoryRegistration {
-                    indices: d.register_memory(spans, timeout)?,
-                    release: Some(d.memory_release()),
-                })
+                (d.request_memory(spans)?, d.memory_release())
             }
-            Some(_) => Ok(MemoryRegistration::default()),
-            None => Err(Error::Closed("engine")),
-        }
+            Some(_) => return Ok(MemoryRegistration::default()),
+            None => return Err(Error::Closed("engine")),
+        };
+        Ok(MemoryRegistration {
+            indices: request.wait(timeout)?,
+            release: Some(release),
+        })
     }
 
     /// Write slot bytes `[0, length)` at `offset`; pad to the alignment with zeros on
@@ -1292,6 +1297,66 @@ mod tests {
         let want = format!("0x{addr:x}/{}", 64 << 10);
         assert_eq!(buffer_entry(&e, 2, &want), want);
         drop(reg);
+    }
+
+    #[test]
+    fn a_registration_waiting_for_the_thread_holds_back_no_other_submit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, pattern(8192)).unwrap();
+        let Some((e, src, writer)) = hung_source(dir.path(), 4, 32) else {
+            return; // the kernel refuses io_uring
+        };
+        if !matches!(e.driver().as_ref(), Some(Driver::Uring(d)) if d.info.memory_entries > 0) {
+            return; // no room for caller memory here: nothing to wait for
+        }
+        let f = e.open(path.to_str().unwrap(), OpenOptions::default());
+        let f = f.unwrap();
+        // The I/O thread deaf to wakes and held by a read of a FIFO nobody writes (a
+        // stalled device): it takes commands only when that read ends.
+        e.inject(crate::backend::uring::Fault::Deaf);
+        let stuck = e.submit_read(&src, 0, 4096).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        // Control, nothing registering: a read of the healthy file is queued at once and
+        // its own deadline governs it (it is withdrawn there, never sent).
+        let control = e.submit_read(&f, 0, 4096).unwrap();
+        assert_eq!(control.wait(Some(Duration::ZERO)), Err(Error::Timeout));
+        assert!(control.withdraw());
+        let block = AlignedBlock::new(64 << 10).unwrap();
+        let addr = block.ptr as usize;
+        let e = &e;
+        std::thread::scope(|s| {
+            let (started_tx, started) = std::sync::mpsc::channel();
+            let registering = s.spawn(move || {
+                started_tx.send(()).unwrap();
+                // SAFETY: `block` stays mapped until after the registration is dropped.
+                unsafe { e.register_memory(&[(addr, 64 << 10)], Some(Duration::from_secs(30))) }
+            });
+            started.recv().unwrap();
+            std::thread::sleep(Duration::from_millis(100)); // into its wait
+                                                            // The same read while the registration waits for the held thread: queued
+                                                            // as at once, not after the registration (up to its 30 s) ends.
+            let read = e.submit_read(&f, 0, 4096).unwrap();
+            let still_waiting = !registering.is_finished();
+            assert_eq!(read.wait(Some(Duration::ZERO)), Err(Error::Timeout));
+            assert!(read.withdraw());
+            let kept = e.submit_read(&f, 4096, 4096).unwrap();
+            assert!(
+                still_waiting,
+                "the submit waited for the registration to end"
+            );
+            assert!(!registering.is_finished() && !kept.is_done());
+            // The stall ends: the thread takes the registration, then the kept read.
+            std::io::Write::write_all(&mut &writer, &[0u8; 8192]).unwrap();
+            assert_eq!(stuck.wait(Some(Duration::from_secs(10))), Ok(4096));
+            assert_eq!(kept.wait(Some(Duration::from_secs(10))), Ok(4096));
+            let reg = registering.join().unwrap().unwrap();
+            assert_eq!(reg.entries(), 1);
+            // Its entry follows the four slots'.
+            let want = format!("0x{addr:x}/{}", 64 << 10);
+            assert_eq!(buffer_entry(e, 4, &want), want);
+            drop((stuck.take_lease(), kept.take_lease(), reg));
+        });
     }
 
     #[test]

@@ -214,40 +214,18 @@ impl UringDriver {
         self.request_bytes
     }
 
-    /// Register caller memory with the ring (memory.rs): the entries it took.
-    /// `timeout` bounds the wait for the I/O thread to take the command (a waiting
-    /// thread is woken for it, wake.rs, but one held in a system call, or without an
-    /// eventfd, takes it only when that ends): past it `Error::Timeout`, and the thread
-    /// will never register it.
-    pub fn register_memory(
-        &self,
-        regions: Vec<(usize, usize)>,
-        timeout: Option<Duration>,
-    ) -> Result<Vec<u16>> {
-        let (tx, rx) = mpsc::sync_channel(1);
+    /// Ask the I/O thread to register caller memory with the ring (memory.rs), queued
+    /// in order with the operations sent before and after; the caller waits for its
+    /// answer with `MemoryRequest::wait`, holding no lock of the engine's meanwhile.
+    pub fn request_memory(&self, regions: Vec<(usize, usize)>) -> Result<MemoryRequest> {
+        let (tx, reply) = mpsc::sync_channel(1);
         let claim = Arc::new(AtomicU8::new(CLAIM_WAITING));
         self.send(Command::RegisterMemory(regions, Arc::clone(&claim), tx))?;
-        let Some(timeout) = timeout else {
-            return rx.recv().map_err(|_| self.gone())?;
-        };
-        match rx.recv_timeout(timeout) {
-            Ok(got) => got,
-            Err(RecvTimeoutError::Disconnected) => Err(self.gone()),
-            Err(RecvTimeoutError::Timeout) => {
-                let give_up = claim.compare_exchange(
-                    CLAIM_WAITING,
-                    CLAIM_GIVEN_UP,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                );
-                if give_up.is_ok() {
-                    return Err(Error::Timeout);
-                }
-                // The thread took it just now: the registration itself (pinning pages, no
-                // I/O) is under way; its result is the caller's, who still holds the memory.
-                rx.recv().map_err(|_| self.gone())?
-            }
-        }
+        Ok(MemoryRequest {
+            reply,
+            claim,
+            health: Arc::clone(&self.health),
+        })
     }
 
     /// What unregisters memory registered here, queued behind the operations sent
@@ -301,6 +279,62 @@ impl UringDriver {
 impl Drop for UringDriver {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// A memory registration handed to the I/O thread (`UringDriver::request_memory`).
+/// Dropped unanswered (its caller unwinding), it is given up: never registered, or,
+/// taken already, its entries emptied by the thread that finds no one to hand them to.
+pub struct MemoryRequest {
+    reply: Receiver<Result<Vec<u16>>>,
+    claim: Arc<AtomicU8>,
+    health: Arc<Health>,
+}
+
+impl MemoryRequest {
+    /// The entries the registration took. `timeout` bounds the wait for the I/O thread
+    /// to take the command (a waiting thread is woken for it, wake.rs, but one held in a
+    /// system call, or without an eventfd, takes it only when that ends): past it
+    /// `Error::Timeout`, and the thread will never register it.
+    pub fn wait(self, timeout: Option<Duration>) -> Result<Vec<u16>> {
+        let Some(timeout) = timeout else {
+            return self.reply.recv().map_err(|_| self.gone())?;
+        };
+        match self.reply.recv_timeout(timeout) {
+            Ok(got) => got,
+            Err(RecvTimeoutError::Disconnected) => Err(self.gone()),
+            Err(RecvTimeoutError::Timeout) => {
+                let give_up = self.claim.compare_exchange(
+                    CLAIM_WAITING,
+                    CLAIM_GIVEN_UP,
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                );
+                if give_up.is_ok() {
+                    return Err(Error::Timeout);
+                }
+                // The thread took it just now: the registration itself (pinning pages, no
+                // I/O) is under way; its result is the caller's, who still holds the memory.
+                self.reply.recv().map_err(|_| self.gone())?
+            }
+        }
+    }
+
+    /// The thread ended without answering: it broke (and said why), or it was shut down.
+    fn gone(&self) -> Error {
+        self.health.check().err().unwrap_or(Error::Closed("engine"))
+    }
+}
+
+impl Drop for MemoryRequest {
+    fn drop(&mut self) {
+        // A no-op once answered (taken) or timed out (given up).
+        let _ = self.claim.compare_exchange(
+            CLAIM_WAITING,
+            CLAIM_GIVEN_UP,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
     }
 }
 
@@ -511,7 +545,7 @@ impl RingLoop {
                 // SAFETY (of what follows): the caller keeps the regions mapped until it
                 // has our reply or has given up. Given up (CLAIM_GIVEN_UP), it may free them,
                 // so they are not touched; taken, it waits for the reply (uring.rs
-                // `UringDriver::register_memory`), so they are still its memory while the
+                // `MemoryRequest::wait`), so they are still its memory while the
                 // kernel pins them, and registered entries always reach an owner that
                 // will unregister them.
                 let taken = claim.compare_exchange(
