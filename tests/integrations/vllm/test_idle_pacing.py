@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,8 +27,16 @@ from bsr_io.integrations.vllm import kv_shapes
 from bsr_io.integrations.vllm.config import ConnectorConfig
 from bsr_io.integrations.vllm.idle import PACE_S, IdleReports
 from bsr_io.integrations.vllm.layout import group_layouts
-from bsr_io.integrations.vllm.metadata import BsrMetadata, RecordOrder, Transfer
+from bsr_io.integrations.vllm.metadata import (
+    BsrMetadata,
+    BsrWorkerMeta,
+    Inventory,
+    RecordOrder,
+    Transfer,
+)
+from bsr_io.integrations.vllm.scheduler import SchedulerSide
 from bsr_io.integrations.vllm.worker import WorkerSide
+from bsr_lab.vllm.harness import scheduler_request, tokens
 
 needs_fuse = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="FUSE needs root and /dev/fuse"
@@ -35,6 +44,7 @@ needs_fuse = pytest.mark.skipif(
 CHUNK, BLOCK = 256, 16
 STALL_S = 1.5  # each record's first write is answered this late
 VLLM_SLEEP_S = 0.001  # vLLM's engine core between steps that computed nothing
+ASKS = 200  # has_pending_push_work asks: three a step, for about 67 idle steps
 
 
 def _worker(store: Path) -> tuple[WorkerSide, Any]:
@@ -136,3 +146,51 @@ def test_a_step_waits_for_the_next_job_change_not_its_bound(tmp_path: Path) -> N
             w.close()
     assert took < 20 * STALL_S, f"the idle steps sat out their pace ({took:.1f} s, {got})"
     assert got["steps"] <= 3 and got["late"] == 0, got
+
+
+def test_asking_for_pending_work_does_not_settle_every_cut_each_time(tmp_path: Path) -> None:
+    """vLLM asks `has_pending_push_work` about three times a step, and an idle engine
+    steps up to 1 / PACE_S times a second: the real scheduler side with a prompt's cuts
+    in flight looks its catalog up for them at most once in `_SETTLE_S` there, while
+    each step's output (where their reports arrive) still settles them every time.
+    Counted on the real catalog's `holds` (a counting wrapper, no double). Fails with
+    the settling back in every call (ASKS times the cuts)."""
+    groups = group_layouts(kv_shapes.gemma3(), CHUNK)
+    cfg = ConnectorConfig(store_dir=str(tmp_path), chunk_tokens=CHUNK, save_in_steps=True)
+    side = SchedulerSide(cfg, groups, "m", 1)
+    toks = tokens(3, 8 * CHUNK + 10)
+    side.get_num_new_matched_tokens(scheduler_request("a", toks), 0)
+    blocks = tuple(list(range(100 * (g.index + 1), 100 * (g.index + 1) + 40)) for g in groups)
+    meta = side.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id="a", num_computed_tokens=0)],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={"a": len(toks)},
+            kv_connector_block_state=SimpleNamespace(get_block_ids=lambda r: blocks),
+        )
+    )
+    cuts = sum(len(t.records) for t in meta.step_saves)
+    assert cuts >= 8, meta.step_saves
+    looks = 0
+    holds = side.catalog.holds
+
+    def counted(*a: Any) -> bool:
+        nonlocal looks
+        looks += 1
+        return holds(*a)
+
+    side.catalog.holds = counted  # type: ignore[method-assign,assignment]
+    side.update_connector_output(
+        SimpleNamespace(
+            kv_connector_worker_meta=BsrWorkerMeta({0: Inventory(1, synced=True)}, ranks={0}),
+            finished_recving=None,
+            failed_recving=set(),
+        )
+    )
+    assert looks == cuts  # a step's output settles every cut in flight
+    looks = 0
+    for _ in range(ASKS):
+        assert side.has_pending_push_work()  # the cuts are still in flight
+    # Settled per ask, it looks ASKS * cuts times; throttled, once per _SETTLE_S (the
+    # asks take milliseconds): a tenth of that leaves a loaded machine 2 s for them.
+    assert looks * 10 <= ASKS * cuts, f"{looks} catalog looks for {cuts} cuts in {ASKS} asks"
