@@ -110,8 +110,9 @@ impl PyEngine {
             window: as_usize("window", window, 1)?,
             slot_bytes: as_usize("slot_bytes", slot_bytes, 1)?,
             queue_depth: queue_depth.map_or(Ok(32), |a| as_usize("queue_depth", a, 1))?,
-            request_bytes: request_bytes
-                .map_or(Ok(DEFAULT_REQUEST_BYTES), |a| as_usize("request_bytes", a, 1))?,
+            request_bytes: request_bytes.map_or(Ok(DEFAULT_REQUEST_BYTES), |a| {
+                as_usize("request_bytes", a, 1)
+            })?,
             inflight_bytes: inflight_bytes.map_or(Ok(DEFAULT_INFLIGHT_BYTES), |a| {
                 as_usize("inflight_bytes", a, 0)
             })?,
