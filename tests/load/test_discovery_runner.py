@@ -50,7 +50,9 @@ def test_a_stalled_probe_holds_its_runner_not_the_next(tmp_path: Path) -> None:
     engine = Engine(2, LAYOUT.chunk_bytes)
     tier = SSDTier(tmp_path / "l2", None, engine)
     _, keys = fill_state(tier, LAYOUT, LAYOUT.chunk_tokens * 2, seed=2, model="m")
-    hung = FaultPlan([Fault("hang_probe", chunks=frozenset({0}), delay_s=3.0)]).wrap(tier, keys=keys)
+    hung = FaultPlan([Fault("hang_probe", chunks=frozenset({0}), delay_s=3.0)]).wrap(
+        tier, keys=keys
+    )
     with pytest.raises(DiscoveryTimedOut):
         sources_of([hung], keys, time.monotonic() + 0.2)
     assert sources_of([tier], keys, time.monotonic() + 30.0) == [0, 0]
