@@ -256,7 +256,7 @@ impl UringDriver {
     }
 
     fn gone(&self) -> Error {
-        self.health.check().err().unwrap_or(Error::Closed("engine"))
+        gone(&self.health)
     }
 
     /// Fault double for tests (see `Fault`).
@@ -280,6 +280,12 @@ impl Drop for UringDriver {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// Why the I/O thread ended without answering: it broke (and said why), or it was shut
+/// down.
+fn gone(health: &Health) -> Error {
+    health.check().err().unwrap_or(Error::Closed("engine"))
 }
 
 /// A memory registration handed to the I/O thread (`UringDriver::request_memory`).
@@ -322,7 +328,7 @@ impl MemoryRequest {
 
     /// The thread ended without answering: it broke (and said why), or it was shut down.
     fn gone(&self) -> Error {
-        self.health.check().err().unwrap_or(Error::Closed("engine"))
+        gone(&self.health)
     }
 }
 
