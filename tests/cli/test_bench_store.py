@@ -39,5 +39,8 @@ def test_bench_store_small(tmp_path):
     # The reference is fio at its best (huge-page buffers) wherever it could run.
     if rep["read_ratio_store_vs_fio"] is not None:
         assert (rep["read_ratio_store_vs_fio_hugemem"] is None) == bool(rep["fio_hugemem_note"])
+        # ... at the depth it read fastest at, of those it tried.
+        scan = rep["fio_depth_scan_s"]
+        assert len(scan) >= 2 and scan[str(rep["fio_depth"])] == min(scan.values())
     assert "ratio vs raw" in proc.stdout
     assert list(tmp_path.iterdir()) == [out]  # the store and raw file were removed

@@ -30,7 +30,7 @@ def test_sweep_smoke_with_compare_and_store_scale(tmp_path, capsys):
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert [r["chunks"] for r in doc["sizes"]] == [1, 2]
-    assert doc["engine"]["inflight_bytes"] == 32 << 20 and doc["compare_inflight_bytes"] == 0
+    assert doc["engine"]["inflight_bytes"] == 8 << 20 and doc["compare_inflight_bytes"] == 0
     for r in doc["sizes"]:
         assert r["fast_s"] > 0 and r["fio_hugemem_s"] > 0 and r["fast_compare_s"] > 0
         assert r["fast_over_fio_hugemem"] == r["fast_s"] / r["fio_hugemem_s"]
@@ -42,6 +42,14 @@ def test_sweep_smoke_with_compare_and_store_scale(tmp_path, capsys):
         assert r["drive_s"] <= min(r["fio_hugemem_s"], r["fio_file_s"])
         assert r["fast_over_drive"] == r["fast_s"] / r["drive_s"]
         assert r["target_fast_over_drive"] is None  # below 64 MiB: no goal
+        # CPU per GiB, with xxh3 over the same bytes beside it (the restore hashes them
+        # all, so its own CPU is the larger of the two but for timer noise).
+        assert r["fast_cpu_s_per_gib"] > 0 and r["hash_floor_cpu_s_per_gib"] > 0
+        assert r["cpu_within_target"] == (r["fast_cpu_beyond_hash_s_per_gib"] <= 0.01)
+    # fio's depth: the fastest of those scanned, each scanned one timed.
+    scan = doc["fio_depth_scan_s"]
+    assert set(scan) == {"4", "8", "16", "32"} and all(s > 0 for s in scan.values())
+    assert scan[str(doc["fio_depth"])] == min(scan.values())
     fit = doc["fit"]["fast"]
     lo, hi = fit["intercept_95_s"]
     assert lo <= fit["intercept_s"] <= hi and doc["fixed_cost_s"] == fit["intercept_s"]

@@ -4,13 +4,15 @@ One state of the largest size is written once; each size is a prefix of it (log-
 doubling from MIN to MAX). Every round restores each size (cold cache, fresh random order
 of sizes and of paths) next to fio on huge-page buffers reading the same record payloads
 (`fio_hugemem`, in the directory's order) and reading as many bytes of one file written
-beside them (`fio_file`, sequential: the drive's limit); the goals are against the faster
+beside them (`fio_file`, sequential: the drive's limit), both at the queue depth fio reads
+that file fastest at (scanned at start: `fio_depth`); the goals are against the faster
 of the two in each round (`drive`). With `--compare-inflight N`, also next to the same
 restore through an engine whose bytes in flight per drive are bounded by N instead (0: by
 its queue depth alone, as before the bound). Per size: the medians, their ratio, the
 ratio within each round, and where the restore's time went (discovery, agreement, setup
 and registration, the first read, the stream, the last chunk's hash and install, the
-commit: the restore's own stamps, `RestoreResult.marks`, and the engine's request trace).
+commit: the restore's own stamps, `RestoreResult.marks`, and the engine's request trace),
+and its CPU per GiB beside xxh3's over the same bytes (the hash floor).
 Over all sizes: the fixed cost, the intercept of time against bytes, with a 95% bootstrap
 interval, for the restore and for fio.
 """
@@ -25,8 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bsr_io._core import Engine
-from bsr_io.cli.fio import HugeMem, drop_caches, fio_read, fio_read_payloads
+from bsr_io._core import Engine, xxh3_runs
+from bsr_io.cli.fio import HugeMem, best_depth, drop_caches, fio_read, fio_read_payloads
+from bsr_io.cli.host import process_cpu_s
 from bsr_io.errors import BsrValueError
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.model.layout import KVLayout
@@ -36,9 +39,10 @@ from bsr_io.restore import Restorer
 from bsr_lab.bench.ttft_fit import fit_with_interval, median_phases, phases, trace_span
 from bsr_lab.bench_state import write_state
 from bsr_lab.machine_load import snapshot, summary
-from bsr_lab.ttft_paths import FIO_DEPTH, MODEL, TtftPaths
+from bsr_lab.ttft_paths import MODEL, TtftPaths
 
 FIXED_GOAL_S = 0.002  # the issue's goal for the fixed cost
+CPU_BEYOND_HASH_GOAL = 0.01  # s/GiB of restore CPU beyond hashing the same bytes
 RATIO_GOALS = ((64 * MiB, 1.10), (256 * MiB, 1.03))  # (from this size up, at most)
 
 
@@ -96,7 +100,12 @@ class Sweep:
         p = self.paths
         write_s = write_state(p.l2, p.engine, self.lay, p.keys, p.seed, self.args.quiet)
         self.reference = p.root / "drive-reference"
-        write_reference(self.reference, self.sizes[-1] * self.lay.chunk_bytes)
+        ref_bytes = self.sizes[-1] * self.lay.chunk_bytes
+        write_reference(self.reference, ref_bytes)
+        # fio at its best on this drive: the depth it reads fastest at (fio.best_depth).
+        iomem = self.huge.iomem("drive") if self.huge.mount else None
+        scan_bytes = -(-min(ref_bytes, GiB) // MiB) * MiB
+        self.fio_depth, self.fio_depth_scan = best_depth(self.reference, scan_bytes, iomem=iomem)
         self.dest = p.dest = PagedKVCache.allocate(self.lay, p.tokens)
         for t in self.dest.tensors:
             t.zero_()  # resident, as a serving engine's KV pool is
@@ -111,19 +120,37 @@ class Sweep:
         engine = r.engine
         t_trace = time.perf_counter()
         engine.trace_start()
+        c0 = process_cpu_s()
         t0 = time.perf_counter()
         plan = r.probe(ids)
         res = r.restore(plan, self.dest)
         t_end = time.perf_counter()
+        cpu = process_cpu_s() - c0
         span = trace_span(engine.trace_take(), t_trace)
         if not res.complete or plan.hit_chunks != chunks:
             raise RuntimeError(f"restore of {chunks} chunks: {res.reason or plan.reason}")
+        state = chunks * self.lay.chunk_bytes
         return {
             "seconds": t_end - t0,
+            # This process's CPU (every thread, the ring's included): from a drive, which
+            # moves bytes by DMA, the restore's own cost; beside it, xxh3 over the same
+            # bytes where they landed, the least a restore that verifies them pays.
+            "cpu_s_per_gib": cpu * GiB / state,
+            "hash_floor_cpu_s_per_gib": self.hash_floor(chunks) * GiB / state,
             "phases_ms": phases(t0, plan.timings, res.marks, span, t_end),
             "max_depth": span["max_depth"] if span else None,
             "direct_chunks": int(res.timings.get("direct_chunks", 0)),
         }
+
+    def hash_floor(self, chunks: int) -> float:
+        """CPU seconds of hashing the first `chunks` restored chunks where they lie."""
+        assert self.dest is not None
+        where = [self.dest.host_runs(i) for i in range(chunks)]
+        t0 = time.thread_time()
+        for w in where:
+            assert w is not None
+            xxh3_runs(*w)
+        return time.thread_time() - t0
 
     def fio(self, chunks: int) -> dict[str, Any]:
         res = fio_read_payloads(
@@ -131,7 +158,7 @@ class Sweep:
             payload_offset=HEADER_BYTES,
             payload_bytes=self.lay.chunk_bytes,
             files=chunks,
-            iodepth=FIO_DEPTH,
+            iodepth=self.fio_depth,
             hugemem=self.huge,
         )
         return {"seconds": res.seconds or res.wall_s, "fio_runtime_s": res.seconds}
@@ -142,7 +169,7 @@ class Sweep:
         want = chunks * self.lay.chunk_bytes
         size = -(-want // MiB) * MiB
         iomem = self.huge.iomem("drive") if self.huge.mount else None
-        res = fio_read(self.reference, size=size, iodepth=FIO_DEPTH, iomem=iomem)
+        res = fio_read(self.reference, size=size, iodepth=self.fio_depth, iomem=iomem)
         seconds = (res.seconds or res.wall_s) * want / res.bytes_read
         return {"seconds": seconds, "fio_runtime_s": res.seconds, "bytes_read": res.bytes_read}
 
@@ -241,6 +268,14 @@ def report(
                 f["seconds"] / d for f, d in zip(runs[n]["fast"], drive, strict=True)
             ),
             "target_fast_over_drive": goal_for(size),
+            "fast_cpu_s_per_gib": statistics.median(x["cpu_s_per_gib"] for x in runs[n]["fast"]),
+            "hash_floor_cpu_s_per_gib": statistics.median(
+                x["hash_floor_cpu_s_per_gib"] for x in runs[n]["fast"]
+            ),
+            "fast_cpu_beyond_hash_s_per_gib": statistics.median(
+                x["cpu_s_per_gib"] - x["hash_floor_cpu_s_per_gib"] for x in runs[n]["fast"]
+            ),
+            "target_cpu_beyond_hash_s_per_gib": CPU_BEYOND_HASH_GOAL,
             "fast_phases_ms": median_phases([x["phases_ms"] for x in runs[n]["fast"]]),
             "fast_max_depth": max(x["max_depth"] or 0 for x in runs[n]["fast"]),
             "per_round": runs[n],
@@ -259,6 +294,7 @@ def report(
             )
         goal = row["target_fast_over_drive"]
         row["within_target"] = None if goal is None else row["fast_over_drive"] <= goal
+        row["cpu_within_target"] = row["fast_cpu_beyond_hash_s_per_gib"] <= CPU_BEYOND_HASH_GOAL
         rows.append(row)
     fits = {m: fit_with_interval(xs[m], ys[m], seed) for m in methods if len(set(xs[m])) > 1}
     for f in fits.values():
@@ -274,6 +310,8 @@ def report(
         "backend": sw.paths.engine.backend,
         "engine": dict(sw.paths.engine.features),
         "compare_inflight_bytes": args.compare_inflight,
+        "fio_depth": sw.fio_depth,
+        "fio_depth_scan_s": {str(d): s for d, s in sw.fio_depth_scan.items()},
         "sizes": rows,
         # Intercepts of time against bytes (weighted 1/bytes^2): the fixed cost.
         "fit": fits,
@@ -301,12 +339,13 @@ def print_sweep(doc: dict[str, Any]) -> None:
     print(
         f"\nbench ttft --sweep {doc['sweep']}: {doc['layout']}, W={doc['window']}, "
         f"engine {doc['backend']} (inflight_bytes {doc['engine'].get('inflight_bytes')}), "
+        f"fio at depth {doc['fio_depth']}, "
         f"median of {doc['rounds']}, cold cache {'yes' if doc['cold_cache'] else 'NO'}"
     )
     hdr = (
         f"{'state':>10} {'restore ms':>10} {'drive ms':>8} {'ratio':>6} {'paired':>6}"
         + (f" {'compare':>8}" if cmp_ else "")
-        + "  phases ms (disc agree setup first stream last commit)"
+        + f" {'cpu+':>6}  phases ms (disc agree setup first stream last commit)"
     )
     print(hdr)
     for r in doc["sizes"]:
@@ -320,6 +359,7 @@ def print_sweep(doc: dict[str, Any]) -> None:
             f"{r['drive_s'] * 1e3:>8.1f} {r['fast_over_drive']:>6.3f} "
             f"{r['fast_over_drive_paired']:>6.3f}"
             + (f" {r['fast_compare_over_fio_hugemem_paired']:>8.3f}" if cmp_ else "")
+            + f" {r['fast_cpu_beyond_hash_s_per_gib']:>6.3f}"
             + f"  {ph} {p.get('commit', 0.0):.2f}"
         )
     for m, f in doc["fit"].items():

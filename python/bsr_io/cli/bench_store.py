@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from bsr_io._core import Engine, File
-from bsr_io.cli.fio import HugeMem, drop_caches, fio_available, fio_read, huge_page_buffers
+from bsr_io.cli.fio import (
+    HugeMem,
+    best_depth,
+    drop_caches,
+    fio_available,
+    fio_read,
+    huge_page_buffers,
+)
 from bsr_io.cli.host import process_cpu_s, process_switches
 from bsr_io.cli.report import write_json
 from bsr_io.cli.scratch import scratch_dir
@@ -32,7 +39,7 @@ from bsr_io.model.sizes import GiB, fmt_size, parse_size
 from bsr_io.tiers import SSDTier
 
 ALIGN = 4096  # the O_DIRECT block the raw file's chunks are placed on
-FIO_DEPTH = 32  # fio's queue depth, as the engine's
+FIO_DEPTH = 32  # fio's deepest queue (its buffers); it reads at `best_depth`
 
 
 def register(bench_subparsers: Any) -> None:
@@ -236,6 +243,11 @@ def measure(
         if huge_fio:
             rounds["fio_hugemem"] = []
         block = min(1 << 20, raw_bytes)
+        depth, depth_scan = FIO_DEPTH, {}
+        if have_fio and raw_bytes >= block == 1 << 20:
+            # fio at its best: the depth this drive reads fastest at, huge pages or not.
+            iomem = huge.iomem("store") if huge_fio and huge else None
+            depth, depth_scan = best_depth(raw_path, raw_bytes, iomem=iomem)
         cold = True
         raw_file = engine.open(raw_path)
         for r in range(args.rounds):
@@ -253,7 +265,7 @@ def measure(
                 else:
                     iomem = huge.iomem("store") if method == "fio_hugemem" and huge else None
                     fio = fio_read(
-                        raw_path, size=raw_bytes, block_bytes=block, iodepth=FIO_DEPTH, iomem=iomem
+                        raw_path, size=raw_bytes, block_bytes=block, iodepth=depth, iomem=iomem
                     )
                     seconds = raw_bytes / (fio.gib_s * GiB)
                 rounds[method].append(size / seconds / GiB)
@@ -294,6 +306,8 @@ def measure(
             med["store"] / med["fio_hugemem"] if "fio_hugemem" in med else None
         ),
         "fio_hugemem_note": None if huge is None or huge.mount else huge.note,
+        "fio_depth": depth,
+        "fio_depth_scan_s": {str(d): s for d, s in depth_scan.items()},
         # Write then read, end to end: time of the raw pair over time of the store pair.
         "write_read_ratio_store_vs_raw": (w_raw + size / (med["raw"] * GiB))
         / (w_store + size / (med["store"] * GiB)),

@@ -242,11 +242,15 @@ impl UringDriver {
         self.send(Command::TraceStart(max_events))
     }
 
-    /// Stop tracing and return the events (empty when no trace ran).
-    pub fn trace_take(&self) -> Result<Vec<TraceEvent>> {
-        let (tx, rx) = mpsc::sync_channel(1);
+    /// Stop tracing; the events (empty when no trace ran) come with `TraceRequest::wait`,
+    /// which the caller does holding no lock of the engine's.
+    pub fn trace_take(&self) -> Result<TraceRequest> {
+        let (tx, reply) = mpsc::sync_channel(1);
         self.send(Command::TraceTake(tx))?;
-        rx.recv().map_err(|_| self.gone())
+        Ok(TraceRequest {
+            reply,
+            health: Arc::clone(&self.health),
+        })
     }
 
     fn send(&self, cmd: Command) -> Result<()> {
@@ -286,6 +290,24 @@ impl Drop for UringDriver {
 /// down.
 fn gone(health: &Health) -> Error {
     health.check().err().unwrap_or(Error::Closed("engine"))
+}
+
+/// A trace asked of the I/O thread (`UringDriver::trace_take`).
+pub struct TraceRequest {
+    reply: Receiver<Vec<TraceEvent>>,
+    health: Arc<Health>,
+}
+
+impl TraceRequest {
+    /// The events, once the thread takes the command: it does between two reaps, so a
+    /// wait past `timeout` means a thread held in the kernel (`Error::Timeout`).
+    pub fn wait(self, timeout: Duration) -> Result<Vec<TraceEvent>> {
+        match self.reply.recv_timeout(timeout) {
+            Ok(events) => Ok(events),
+            Err(RecvTimeoutError::Disconnected) => Err(gone(&self.health)),
+            Err(RecvTimeoutError::Timeout) => Err(Error::Timeout),
+        }
+    }
 }
 
 /// A memory registration handed to the I/O thread (`UringDriver::request_memory`).
