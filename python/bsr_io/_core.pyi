@@ -261,7 +261,7 @@ class Engine:
         queue_depth: int = 32,
         request_bytes: int = 1 << 20,
         backend: str | None = None,
-        inflight_bytes: int = 8 << 20,
+        inflight_bytes: int = 32 << 20,
     ) -> Self:
         """`backend`: None/"auto" (or env BSR_IO_BACKEND), "io_uring" (fixed buffers
         and registered files where allowed), "io_uring_plain", "pread".

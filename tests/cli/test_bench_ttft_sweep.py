@@ -30,7 +30,7 @@ def test_sweep_smoke_with_compare_and_store_scale(tmp_path, capsys):
     assert main(argv) == 0
     doc = json.loads(out.read_text())
     assert [r["chunks"] for r in doc["sizes"]] == [1, 2]
-    assert doc["engine"]["inflight_bytes"] == 8 << 20 and doc["compare_inflight_bytes"] == 0
+    assert doc["engine"]["inflight_bytes"] == 32 << 20 and doc["compare_inflight_bytes"] == 0
     for r in doc["sizes"]:
         assert r["fast_s"] > 0 and r["fio_hugemem_s"] > 0 and r["fast_compare_s"] > 0
         assert r["fast_over_fio_hugemem"] == r["fast_s"] / r["fio_hugemem_s"]

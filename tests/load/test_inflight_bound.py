@@ -87,7 +87,7 @@ def test_control_without_the_bound_a_whole_chunk_is_in_flight_at_once(tmp_path: 
 
 
 def test_the_bound_is_an_engine_setting(tmp_path: Path) -> None:
-    assert Engine(1, 4096).features["inflight_bytes"] == 8 << 20  # the default
+    assert Engine(1, 4096).features["inflight_bytes"] == 32 << 20  # the default
     e = Engine(1, 4096, inflight_bytes=0)
     assert e.features["inflight_bytes"] == 0
     with pytest.raises(ValueError, match="inflight_bytes must be at least 0"):

@@ -86,7 +86,7 @@ impl PyEngine {
     #[new]
     #[pyo3(
         signature = (window, slot_bytes, *, queue_depth = None, request_bytes = None, backend = None, inflight_bytes = None),
-        text_signature = "(window, slot_bytes, *, queue_depth=32, request_bytes=1048576, backend=None, inflight_bytes=8388608)"
+        text_signature = "(window, slot_bytes, *, queue_depth=32, request_bytes=1048576, backend=None, inflight_bytes=33554432)"
     )]
     fn new(
         py: Python<'_>,
