@@ -284,3 +284,40 @@ def test_a_load_and_a_cut_of_one_request_are_one_tables_and_a_hold_waits_for_bot
         copy.set()
         write.set()
         t.close()
+
+
+def test_a_hold_whose_cuts_wait_behind_writes_holding_every_slot_ends_early():
+    """While no save slot is free (every one held by a write: a stalled drive), a hold
+    ends after `starved_s`, its cut skipped (its guard closed), not at its bound: vLLM
+    gets the blocks back. Control: with a slot free, the same hold waits on."""
+    for starved in (True, False):
+        gate = threading.Event()
+        holds: list[tuple[str, str]] = []
+
+        def cut(job: Job, gate: threading.Event = gate) -> tuple[bool, str, dict[str, object]]:
+            gate.wait()  # waiting for a slot that never comes in time
+            return False, "abandoned", {}
+
+        t = JobTable(
+            {},
+            lambda job, details: None,
+            on_hold=lambda rid, seconds, why, holds=holds: holds.append((rid, why)),
+            grace_s=GRACE,
+            starved=lambda s=starved: s,
+            starved_s=0.1,
+        )
+        t.add_lane("cut", cut, width=1, on_end=lambda job, details: None)
+        try:
+            c = t.submit("cut", transfer("r"), 30)
+            t.hold({"r"}, 30)
+            assert t.poll()[0] == set()  # held: its cut has not copied
+            time.sleep(0.3)
+            sending = t.poll()[0]
+            if starved:
+                assert sending == {"r"} and not c.guard.open
+                assert holds == [("r", "every save slot was held by a write: cuts not copied")]
+            else:
+                assert sending == set() and holds == [] and c.guard.open
+        finally:
+            gate.set()
+            t.close()

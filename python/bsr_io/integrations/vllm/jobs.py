@@ -16,7 +16,8 @@ reads may still write: below). Two asks of vLLM's are answered from that alone:
   guards close (a later copy is Abandoned: skipped, never read from another's blocks).
 - `hold`: vLLM finished these requests and keeps their blocks until `poll` names them in
   finished_sending, once every job of theirs in the table is past its copy, or the
-  hold's bound passed (their jobs' guards close then: the rest end skipped).
+  hold's bound passed, or `starved_s` passed while `starved()` (no save slot free) holds
+  (their jobs' guards close then: the rest end skipped).
 
 A load that ended while reads it gave up may still write its blocks (a direct read the
 kernel still holds: `Job.hold`) is reported, and past its copy, only once they returned;
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import sys
 import threading
@@ -123,6 +125,8 @@ class JobTable:
         on_hold: Callable[[str, float, str], None] | None = None,
         grace_s: float = 2.0,
         hold_running_loads: bool = True,
+        starved: Callable[[], bool] = lambda: False,
+        starved_s: float = math.inf,
         name: str = "bsr",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -133,6 +137,9 @@ class JobTable:
         # False where loads read only into slots: they write their blocks only through
         # their guard, closed when they are given up, so there is nothing to hold.
         self._hold_running = hold_running_loads
+        # A hold ends after `starved_s` while `starved()` says no cut can get a slot soon
+        # (every save slot held by a write): its cuts are skipped rather than wait.
+        self._starved, self._starved_s = starved, starved_s
         self._name = name
         self._clock = clock
         self._lock = threading.Lock()
@@ -370,12 +377,15 @@ class JobTable:
                 left = [
                     j for j in self._jobs.values() if j.request_id == rid and not j.copied.is_set()
                 ]
-                if left and now < h.end:
+                starved = bool(left) and now - h.start >= self._starved_s and self._starved()
+                if left and now < h.end and not starved:
                     continue
                 del self._holds[rid]
                 why = "cuts ended short of their copy" if h.short else ""
                 if left:
                     why = "the hold's bound passed with cuts not copied"
+                    if starved and now < h.end:
+                        why = "every save slot was held by a write: cuts not copied"
                 ended.append((rid, now - h.start, left, why))
         for rid, seconds, left, why in ended:
             for job in left:

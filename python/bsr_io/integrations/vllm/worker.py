@@ -242,6 +242,8 @@ class WorkerSide:
             # Only a destination that takes direct reads can be written after its load
             # was given up (blocks.py: RequestPages reads through slots today).
             hold_running_loads=bool(getattr(RequestPages, "direct_reads", False)),
+            starved=lambda: self.save_engine.free_slots() == 0,
+            starved_s=self.deadlines.starved_hold_s,
             name=f"bsr-r{rank}",
         )
         cut = CutContext(
