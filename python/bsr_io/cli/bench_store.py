@@ -243,7 +243,7 @@ def measure(
         if huge_fio:
             rounds["fio_hugemem"] = []
         block = min(1 << 20, raw_bytes)
-        depth, depth_scan = FIO_DEPTH, {}
+        depth, depth_scan = FIO_DEPTH, dict[int, float]()
         if have_fio and raw_bytes >= block == 1 << 20:
             # fio at its best: the depth this drive reads fastest at, huge pages or not.
             iomem = huge.iomem("store") if huge_fio and huge else None
