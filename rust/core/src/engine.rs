@@ -1369,6 +1369,40 @@ mod tests {
     }
 
     #[test]
+    fn a_trace_taken_while_the_thread_is_held_blocks_no_submit() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, pattern(8192)).unwrap();
+        let Some((e, src, writer)) = hung_source(dir.path(), 4, 32) else {
+            return; // the kernel refuses io_uring
+        };
+        let f = e
+            .open(path.to_str().unwrap(), OpenOptions::default())
+            .unwrap();
+        e.trace_start(16).unwrap();
+        // The I/O thread held by a read of a FIFO nobody writes: it answers the trace
+        // only when that read ends.
+        e.inject(crate::backend::uring::Fault::Deaf);
+        let stuck = e.submit_read(&src, 0, 4096).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        let e = &e;
+        std::thread::scope(|s| {
+            let taking = s.spawn(move || e.trace_take());
+            std::thread::sleep(Duration::from_millis(100)); // into its wait
+                                                            // A submit meanwhile is queued at once, not after the trace's wait.
+            let t0 = std::time::Instant::now();
+            let read = e.submit_read(&f, 0, 4096).unwrap();
+            assert!(t0.elapsed() < Duration::from_secs(1), "the submit waited");
+            assert!(!taking.is_finished());
+            std::io::Write::write_all(&mut &writer, &[0u8; 8192]).unwrap();
+            assert_eq!(stuck.wait(Some(Duration::from_secs(10))), Ok(4096));
+            assert_eq!(read.wait(Some(Duration::from_secs(10))), Ok(4096));
+            assert!(taking.join().unwrap().is_ok());
+            drop((stuck.take_lease(), read.take_lease()));
+        });
+    }
+
+    #[test]
     fn registered_memory_takes_direct_reads_until_dropped() {
         let (_dir, path, data, engines) = direct_setup(2);
         for (b, e) in engines {
