@@ -16,7 +16,8 @@ more), then kills the whole engine. Any connector wait inside a step adds to tha
   A hold ends sooner, after `starved_hold_s`, when every save slot is held by a write
   then: a drive that slow would hold the blocks for whole writes, and vLLM, short of
   blocks, stops admitting requests (measured with every write held 2 s: holds of 2.6 s
-  at p50 took saturated throughput to 0.27x). Its cuts are skipped: future misses.
+  at p50 took saturated throughput to 0.27x, 0.80x with this rule; bench serve
+  --write-stall). Its cuts are skipped: future misses.
 - Loads and finish saves are polled, never waited for in a step; their deadlines
   (`load_timeout_s`, `save_timeout_s`) default to a tenth of the limit (at most 30 s)
   and four tenths (at most 120 s): the values of a default limit.
