@@ -24,6 +24,9 @@ if ! bash scripts/install.sh; then
     exit 1
 fi
 echo "== install: $((SECONDS - START)) s"
+# The other venvs use that build of the extension, never rebuild it under the tests
+# (scripts/lib.sh `develop_bsr_io`).
+export BSR_IO_SHARED_BUILD=1
 # vLLM's virtualenv is mostly downloads: build it beside the main suite, not after it.
 VLLM_LOG=$(mktemp)
 # Then vLLM 0.33.0 and 0.34.0 (import-only, over .venv-vllm's packages: about a minute each).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 import mooncake_fixtures as mf
@@ -373,17 +374,18 @@ def test_a_stall_removes_nothing_and_marks_the_tier_down_for_a_while(fresh_pool)
 
 
 class _SlowPut:
-    """Test double: the real client, except that a put waits `delay_s` before it runs (a
-    put stalled past the tier's deadline; the real put then reads the payload)."""
+    """Test double: the real client, except that a put waits for `go` before it runs (a
+    put stalled past the tier's deadline; the real put then reads the payload). An event,
+    not a delay: on a loaded machine a delay could end before the test looks."""
 
-    def __init__(self, inner, delay_s: float) -> None:
-        self.inner, self.delay_s = inner, delay_s
+    def __init__(self, inner) -> None:
+        self.inner, self.go = inner, threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
     def batch_put_from_multi_buffers(self, *args):
-        time.sleep(self.delay_s)
+        self.go.wait(60)
         return self.inner.batch_put_from_multi_buffers(*args)
 
 
@@ -400,7 +402,7 @@ def test_an_abandoned_put_keeps_its_slot_out_of_the_ring(pool):
         slot = eng.lease()
         slot.fill_from(synthetic_chunk(LAYOUT, seed, 1))
         slot.set_length(N)
-        tier.client = _SlowPut(tier.client, 2.5)
+        slow = tier.client = _SlowPut(tier.client)
         with pytest.raises(ChunkWriteError, match="no answer"):
             tier.write(keys[1], slot, LAYOUT)
         with pytest.raises(BufferError):
@@ -412,13 +414,14 @@ def test_an_abandoned_put_keeps_its_slot_out_of_the_ring(pool):
         with pytest.raises(NoFreeSlot):
             eng.lease()
         other.release()
+        slow.go.set()  # the put runs now, reading the slot it kept
         deadline = time.monotonic() + 30
         while (eng.free_slots() < 2 or tier.stats()["header_buffers_out"]) and (
             time.monotonic() < deadline
         ):
             time.sleep(0.05)
         assert eng.free_slots() == 2 and tier.stats()["header_buffers_out"] == 0
-        tier.client = tier.client.inner
+        tier.client = slow.inner
         got = tier.read_into(keys[1], eng)  # the late put stored the slot's own bytes
         assert bytes(memoryview(got)) == synthetic_chunk(LAYOUT, seed, 1).tobytes()
         got.release()
