@@ -10,6 +10,7 @@ vLLM's own planner and allocator (the tiny Gemma 3's groups), real files.
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,9 @@ def test_a_held_request_keeps_its_blocks_until_its_cut_has_copied(tmp_path):
     ends skipped."""
     store, events = tmp_path / "store", tmp_path / "events.jsonl"
     worker = _logged_worker(tmp_path)
+    # This test holds every slot itself: the rule that ends a hold whose slots are all
+    # held by writes (test_jobs.py) would end it at once; here, the hold's other ends.
+    worker.jobs.starved_s = math.inf
     full = group_of(worker, FULL)
     held = []
     try:
@@ -222,6 +226,7 @@ def test_a_hold_ends_at_its_short_bound(tmp_path, monkeypatch):
     worker = _logged_worker(tmp_path, window=window, save_timeout_s=save_timeout)
     hold = worker.deadlines.hold_s
     assert (hold, worker.ssd.write_timeout_s) == (2.0, 1.0)
+    worker.jobs.starved_s = math.inf  # the hold's own bound, not the all-slots-held rule
     full = group_of(worker, FULL)
     held = []
     n = 4 * window  # four writers' turns, each waiting out a slot's bound

@@ -139,7 +139,7 @@ class JobTable:
         self._hold_running = hold_running_loads
         # A hold ends after `starved_s` while `starved()` says no cut can get a slot soon
         # (every save slot held by a write): its cuts are skipped rather than wait.
-        self._starved, self._starved_s = starved, starved_s
+        self._starved, self.starved_s = starved, starved_s
         self._name = name
         self._clock = clock
         self._lock = threading.Lock()
@@ -377,7 +377,7 @@ class JobTable:
                 left = [
                     j for j in self._jobs.values() if j.request_id == rid and not j.copied.is_set()
                 ]
-                starved = bool(left) and now - h.start >= self._starved_s and self._starved()
+                starved = bool(left) and now - h.start >= self.starved_s and self._starved()
                 if left and now < h.end and not starved:
                     continue
                 del self._holds[rid]
