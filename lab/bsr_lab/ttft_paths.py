@@ -149,15 +149,9 @@ class TtftPaths:
         }
 
     def hash_floor(self) -> float:
-        """CPU s/GiB of hashing the restored bytes where they lie, chunk by chunk, with
-        no read: the least a restore that verifies every byte costs on this core."""
+        """CPU s/GiB of hashing the restored bytes where they lie (`hash_cpu_s`)."""
         assert self.dest is not None
-        where = [self.dest.host_runs(i) for i in range(self.chunks)]
-        t0 = time.thread_time()
-        for w in where:
-            assert w is not None
-            xxh3_runs(*w)
-        return (time.thread_time() - t0) * GiB / self.state
+        return hash_cpu_s(self.dest, self.chunks) * GiB / self.state
 
     def check(self) -> bool:
         """The first and last chunk in the destination are the bytes that were written."""
@@ -181,3 +175,14 @@ def records_readable_by_fio(lay: KVLayout) -> bool:
     # O_DIRECT reads whole 4 KiB blocks: fio can read exactly the payload only when its
     # length is a multiple of that (true of the real layouts; not of "tiny").
     return lay.chunk_bytes % 4096 == 0
+
+
+def hash_cpu_s(dest: PagedKVCache, chunks: int) -> float:
+    """CPU seconds of hashing the first `chunks` restored chunks where they lie, chunk by
+    chunk, with no read: the least a restore that verifies every byte costs on this core."""
+    where = [dest.host_runs(i) for i in range(chunks)]
+    t0 = time.thread_time()
+    for w in where:
+        assert w is not None
+        xxh3_runs(*w)
+    return time.thread_time() - t0

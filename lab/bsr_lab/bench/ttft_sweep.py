@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bsr_io._core import Engine, xxh3_runs
+from bsr_io._core import Engine
 from bsr_io.cli.fio import HugeMem, best_depth, drop_caches, fio_read, fio_read_payloads
 from bsr_io.cli.host import process_cpu_s
 from bsr_io.errors import BsrValueError
@@ -39,7 +39,7 @@ from bsr_io.restore import Restorer
 from bsr_lab.bench.ttft_fit import fit_with_interval, median_phases, phases, trace_span
 from bsr_lab.bench_state import write_state
 from bsr_lab.machine_load import snapshot, summary
-from bsr_lab.ttft_paths import MODEL, TtftPaths
+from bsr_lab.ttft_paths import MODEL, TtftPaths, hash_cpu_s
 
 FIXED_GOAL_S = 0.002  # the issue's goal for the fixed cost
 CPU_BEYOND_HASH_GOAL = 0.01  # s/GiB of restore CPU beyond hashing the same bytes
@@ -136,21 +136,11 @@ class Sweep:
             # moves bytes by DMA, the restore's own cost; beside it, xxh3 over the same
             # bytes where they landed, the least a restore that verifies them pays.
             "cpu_s_per_gib": cpu * GiB / state,
-            "hash_floor_cpu_s_per_gib": self.hash_floor(chunks) * GiB / state,
+            "hash_floor_cpu_s_per_gib": hash_cpu_s(self.dest, chunks) * GiB / state,
             "phases_ms": phases(t0, plan.timings, res.marks, span, t_end),
             "max_depth": span["max_depth"] if span else None,
             "direct_chunks": int(res.timings.get("direct_chunks", 0)),
         }
-
-    def hash_floor(self, chunks: int) -> float:
-        """CPU seconds of hashing the first `chunks` restored chunks where they lie."""
-        assert self.dest is not None
-        where = [self.dest.host_runs(i) for i in range(chunks)]
-        t0 = time.thread_time()
-        for w in where:
-            assert w is not None
-            xxh3_runs(*w)
-        return time.thread_time() - t0
 
     def fio(self, chunks: int) -> dict[str, Any]:
         res = fio_read_payloads(

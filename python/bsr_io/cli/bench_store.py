@@ -244,7 +244,7 @@ def measure(
             rounds["fio_hugemem"] = []
         block = min(1 << 20, raw_bytes)
         depth, depth_scan = FIO_DEPTH, dict[int, float]()
-        if have_fio and raw_bytes >= block == 1 << 20:
+        if have_fio and block == 1 << 20:  # whole 1 MiB requests: the file holds one
             # fio at its best: the depth this drive reads fastest at, huge pages or not.
             iomem = huge.iomem("store") if huge_fio and huge else None
             depth, depth_scan = best_depth(raw_path, raw_bytes, iomem=iomem)

@@ -60,9 +60,9 @@ pub const DEFAULT_REQUEST_BYTES: usize = 1 << 20;
 /// its limit is bytes in flight, not requests; more only queues in the device, and a
 /// small restore then has all its chunks land at once, leaving no read for its hashes to
 /// overlap. 32 MiB: on this project's virtio drive the engine read 2-4 GiB restores
-/// 1.03x faster than at 8 MiB (which cut a lone chunk's tail from 1.8 to 1.1 ms), and
-/// a fast NVMe drive needs several MiB in flight per millisecond of latency (design
-/// notes: fio there is fastest at 4-8, the engine is not).
+/// about 1.03x faster than at 8 MiB, which only helped restores of one or two chunks
+/// (docs/results/ttft-sweep.json, `fast_over_fast_compare_paired`); fio there is fastest
+/// at 4-8 MiB, the engine is not (design notes). Not measured: a real NVMe drive.
 pub const DEFAULT_INFLIGHT_BYTES: usize = 32 << 20;
 
 /// How long `trace_take` waits for the I/O thread to hand over its trace (it does so
@@ -1137,6 +1137,26 @@ mod tests {
         Some((e, src, writer))
     }
 
+    /// `hung_source` (W=4, depth 32) beside a healthy 8 KiB file opened in the same
+    /// engine; the temporary directory holds both.
+    #[allow(clippy::type_complexity)]
+    fn hung_and_healthy() -> Option<(
+        tempfile::TempDir,
+        Engine,
+        Arc<EngineFile>,
+        std::fs::File,
+        Arc<EngineFile>,
+    )> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        std::fs::write(&path, pattern(8192)).unwrap();
+        let (e, src, writer) = hung_source(dir.path(), 4, 32)?;
+        let f = e
+            .open(path.to_str().unwrap(), OpenOptions::default())
+            .unwrap();
+        Some((dir, e, src, writer, f))
+    }
+
     #[test]
     fn a_read_behind_a_hung_read_is_not_held_back() {
         let dir = tempfile::tempdir().unwrap();
@@ -1310,17 +1330,12 @@ mod tests {
 
     #[test]
     fn a_registration_waiting_for_the_thread_holds_back_no_other_submit() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("data");
-        std::fs::write(&path, pattern(8192)).unwrap();
-        let Some((e, src, writer)) = hung_source(dir.path(), 4, 32) else {
+        let Some((_dir, e, src, writer, f)) = hung_and_healthy() else {
             return; // the kernel refuses io_uring
         };
         if !matches!(e.driver().as_ref(), Some(Driver::Uring(d)) if d.info.memory_entries > 0) {
             return; // no room for caller memory here: nothing to wait for
         }
-        let f = e.open(path.to_str().unwrap(), OpenOptions::default());
-        let f = f.unwrap();
         // The I/O thread deaf to wakes and held by a read of a FIFO nobody writes (a
         // stalled device): it takes commands only when that read ends.
         e.inject(crate::backend::uring::Fault::Deaf);
@@ -1342,9 +1357,10 @@ mod tests {
                 unsafe { e.register_memory(&[(addr, 64 << 10)], Some(Duration::from_secs(30))) }
             });
             started.recv().unwrap();
-            std::thread::sleep(Duration::from_millis(100)); // into its wait
-                                                            // The same read while the registration waits for the held thread: queued
-                                                            // as at once, not after the registration (up to its 30 s) ends.
+            // Into its wait.
+            std::thread::sleep(Duration::from_millis(100));
+            // The same read while the registration waits for the held thread: queued
+            // as at once, not after the registration (up to its 30 s) ends.
             let read = e.submit_read(&f, 0, 4096).unwrap();
             let still_waiting = !registering.is_finished();
             assert_eq!(read.wait(Some(Duration::ZERO)), Err(Error::Timeout));
@@ -1370,15 +1386,9 @@ mod tests {
 
     #[test]
     fn a_trace_taken_while_the_thread_is_held_blocks_no_submit() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("data");
-        std::fs::write(&path, pattern(8192)).unwrap();
-        let Some((e, src, writer)) = hung_source(dir.path(), 4, 32) else {
+        let Some((_dir, e, src, writer, f)) = hung_and_healthy() else {
             return; // the kernel refuses io_uring
         };
-        let f = e
-            .open(path.to_str().unwrap(), OpenOptions::default())
-            .unwrap();
         e.trace_start(16).unwrap();
         // The I/O thread held by a read of a FIFO nobody writes: it answers the trace
         // only when that read ends.
@@ -1388,8 +1398,9 @@ mod tests {
         let e = &e;
         std::thread::scope(|s| {
             let taking = s.spawn(move || e.trace_take());
-            std::thread::sleep(Duration::from_millis(100)); // into its wait
-                                                            // A submit meanwhile is queued at once, not after the trace's wait.
+            // Into its wait.
+            std::thread::sleep(Duration::from_millis(100));
+            // A submit meanwhile is queued at once, not after the trace's wait.
             let t0 = std::time::Instant::now();
             let read = e.submit_read(&f, 0, 4096).unwrap();
             assert!(t0.elapsed() < Duration::from_secs(1), "the submit waited");
