@@ -6,9 +6,11 @@ of sizes and of paths) next to fio on huge-page buffers reading the same record 
 (`fio_hugemem`, in the directory's order) and reading as many bytes of one file written
 beside them (`fio_file`, sequential: the drive's limit), both at the queue depth fio reads
 that file fastest at (scanned at start: `fio_depth`); the goals are against the faster
-of the two in each round (`drive`). With `--compare-inflight N`, also next to the same
-restore through an engine whose bytes in flight per drive are bounded by N instead (0: by
-its queue depth alone, as before the bound). Per size: the medians, their ratio, the
+of the two in each round (`drive`). Beside them, the engine alone reads the same payloads
+into the same destination (`engine_raw`): what the restore adds to reading them. With
+`--compare-inflight N`, also next to the same restore through an engine whose bytes in
+flight per drive are bounded by N instead (0: by its queue depth alone, as before the
+bound). Per size: the medians, their ratio, the
 ratio within each round, and where the restore's time went (discovery, agreement, setup
 and registration, the first read, the stream, the last chunk's hash and install, the
 commit: the restore's own stamps, `RestoreResult.marks`, and the engine's request trace),
@@ -24,6 +26,7 @@ import os
 import random
 import statistics
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +166,38 @@ class Sweep:
         seconds = (res.seconds or res.wall_s) * want / res.bytes_read
         return {"seconds": seconds, "fio_runtime_s": res.seconds, "bytes_read": res.bytes_read}
 
+    def engine_raw(self, chunks: int) -> dict[str, Any]:
+        """The engine alone reading the same records' payloads (each file opened, read
+        from its header's end, closed) straight into the same blocks of the same
+        destination as the restore (its runs, its registered memory), W chunks in
+        flight: no discovery, header read, hash, verify or commit. fio reads into a few
+        MiB of buffers; on this virtual machine the drive is slower the more distinct
+        memory it writes (rust/core/DESIGN.md, Backends), so this is the limit for bytes
+        that must land in memory as large as the state."""
+        assert self.dest is not None
+        engine, l2, keys = self.paths.engine, self.paths.l2, self.paths.keys
+        live: deque[tuple[Any, Any]] = deque()
+
+        def reap() -> None:
+            f, read = live.popleft()
+            read.wait()
+            f.close()
+
+        t0 = time.perf_counter()
+        for i in range(chunks):
+            where = self.dest.host_runs(i)
+            assert where is not None, "the sweep's destination is host memory"
+            f = engine.open(l2.path_of(keys[i]))
+            live.append((f, engine.submit_read_into(f, HEADER_BYTES, *where)))
+            if len(live) >= self.args.window:
+                reap()
+        while live:
+            reap()
+        return {"seconds": time.perf_counter() - t0}
+
     def measure(self, method: str, chunks: int) -> dict[str, Any]:
+        if method == "engine_raw":
+            return self.engine_raw(chunks)
         if method == "fio_hugemem":
             return self.fio(chunks)
         if method == "fio_file":
@@ -189,7 +223,7 @@ def measure_sweep(
 ) -> dict[str, Any]:
     sw = Sweep(args, root, lay, huge)
     write_s = sw.prepare()
-    methods = [*sw.restorers, "fio_hugemem", "fio_file"]
+    methods = [*sw.restorers, "engine_raw", "fio_hugemem", "fio_file"]
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
     rng = random.Random(seed)
     runs: dict[int, dict[str, list[dict[str, Any]]]] = {
@@ -270,6 +304,15 @@ def report(
             "fast_max_depth": max(x["max_depth"] or 0 for x in runs[n]["fast"]),
             "per_round": runs[n],
         }
+        # The restore against the engine's own read of the same bytes into the same
+        # memory: what the restore adds to reading (discovery, headers, hash, commit).
+        row["fast_over_engine_raw_paired"] = statistics.median(
+            f["seconds"] / g["seconds"]
+            for f, g in zip(runs[n]["fast"], runs[n]["engine_raw"], strict=True)
+        )
+        row["engine_raw_over_drive_paired"] = statistics.median(
+            e["seconds"] / d for e, d in zip(runs[n]["engine_raw"], drive, strict=True)
+        )
         if "fast_compare" in methods:
             row["fast_compare_over_fio_hugemem_paired"] = statistics.median(
                 f["seconds"] / g["seconds"]
@@ -333,7 +376,7 @@ def print_sweep(doc: dict[str, Any]) -> None:
         f"median of {doc['rounds']}, cold cache {'yes' if doc['cold_cache'] else 'NO'}"
     )
     hdr = (
-        f"{'state':>10} {'restore ms':>10} {'drive ms':>8} {'ratio':>6} {'paired':>6}"
+        f"{'state':>10} {'restore ms':>10} {'drive ms':>8} {'ratio':>6} {'paired':>6} {'/raw':>6}"
         + (f" {'compare':>8}" if cmp_ else "")
         + f" {'cpu+':>6}  phases ms (disc agree setup first stream last commit)"
     )
@@ -347,7 +390,7 @@ def print_sweep(doc: dict[str, Any]) -> None:
         print(
             f"{r['state_bytes'] / MiB:>7.0f}MiB {r['fast_s'] * 1e3:>10.1f} "
             f"{r['drive_s'] * 1e3:>8.1f} {r['fast_over_drive']:>6.3f} "
-            f"{r['fast_over_drive_paired']:>6.3f}"
+            f"{r['fast_over_drive_paired']:>6.3f} {r['fast_over_engine_raw_paired']:>6.3f}"
             + (f" {r['fast_compare_over_fio_hugemem_paired']:>8.3f}" if cmp_ else "")
             + f" {r['fast_cpu_beyond_hash_s_per_gib']:>6.3f}"
             + f"  {ph} {p.get('commit', 0.0):.2f}"

@@ -49,12 +49,26 @@ def connector_threads(before: set[int]) -> dict[str, set[int]]:
     return out
 
 
-def build_on_cpu0(tmp_path, io_cpus: str) -> tuple[dict[str, set[int]], set[int]]:
+def nice_values() -> dict[str, int]:
+    """The nice value of each Python thread bsr-io started, by name."""
+    return {
+        t.name: os.getpriority(os.PRIO_PROCESS, t.native_id)
+        for t in threading.enumerate()
+        if t.name.startswith("bsr-") and t.native_id is not None
+    }
+
+
+def build_on_cpu0(
+    tmp_path, io_cpus: str, save_nice: int = 19, nice: dict[str, int] | None = None
+) -> tuple[dict[str, set[int]], set[int]]:
     """Build a worker side and cut window records from a thread bound to CPU 0; the
-    connector's threads' CPUs, and the building thread's CPUs afterwards."""
+    connector's threads' CPUs, and the building thread's CPUs afterwards (`nice`, when
+    given, gets the threads' nice values)."""
     groups = group_layouts(kv_shapes.gemma3(), 256)
     window = next(g for g in groups if g.kind == WINDOW)
-    cfg = ConnectorConfig(store_dir=str(tmp_path / io_cpus), chunk_tokens=256, io_cpus=io_cpus)
+    cfg = ConnectorConfig(
+        store_dir=str(tmp_path / io_cpus), chunk_tokens=256, io_cpus=io_cpus, save_nice=save_nice
+    )
     got: dict[str, object] = {}
 
     def vllm_main_thread() -> None:
@@ -70,6 +84,8 @@ def build_on_cpu0(tmp_path, io_cpus: str) -> tuple[dict[str, set[int]], set[int]
                 assert time.monotonic() < deadline, "no writer thread started"
                 time.sleep(0.01)
             got["threads"] = connector_threads(before)
+            if nice is not None:
+                nice.update(nice_values())
             got["self"] = set(os.sched_getaffinity(0))
         finally:
             worker.close()
@@ -96,6 +112,22 @@ def test_inherit_leaves_them_on_vllms_core(tmp_path):
     """Control: without the move, every connector thread shares CPU 0 with vLLM's."""
     threads, _ = build_on_cpu0(tmp_path, "inherit")
     assert threads and all(cpus == {0} for cpus in threads.values()), threads
+
+
+@pytest.mark.parametrize("save_nice", [19, 0])
+def test_a_cpu_workers_save_threads_give_way_and_its_loads_do_not(tmp_path, save_nice):
+    """On a CPU worker the cut and finish-save lanes run at `save_nice` (cpus.py
+    `lower_priority`: the engine core shares their CPU); the load lane, whose reads a
+    request waits for, keeps the worker's priority. Control: save_nice 0 changes none."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    nice: dict[str, int] = {}
+    build_on_cpu0(tmp_path, "auto", save_nice=save_nice, nice=nice)
+    saves = {n: v for n, v in nice.items() if n.startswith(("bsr-r0-cut", "bsr-r0-save"))}
+    loads = {n: v for n, v in nice.items() if n.startswith("bsr-r0-load")}
+    assert saves and loads, nice
+    want = max(own, save_nice)
+    assert set(saves.values()) == {want}, saves
+    assert set(loads.values()) == {own}, loads
 
 
 def test_cpu_lists():

@@ -79,6 +79,7 @@ KEYS = Table(
         Key("metrics_port", "int", None, _INT.format(1), at_least(1)),
         Key("accept_load_errors", "bool", False, "true or false"),
         Key("replicated", "str", "auto", '"once", "per_rank" or "auto"', _REPLICATED.__contains__),
+        Key("save_nice", "int", 19, "an int from 0 to 19", lambda v: 0 <= v <= 19),
         Key("io_cpus", "str", "auto", '"auto", "inherit" or a CPU list ("1,3-5")', valid_setting),
     ),
     label="kv_connector_extra_config.{name}",
@@ -148,6 +149,10 @@ class ConnectorConfig:
     # The CPUs of the connector's threads in the worker (cpus.py): "auto" keeps them off
     # the cores vLLM bound its OpenMP threads to.
     io_cpus: str = _D("io_cpus")
+    # On a CPU worker, the nice value of the threads that cut and write saves (cpus.py
+    # `lower_priority`): the engine core and the API server share their CPUs, and a
+    # save is never waited for by a request; 0 leaves them at the worker's own.
+    save_nice: int = _D("save_nice")
     # A Mooncake Store pool below the SSD tier (`bsr.mooncake.*` keys, as the LMCache
     # plugin takes them): saves write through, loads read it where the SSD tier misses.
     mooncake: MooncakeConfig | None = None

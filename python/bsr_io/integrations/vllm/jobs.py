@@ -169,6 +169,10 @@ class JobTable:
         for th in lane.threads:
             th.start()
 
+    def lane_threads(self, kind: Kind) -> list[int]:
+        """The native ids of the `kind` lane's threads (cpus.py sets their priority)."""
+        return [th.native_id for th in self._lanes[kind].threads if th.native_id is not None]
+
     # -- what the worker calls --------------------------------------------------------
     def submit(
         self,

@@ -63,7 +63,12 @@ from bsr_io._core import Engine
 from bsr_io.errors import TierDown
 from bsr_io.integrations.vllm.blocks import Guard, KVPages, RecordPlan, RequestPages
 from bsr_io.integrations.vllm.config import ConnectorConfig
-from bsr_io.integrations.vllm.cpus import connector_cpus, pinner, threads_started_on
+from bsr_io.integrations.vllm.cpus import (
+    connector_cpus,
+    lower_priority,
+    pinner,
+    threads_started_on,
+)
 from bsr_io.integrations.vllm.cuts import CutContext, StepCuts
 from bsr_io.integrations.vllm.gate import ForwardGate
 from bsr_io.integrations.vllm.inventory import StoreInventory
@@ -224,13 +229,16 @@ class WorkerSide:
                 cfg.metrics_port + rank, addr="127.0.0.1", registry=self.metrics.registry
             )
         self.pages: KVPages | None = None
+        self._save_nice = 0  # set in register, on a CPU worker (cpus.py lower_priority)
         self.gate = ForwardGate()  # set up in register, where the KV caches' device shows
         self._finish_saves: set[str] = set()  # requests given a finish save this step
         # A request's records are written by kept threads, not by threads started and
         # joined per save (records.py `_each`); apart from the cuts' writers so that a
         # finish save's records never queue behind other requests' cuts.
         self.writers = ThreadPoolExecutor(
-            max(1, cfg.window // 2), thread_name_prefix="bsr-save", initializer=pinner(self.cpus)
+            max(1, cfg.window // 2),
+            thread_name_prefix="bsr-save",
+            initializer=pinner(self.cpus, lambda: self._save_nice),
         )
         # Every transfer of this worker is a job of one table (jobs.py): loads and finish
         # saves here, step cuts on W writers of their own (cuts.py).
@@ -266,6 +274,11 @@ class WorkerSide:
         self.pages = KVPages(kv_caches, list(self.groups.values()), self.num_blocks)
         if all(t.device.type == "cpu" for t in kv_caches.values()):
             self.gate.wait_s = self.cfg.save_gate_s  # a CPU worker (gate.py)
+            # Its saves' threads below the engine core's (writers: as they start).
+            self._save_nice = self.cfg.save_nice
+            lower_priority(
+                [*self.jobs.lane_threads("cut"), *self.jobs.lane_threads("save")], self._save_nice
+            )
         groups = [describe(g) | {"model": self.model} for g in self.groups.values()]
         self.event(
             None,
