@@ -81,8 +81,8 @@ def extend_prefix_hashes(
         )
     hashes = [int(h) for h in prev_hashes]
     try:
-        # Rust (bsr_io._core), the GIL released while it hashes: a scheduler thread can
-        # hash a 512K-token prompt without stalling the engine's other threads.
+        # Rust (bsr_io._core), the GIL released while it hashes a long prompt: a scheduler
+        # thread can hash 512K tokens without stalling the engine's other threads.
         hashes += _core.prefix_hashes(tail, chunk_tokens, hashes[-1] if hashes else 0)
     except (TypeError, OverflowError) as exc:
         why = str(exc)

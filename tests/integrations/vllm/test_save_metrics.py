@@ -51,6 +51,7 @@ def test_step_saves_are_counted_timed_and_logged_saved_or_skipped(tmp_path):
         m = worker.metrics.snapshot()
         assert m[STEP % "saved"] == 3 and m[STEP % "skipped"] == 2, m
         assert m["bsr_io_vllm_save_seconds_count{kind=step}"] == 3, m
+        assert worker.events.flush()  # written by the log's own thread
         lines = [json.loads(x) for x in events.read_text().splitlines()]
         steps = [(e["request_id"], e["outcome"]) for e in lines if e["kind"] == "step_save"]
         assert sorted(steps) == [("saved-1", "complete")] * 3 + [("skipped-1", "skipped")] * 2

@@ -93,8 +93,9 @@ def test_a_released_request_is_never_cut_from_its_reused_blocks(tmp_path):
         worker.close()
 
 
-def _done(events: Path) -> dict[str, dict]:
+def _done(worker: WorkerSide, events: Path) -> dict[str, dict]:
     """request -> its `step_saves_done` line (each request at most one)."""
+    assert worker.events.flush()  # lines are written by the event log's thread
     lines = [json.loads(x) for x in events.read_text().splitlines()] if events.exists() else []
     got = [e for e in lines if e["kind"] == "step_saves_done"]
     assert len({e["request_id"] for e in got}) == len(got), got
@@ -119,12 +120,12 @@ def test_a_finished_request_says_when_its_cuts_have_all_ended(tmp_path):
         wait_for(worker, "saved", 2)
         worker.submit(BsrMetadata())
         worker.results(set())
-        assert _done(events) == {}
+        assert _done(worker, events) == {}
         # "a" finished with no finish save: its line, every cut written. "b" finished
         # with one in the same step: that save's own event is its end, not this line.
         worker.submit(BsrMetadata(released={"a", "b"}, finish_saves=[Transfer("b", "tiny", ())]))
         worker.results({"a", "b"})
-        got = _done(events)
+        got = _done(worker, events)
         assert set(got) == {"a"}, got
         assert got["a"]["outcome"] == "complete" and got["a"]["written"] == 1, got
 
@@ -133,16 +134,16 @@ def test_a_finished_request_says_when_its_cuts_have_all_ended(tmp_path):
         worker.save_step(BsrMetadata(step_saves=[order("c", 2, (5, 6))]))
         worker.submit(BsrMetadata(released={"c"}))  # its blocks are no longer its own
         worker.results({"c"})
-        assert "c" not in _done(events)  # still queued: not ended
+        assert "c" not in _done(worker, events)  # still queued: not ended
         for slot in held:
             slot.release()
         held.clear()
         wait_for(worker, "skipped", 1)
         deadline = time.monotonic() + 10
-        while "c" not in _done(events):
+        while "c" not in _done(worker, events):
             assert time.monotonic() < deadline, events.read_text()
             time.sleep(0.02)
-        c = _done(events)["c"]
+        c = _done(worker, events)["c"]
         assert (c["outcome"], c["written"], c["skipped"]) == ("zero", 0, 1), c
         assert "1 skipped" in c["reason"], c
     finally:
@@ -151,7 +152,8 @@ def test_a_finished_request_says_when_its_cuts_have_all_ended(tmp_path):
         worker.close()
 
 
-def _lines(events: Path, kind: str) -> list[dict]:
+def _lines(worker: WorkerSide, events: Path, kind: str) -> list[dict]:
+    assert worker.events.flush()
     return [e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == kind]
 
 
@@ -199,10 +201,10 @@ def test_a_held_request_keeps_its_blocks_until_its_cut_has_copied(tmp_path):
         fill(worker, 2)  # only now may vLLM hand the blocks to another request
         wait_for(worker, "saved", 1)
         assert stored(store) == [want]
-        h = _done(events)["h"]
+        h = _done(worker, events)["h"]
         assert (h["outcome"], h["written"], h["skipped"]) == ("complete", 1, 0), h
         assert worker.metrics.snapshot().get(STEP % "skipped", 0) == 0
-        hold = _lines(events, "hold")
+        hold = _lines(worker, events, "hold")
         assert [(e["request_id"], e["outcome"]) for e in hold] == [("h", "complete")], hold
         assert hold[0]["seconds"] >= 2 * BUDGET_S, hold
         # A request with no cut on this rank (or all copied) is named at once.
@@ -248,9 +250,9 @@ def test_a_hold_ends_at_its_short_bound(tmp_path, monkeypatch):
         wait_for(worker, "skipped", n)
         worker.jobs.close()
         assert stored(store) == []
-        h = _done(events)["h"]
+        h = _done(worker, events)["h"]
         assert (h["outcome"], h["skipped"]) == ("zero", n), h
-        holds = _lines(events, "hold")
+        holds = _lines(worker, events, "hold")
         assert [(e["request_id"], e["outcome"]) for e in holds] == [("h", "zero")], holds
     finally:
         for slot in held:
@@ -277,10 +279,10 @@ def test_a_cut_whose_lease_raises_is_counted_failed(tmp_path, monkeypatch):
         worker.submit(BsrMetadata(released={"f"}))
         worker.results({"f"})
         deadline = time.monotonic() + 10
-        while "f" not in _done(events):
+        while "f" not in _done(worker, events):
             assert time.monotonic() < deadline, events.read_text()
             time.sleep(0.02)
-        f = _done(events)["f"]
+        f = _done(worker, events)["f"]
         assert (f["outcome"], f["records"], f["written"], f["failed"]) == ("zero", 1, 0, 1), f
         assert "1 failed" in f["reason"], f
         assert worker.worker_meta().lost_cuts == [("tiny", full.index, 100)]
@@ -309,7 +311,7 @@ def test_a_cut_whose_write_outlasts_its_deadline_is_reported_with_that_reason(
             t = Transfer("w", "tiny", (RecordOrder(full.index, 0, 100, (1, 2)),))
             worker.save_step(BsrMetadata(step_saves=[t]))
             wait_for(worker, "failed", 1)
-            (cut,) = _lines(events, "step_save")
+            (cut,) = _lines(worker, events, "step_save")
             assert cut["outcome"] == "failed", cut
             assert "the write of" in cut["reason"] and "did not end within" in cut["reason"], cut
             assert cut["phases"]["write"] > 0, cut
@@ -323,3 +325,40 @@ def test_a_cut_whose_write_outlasts_its_deadline_is_reported_with_that_reason(
         assert worker.worker_meta().lost_cuts == [("tiny", full.index, 100)]
     finally:
         worker.close()
+
+
+def test_event_lines_leave_the_calling_thread_whole_and_a_late_line_still_lands(tmp_path):
+    """`events_path` lines are queued by the thread that ends a job (vLLM's forward
+    thread, often) and written by the log's own thread, which keeps the file open; lines
+    from many threads arrive whole and each once, and a line from a lane that ends after
+    `close` still lands, through a file opened for it alone (nothing left open)."""
+    import os
+    import threading
+
+    events = tmp_path / "events.jsonl"
+    worker = _logged_worker(tmp_path)
+    caller = threading.get_ident()
+
+    def lines(tag: str) -> None:
+        for i in range(200):
+            worker.event(None, {"kind": "probe", "tag": tag, "i": i, "pad": "x" * 300})
+
+    threads = [threading.Thread(target=lines, args=(t,)) for t in "abcd"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert worker.events.flush()
+    writer = next(t for t in threading.enumerate() if t.name == "bsr-events")
+    assert writer.ident != caller
+    fds = len(os.listdir("/proc/self/fd"))
+    worker.close()
+    assert not writer.is_alive()
+    worker.event(None, {"kind": "probe", "tag": "late", "i": 0})
+    assert len(os.listdir("/proc/self/fd")) < fds  # the log's file closed, none reopened
+    got = [json.loads(x) for x in events.read_text().splitlines()]  # no torn or mixed line
+    probes = [e for e in got if e["kind"] == "probe"]
+    assert sorted((e["tag"], e["i"]) for e in probes if e["tag"] != "late") == sorted(
+        (t, i) for t in "abcd" for i in range(200)
+    )
+    assert probes[-1]["tag"] == "late"

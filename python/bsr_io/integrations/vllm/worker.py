@@ -70,6 +70,7 @@ from bsr_io.integrations.vllm.cpus import (
     threads_started_on,
 )
 from bsr_io.integrations.vllm.cuts import CutContext, StepCuts
+from bsr_io.integrations.vllm.eventlog import EventLog
 from bsr_io.integrations.vllm.gate import ForwardGate
 from bsr_io.integrations.vllm.inventory import StoreInventory
 from bsr_io.integrations.vllm.jobs import Details, Job, JobTable
@@ -232,6 +233,8 @@ class WorkerSide:
         self._save_nice = 0  # set in register, on a CPU worker (cpus.py lower_priority)
         self.gate = ForwardGate()  # set up in register, where the KV caches' device shows
         self._finish_saves: set[str] = set()  # requests given a finish save this step
+        # Its thread starts at the first line, on the connector's CPUs at the saves' nice.
+        self.events = EventLog(cfg.events_path or "", pinner(self.cpus, lambda: self._save_nice))
         # A request's records are written by kept threads, not by threads started and
         # joined per save (records.py `_each`); apart from the cuts' writers so that a
         # finish save's records never queue behind other requests' cuts.
@@ -514,12 +517,7 @@ class WorkerSide:
             if job is not None:
                 doc |= {"kind": job.kind, "request_id": job.request_id}
             doc |= fields
-            line = (json.dumps(doc, default=str) + "\n").encode()
-            fd = os.open(self.cfg.events_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            try:
-                os.write(fd, line)  # one O_APPEND write per line: lines of ranks never mix
-            finally:
-                os.close(fd)
+            self.events.put((json.dumps(doc, default=str) + "\n").encode())
         except Exception:  # noqa: BLE001 - an event log that fails never stops a lane
             log.exception("bsr-io: could not write an event")
 
@@ -536,3 +534,4 @@ class WorkerSide:
                 pass
         self.load_engine.close()
         self.save_engine.close()
+        self.events.close()
