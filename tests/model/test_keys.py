@@ -65,6 +65,18 @@ def test_hashes_follow_the_documented_scheme():
     assert extend_prefix_hashes(want[:1], ids, 64) == want
 
 
+def test_short_and_long_inputs_hash_by_the_same_scheme():
+    """Below 32K tokens the hash keeps the GIL (lib.rs `DETACH_BYTES`), above it the hash
+    runs without it: both paths follow the documented scheme, lists and arrays alike."""
+    rng = np.random.default_rng(11)
+    ids = rng.integers(0, 2**31, size=40_000).tolist()
+    want = _reference_chain(ids, 1000)
+    assert prefix_hashes(ids, 1000) == want  # 320,000 bytes: without the GIL
+    assert prefix_hashes(np.asarray(ids), 1000) == want
+    assert prefix_hashes(ids[:3000], 1000) == want[:3]  # 24,000 bytes: with it
+    assert extend_prefix_hashes(want[:2], ids[:30_000], 1000) == want[:30]
+
+
 def test_hash_is_stable_across_processes():
     code = "from bsr_io.model.keys import prefix_hashes; print(prefix_hashes(list(range(100)), 10))"
     outs = set()
