@@ -33,7 +33,7 @@ class EventLog:
     def put(self, line: bytes) -> None:
         with self._written:
             if self._closed:
-                _append(self.path, line)  # a lane that ended after close: written here
+                append_line(self.path, line)  # a lane that ended after close: written here
                 return
             self._queued += 1
             if self._thread is None:
@@ -84,7 +84,9 @@ class EventLog:
             os.close(fd)
 
 
-def _append(path: str, line: bytes) -> None:
+def append_line(path: str, line: bytes) -> None:
+    """One line appended to `path` in one O_APPEND write (lines of several processes never
+    mix), from the calling thread; a failure is logged, never raised."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from bsr_io.integrations.vllm.eventlog import append_line
 
 log = logging.getLogger("bsr_io.vllm")
 
@@ -35,17 +36,12 @@ TRACE = "trace"
 
 
 def append_event(path: str | None, doc: dict[str, Any]) -> None:
-    """One JSON line appended to `path` in one O_APPEND write (lines of several
-    processes never mix); a failure is logged, never raised."""
+    """One JSON line appended to `path` from the calling thread (eventlog.py
+    `append_line`); a failure is logged, never raised."""
     if not path:
         return
     try:
-        line = (json.dumps(doc, default=str) + "\n").encode()
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
+        append_line(path, (json.dumps(doc, default=str) + "\n").encode())
     except Exception:  # noqa: BLE001 - a trace that fails never stops the scheduler
         log.exception("bsr-io: could not write a trace event")
 
