@@ -45,12 +45,21 @@ fn xxh3_64(py: Python<'_>, data: &Bound<'_, PyAny>) -> PyResult<u64> {
     Ok(h)
 }
 
-/// Token bytes from which the prefix hash runs without the GIL (32K tokens, about 0.1 ms
-/// of hashing). Below it the GIL is kept: given away, it went to whichever thread of
-/// vLLM's engine core wanted it (a request's decoding) and came back after that thread's
-/// turn, so a 1,536-token prompt's hash took 0.79 ms on the scheduler thread at saturation
-/// where the hash itself takes 0.024 ms.
-const DETACH_BYTES: usize = 32 << 13;
+/// Token bytes from which the prefix hash runs without the GIL: 32K int64 tokens, the
+/// scheduler's `hash_inline_tokens`, past which it hashes on a thread of its own anyway.
+/// Below it the GIL is kept: given away, it went to another thread of vLLM's engine core
+/// and came back only after that thread's turn, so a 1,536-token prompt's hash took
+/// 0.79 ms on the scheduler thread at saturation where the hash itself takes 0.024 ms.
+const DETACH_BYTES: usize = 32_768 * 8;
+
+/// `prefix::chain` over `le` (int64 tokens), without the GIL from `DETACH_BYTES` up.
+fn chain_of(py: Python<'_>, prev: u128, le: &[u8], chunk: usize) -> Vec<u128> {
+    if le.len() < DETACH_BYTES {
+        prefix::chain(prev, le, chunk)
+    } else {
+        py.detach(|| prefix::chain(prev, le, chunk))
+    }
+}
 
 /// Chained prefix hashes (`bsr_io.keys.extend_prefix_hashes`): `tokens` is a list of ints
 /// or little-endian int64 bytes. A list's ints are read with the GIL held, the hashing of
@@ -74,10 +83,7 @@ fn prefix_hashes(
             )));
         }
         // bytes are immutable and `tokens` keeps them alive while the GIL is released.
-        if raw.len() < DETACH_BYTES {
-            return Ok(prefix::chain(prev, raw, chunk));
-        }
-        return Ok(py.detach(|| prefix::chain(prev, raw, chunk)));
+        return Ok(chain_of(py, prev, raw, chunk));
     }
     let list = tokens
         .cast::<PyList>()
@@ -92,10 +98,7 @@ fn prefix_hashes(
         }
         le.extend_from_slice(&t.extract::<i64>()?.to_le_bytes());
     }
-    if le.len() < DETACH_BYTES {
-        return Ok(prefix::chain(prev, &le, chunk));
-    }
-    Ok(py.detach(move || prefix::chain(prev, &le, chunk)))
+    Ok(chain_of(py, prev, &le, chunk))
 }
 
 #[pyfunction]

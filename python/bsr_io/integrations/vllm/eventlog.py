@@ -59,7 +59,10 @@ class EventLog:
         fd: int | None = None
         try:
             self._on_start()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:  # placement is best effort: the lines still get written
+            log.exception("bsr-io: could not place the event log's thread")
+        try:
+            fd = _open(self.path)
         except OSError:
             log.exception("bsr-io: could not open the event log %s", self.path)
         end = False
@@ -88,10 +91,14 @@ def append_line(path: str, line: bytes) -> None:
     """One line appended to `path` in one O_APPEND write (lines of several processes never
     mix), from the calling thread; a failure is logged, never raised."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = _open(path)
         try:
             os.write(fd, line)
         finally:
             os.close(fd)
     except OSError:
         log.exception("bsr-io: could not write an event")
+
+
+def _open(path: str) -> int:
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
