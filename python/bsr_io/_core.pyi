@@ -338,11 +338,16 @@ class Engine:
         offset: int,
         dsts: Sequence[Any],
         runs: Sequence[tuple[int, int, int, int]],
+        *,
+        inflight: int | None = None,
     ) -> DirectRead:
         """Read the file from `offset` straight into the writable buffers `dsts` along
         `runs` ((buffer index, offset in it, payload offset, length), covering the payload
         in order without gaps or overlap): no slot is taken. AlignmentError when a run's
-        address or length does not suit O_DIRECT on this file (read through a slot)."""
+        address or length does not suit O_DIRECT on this file (read through a slot).
+        `inflight`: at most this many of its bytes in the kernel at once (io_uring), so
+        its requests land one after another and `DirectRead.wait_xxh3` hashes them as
+        they land; None: only the engine's own bounds."""
     def register_memory(
         self, bufs: Sequence[Buffer], timeout: float | None = None
     ) -> MemoryRegistration:

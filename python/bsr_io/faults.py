@@ -368,11 +368,17 @@ class FaultyTier(Tier):
         return None
 
     def _submit_read_into(
-        self, key: ChunkKey, engine: Engine | None, bufs: Sequence[Any], runs: Sequence[Any]
+        self,
+        key: ChunkKey,
+        engine: Engine | None,
+        bufs: Sequence[Any],
+        runs: Sequence[Any],
+        *,
+        inflight: int | None = None,
     ) -> DirectChunk:
         hang = self._before_read(key)
         direct: DirectChunk = self.inner.submit_read_into(  # type: ignore[attr-defined]
-            key, engine, bufs, runs
+            key, engine, bufs, runs, inflight=inflight
         )
         if self._firing("clobber", key):
             direct = _clobbered(direct, bufs, runs)

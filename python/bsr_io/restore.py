@@ -27,7 +27,7 @@ from bsr_io.load.records import (
     load_result,
     windowed_install,
 )
-from bsr_io.load.window import InstallReport
+from bsr_io.load.window import TAIL_INFLIGHT, InstallReport
 from bsr_io.model.keys import chunk_keys
 from bsr_io.model.layout import KVLayout
 from bsr_io.save.records import save_records
@@ -90,6 +90,7 @@ class Restorer:
         timeout_s: float = 30.0,
         backend: str | None = None,
         install_threads: int = 1,
+        tail_inflight: int | None = TAIL_INFLIGHT,
     ) -> None:
         expect_type(store, Store, "store")
         expect_type(layout, KVLayout, "layout")
@@ -113,6 +114,14 @@ class Restorer:
             or (install_threads < 1)
         ):
             raise BsrValueError(f"install_threads must be an int >= 1, got {install_threads!r}")
+        if tail_inflight is not None and (
+            isinstance(tail_inflight, bool)
+            or not isinstance(tail_inflight, int)
+            or tail_inflight < 1
+        ):
+            raise BsrValueError(
+                f"tail_inflight must be a byte count >= 1 or None, got {tail_inflight!r}"
+            )
         self.store = store
         self.layout = layout
         self.model = model
@@ -146,6 +155,8 @@ class Restorer:
         self.window = window
         # Fused installs of several chunks at once (window.py); 1: on the caller's thread.
         self.install_threads = install_threads
+        # The last chunk's bytes in the kernel at once (window.py; None: no cap).
+        self.tail_inflight = tail_inflight
         # Bounds waits for a free slot (a shared engine) as it bounds the agreement.
         self.timeout_s = timeout_s if agreement.world_size == 1 else agreement.timeout_s
 
@@ -271,6 +282,7 @@ class Restorer:
             deadline=time.monotonic() + self.timeout_s,
             should_stop=vote.aborted,
             install_threads=self.install_threads,
+            tail_inflight=self.tail_inflight,
         )
         tiers = self.tiers[: len(plan.tier_names)]
         keys, sources = plan.keys[:n], plan.sources[:n]

@@ -32,17 +32,20 @@ REQUEST = 16 * KiB
 BOUND = 32 * KiB  # two requests
 
 
-def _restore(tmp_path: Path, inflight_bytes: int) -> tuple[list[tuple[int, ...]], dict]:
-    """A restore of CHUNKS chunks through an engine with this bound: (its trace, marks)."""
+def _restore(
+    tmp_path: Path, inflight_bytes: int, tail_inflight: int | None = None
+) -> tuple[list[tuple[int, ...]], dict]:
+    """A restore of CHUNKS chunks through an engine with this bound, its last read capped
+    at `tail_inflight`: (its trace, marks)."""
     engine = Engine(
         CHUNKS, LAYOUT.chunk_bytes, request_bytes=REQUEST, inflight_bytes=inflight_bytes
     )
     if engine.backend != "io_uring":
         pytest.skip("the bound is the io_uring backend's")
-    tier = SSDTier(tmp_path / f"l2-{inflight_bytes}", None, engine, layout=LAYOUT)
+    tier = SSDTier(tmp_path / f"l2-{inflight_bytes}-{tail_inflight}", None, engine, layout=LAYOUT)
     tokens, _ = fill_state(tier, LAYOUT, CHUNKS * LAYOUT.chunk_tokens, seed=5, model="m")
     dest = PagedKVCache.allocate(LAYOUT, len(tokens))
-    r = Restorer(Store([tier]), LAYOUT, engine=engine, model="m")
+    r = Restorer(Store([tier]), LAYOUT, engine=engine, model="m", tail_inflight=tail_inflight)
     plan = r.probe(tokens)
     engine.trace_start()
     res = r.restore(plan, dest)
@@ -92,3 +95,23 @@ def test_the_bound_is_an_engine_setting(tmp_path: Path) -> None:
     assert e.features["inflight_bytes"] == 0
     with pytest.raises(ValueError, match="inflight_bytes must be at least 0"):
         Engine(1, 4096, inflight_bytes=-1)
+
+
+def test_the_last_chunks_read_keeps_its_bytes_in_flight_under_the_tail_cap(
+    tmp_path: Path,
+) -> None:
+    """No drive bound: every chunk's requests go at once, the last one's too unless the
+    restore caps that read, so that its requests land one after another and are hashed
+    as they land (window.py)."""
+    per_chunk = LAYOUT.chunk_bytes // REQUEST
+
+    def last_chunks_most(tail: int | None) -> int:
+        events, _ = _restore(tmp_path, 0, tail)
+        # The last chunk's requests are the last the I/O thread took from the window.
+        last = sorted(events, key=lambda e: e[2])[-per_chunk:]
+        assert sum(e[1] for e in last) == LAYOUT.chunk_bytes
+        return _most_in_flight(last)
+
+    # Control: uncapped, its requests are in flight together.
+    assert last_chunks_most(None) > BOUND
+    assert last_chunks_most(BOUND) <= BOUND

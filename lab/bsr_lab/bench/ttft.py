@@ -107,6 +107,12 @@ def register(bench_subparsers: Any) -> None:
         "flight per drive (0: the queue depth alone, as before the bound), interleaved",
     )
     p.add_argument(
+        "--compare-no-tail",
+        action="store_true",
+        help="with --sweep: also restore without the cap on the last read's bytes in "
+        "flight (tail_inflight=None), interleaved",
+    )
+    p.add_argument(
         "--store-records",
         type=int,
         default=None,
@@ -170,8 +176,12 @@ def run(args: argparse.Namespace) -> int:
 
         args.skip_naive = True
         args.tokens = sweep_chunks(args.sweep, lay.chunk_bytes)[-1] * lay.chunk_tokens
-    elif args.compare_inflight is not None or args.store_records is not None:
-        raise ValueError("--compare-inflight and --store-records go with --sweep")
+    elif (
+        args.compare_inflight is not None or args.store_records is not None or args.compare_no_tail
+    ):
+        raise ValueError(
+            "--compare-inflight, --compare-no-tail and --store-records go with --sweep"
+        )
     chunks = args.tokens // lay.chunk_tokens
     disk, what = _disk_needed(lay, chunks)
     hint = "use --dir on a larger disk or fewer --tokens"

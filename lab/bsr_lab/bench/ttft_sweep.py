@@ -10,11 +10,13 @@ of the two in each round (`drive`). Beside them, the engine alone reads the same
 into the same destination (`engine_raw`): what the restore adds to reading them. With
 `--compare-inflight N`, also next to the same restore through an engine whose bytes in
 flight per drive are bounded by N instead (0: by its queue depth alone, as before the
-bound). Per size: the medians, their ratio, the
-ratio within each round, and where the restore's time went (discovery, agreement, setup
-and registration, the first read, the stream, the last chunk's hash and install, the
-commit: the restore's own stamps, `RestoreResult.marks`, and the engine's request trace),
-and its CPU per GiB beside xxh3's over the same bytes (the hash floor).
+bound). With `--compare-no-tail`, also next to the same restore without the cap on its
+last read's bytes in flight (`tail_inflight=None`, window.py). Per size: the medians,
+their ratio, the ratio within each round, and where the restore's time went (discovery,
+agreement, setup and registration, the first read, the stream, the last chunk's hash
+and install, the commit: the restore's own stamps, `RestoreResult.marks`, and the
+engine's request trace), and its CPU per GiB beside xxh3's over the same bytes (the hash
+floor).
 Over all sizes: the fixed cost, the intercept of time against bytes, with a 95% bootstrap
 interval, for the restore and for fio.
 """
@@ -96,6 +98,15 @@ class Sweep:
             )
             self.restorers["fast_compare"] = Restorer(
                 self.paths.store, lay, window=args.window, engine=other, model=MODEL
+            )
+        if args.compare_no_tail:
+            self.restorers["fast_no_tail"] = Restorer(
+                self.paths.store,
+                lay,
+                window=args.window,
+                engine=self.paths.engine,
+                model=MODEL,
+                tail_inflight=None,
             )
         self.dest: PagedKVCache | None = None
 
@@ -313,18 +324,17 @@ def report(
         row["engine_raw_over_drive_paired"] = statistics.median(
             e["seconds"] / d for e, d in zip(runs[n]["engine_raw"], drive, strict=True)
         )
-        if "fast_compare" in methods:
-            row["fast_compare_over_fio_hugemem_paired"] = statistics.median(
+        for other in ("fast_compare", "fast_no_tail"):
+            if other not in methods:
+                continue
+            row[f"{other}_over_fio_hugemem_paired"] = statistics.median(
+                f["seconds"] / g["seconds"] for f, g in zip(runs[n][other], fio, strict=True)
+            )
+            row[f"fast_over_{other}_paired"] = statistics.median(
                 f["seconds"] / g["seconds"]
-                for f, g in zip(runs[n]["fast_compare"], fio, strict=True)
+                for f, g in zip(runs[n]["fast"], runs[n][other], strict=True)
             )
-            row["fast_over_fast_compare_paired"] = statistics.median(
-                f["seconds"] / g["seconds"]
-                for f, g in zip(runs[n]["fast"], runs[n]["fast_compare"], strict=True)
-            )
-            row["fast_compare_phases_ms"] = median_phases(
-                [x["phases_ms"] for x in runs[n]["fast_compare"]]
-            )
+            row[f"{other}_phases_ms"] = median_phases([x["phases_ms"] for x in runs[n][other]])
         goal = row["target_fast_over_drive"]
         row["within_target"] = None if goal is None else row["fast_over_drive"] <= goal
         row["cpu_within_target"] = row["fast_cpu_beyond_hash_s_per_gib"] <= CPU_BEYOND_HASH_GOAL
@@ -343,6 +353,8 @@ def report(
         "backend": sw.paths.engine.backend,
         "engine": dict(sw.paths.engine.features),
         "compare_inflight_bytes": args.compare_inflight,
+        "compare_no_tail": bool(args.compare_no_tail),
+        "tail_inflight_bytes": sw.paths.fast.tail_inflight,
         "fio_depth": sw.fio_depth,
         "fio_depth_scan_s": {str(d): s for d, s in sw.fio_depth_scan.items()},
         "sizes": rows,
@@ -369,6 +381,7 @@ def split_trace(doc: dict[str, Any]) -> dict[str, Any]:
 
 def print_sweep(doc: dict[str, Any]) -> None:
     cmp_ = doc["compare_inflight_bytes"] is not None
+    tail = doc.get("compare_no_tail", False)
     print(
         f"\nbench ttft --sweep {doc['sweep']}: {doc['layout']}, W={doc['window']}, "
         f"engine {doc['backend']} (inflight_bytes {doc['engine'].get('inflight_bytes')}), "
@@ -378,6 +391,7 @@ def print_sweep(doc: dict[str, Any]) -> None:
     hdr = (
         f"{'state':>10} {'restore ms':>10} {'drive ms':>8} {'ratio':>6} {'paired':>6} {'/raw':>6}"
         + (f" {'compare':>8}" if cmp_ else "")
+        + (f" {'/notail':>7}" if tail else "")
         + f" {'cpu+':>6}  phases ms (disc agree setup first stream last commit)"
     )
     print(hdr)
@@ -392,6 +406,7 @@ def print_sweep(doc: dict[str, Any]) -> None:
             f"{r['drive_s'] * 1e3:>8.1f} {r['fast_over_drive']:>6.3f} "
             f"{r['fast_over_drive_paired']:>6.3f} {r['fast_over_engine_raw_paired']:>6.3f}"
             + (f" {r['fast_compare_over_fio_hugemem_paired']:>8.3f}" if cmp_ else "")
+            + (f" {r['fast_over_fast_no_tail_paired']:>7.3f}" if tail else "")
             + f" {r['fast_cpu_beyond_hash_s_per_gib']:>6.3f}"
             + f"  {ph} {p.get('commit', 0.0):.2f}"
         )

@@ -17,7 +17,7 @@ from bsr_io.engine import register_cuda
 from bsr_io.errors import BsrValueError, EngineBusy
 from bsr_io.load.discovery import DiscoveryTimedOut, sources_of
 from bsr_io.load.kvcache import Destination
-from bsr_io.load.window import InstallReport, Window
+from bsr_io.load.window import TAIL_INFLIGHT, InstallReport, Window
 
 if TYPE_CHECKING:
     from bsr_io.model.keys import ChunkKey
@@ -90,7 +90,8 @@ class LoadOptions:
     `width` the slots in flight (default: the engine's W); `should_stop` is polled
     between records; `committed_tokens` is reported on success; `install_threads`
     copy slots into the destination; `keep_going` reads every record even after one
-    failed (a caller that withdraws bad records as they are met)."""
+    failed (a caller that withdraws bad records as they are met); `tail_inflight`
+    caps the last direct read's bytes in the kernel (window.py; None: no cap)."""
 
     deadline: float
     sizes: Sequence[int] | None = None
@@ -100,6 +101,7 @@ class LoadOptions:
     committed_tokens: int = 0
     install_threads: int = 1
     keep_going: bool = False
+    tail_inflight: int | None = TAIL_INFLIGHT
 
 
 def windowed_install(
@@ -119,7 +121,14 @@ def windowed_install(
         # Page-locked slots make each install an asynchronous DMA copy.
         register_cuda(engine)
     engine.reset_peak()
-    window = Window(engine, tiers, chunk_bytes, width, install_threads=options.install_threads)
+    window = Window(
+        engine,
+        tiers,
+        chunk_bytes,
+        width,
+        install_threads=options.install_threads,
+        tail_inflight=options.tail_inflight,
+    )
     try:
         report = window.run(
             keys,

@@ -279,11 +279,14 @@ class SSDTier(FileTier):
         engine: Engine | None,
         bufs: Sequence[Any],
         runs: Sequence[tuple[int, int, int, int]],
+        *,
+        inflight: int | None = None,
     ) -> DirectChunk:
         """Read the payload straight into `bufs` along `runs` (the destination's blocks,
         `host_runs`), no slot; the caller hashes it in place. AlignmentError when the
         memory does not suit O_DIRECT here (then read through a slot); a LayoutError
-        when the runs do not cover exactly the record's payload."""
+        when the runs do not cover exactly the record's payload. `inflight`: at most
+        this many payload bytes in the kernel at once (`Engine.submit_read_into`)."""
         engine = engine or self.engine
         want = sum(r[3] for r in runs)
 
@@ -293,7 +296,9 @@ class SSDTier(FileTier):
                     f"{self.name}: chunk {key.short()} holds {n} payload bytes, the "
                     f"destination's runs {want}"
                 )
-            return engine.submit_read_into(f, HEADER_BYTES, list(bufs), list(runs))
+            return engine.submit_read_into(
+                f, HEADER_BYTES, list(bufs), list(runs), inflight=inflight
+            )
 
         f, path, record, header, direct = self._start(key, engine, submit)
         n = header.payload_len

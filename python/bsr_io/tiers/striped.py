@@ -235,6 +235,8 @@ class StripedSSDTier(Tier):
         engine: Engine | None,
         bufs: Sequence[Any],
         runs: Sequence[tuple[int, int, int, int]],
+        *,
+        inflight: int | None = None,
     ) -> DirectChunk:
         """A direct read (see `SSDTier.submit_read_into`) from the key's drive."""
         engine = engine or self.engine
@@ -243,7 +245,7 @@ class StripedSSDTier(Tier):
         if not isinstance(drive, SSDTier):
             raise DirectUnavailable(f"drive {d} reads through slots")
         try:
-            inner = drive.submit_read_into(key, engine, bufs, runs)
+            inner = drive.submit_read_into(key, engine, bufs, runs, inflight=inflight)
         except DRIVE_ERRORS as exc:
             raise self._drive_failed(d, key, exc) from exc
 

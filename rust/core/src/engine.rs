@@ -381,7 +381,10 @@ impl Engine {
     /// Read the file from `offset` straight into the caller's memory: `pieces` are
     /// (address, length) in file order, contiguous in the file. Each address must meet
     /// the file's O_DIRECT memory alignment and each length its offset alignment
-    /// (`Error::Alignment` otherwise: use a slot). No slot is taken.
+    /// (`Error::Alignment` otherwise: use a slot). No slot is taken. `inflight_cap`:
+    /// at most this many of its bytes in the kernel at once (0: only the engine's
+    /// bounds), so that its requests land one after another and a hash that follows
+    /// them (`landing`) ends soon after the last: for the read nothing comes after.
     ///
     /// # Safety
     /// Every piece must be writable memory that stays valid, and that nothing else reads
@@ -395,6 +398,7 @@ impl Engine {
         file: &Arc<EngineFile>,
         offset: u64,
         pieces: &[(usize, u64)],
+        inflight_cap: u64,
     ) -> Result<Pending> {
         self.check_open()?;
         file.check_open()?;
@@ -428,7 +432,12 @@ impl Engine {
             segments.push(Segment { start, addr, len });
             start += len;
         }
-        self.submit(OpState::direct_read(Arc::clone(file), offset, segments))
+        self.submit(OpState::direct_read_capped(
+            Arc::clone(file),
+            offset,
+            segments,
+            inflight_cap,
+        ))
     }
 
     /// Register caller memory, `regions` of (address, length), with the I/O ring, so
@@ -958,6 +967,53 @@ mod tests {
     }
 
     #[test]
+    fn a_direct_read_with_a_cap_keeps_its_bytes_in_flight_under_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("data");
+        let data = pattern(1 << 20);
+        std::fs::write(&path, &data).unwrap();
+        let path = path.to_str().unwrap();
+        let opts = OpenOptions {
+            direct: true,
+            ..Default::default()
+        };
+        let block = AlignedBlock::new(1 << 20).unwrap();
+        let addr = block.ptr as usize;
+        // Most requests in flight at once over one direct read of 1 MiB in 16 requests
+        // of 64 KiB, the queue 16 deep and no drive bound, with this cap on the read
+        // (None: io_uring refused); and its bytes, which must be the file's either way.
+        let deepest = |cap: u64| {
+            let e = Engine::new(EngineConfig {
+                backend: BackendChoice::Uring,
+                request_bytes: 64 << 10,
+                queue_depth: 16,
+                inflight_bytes: 0,
+                ..EngineConfig::new(1, 4096)
+            })
+            .ok()?;
+            let f = e.open(path, opts).unwrap();
+            e.trace_start(1000).unwrap();
+            // SAFETY: `block` is ours, alive and untouched until after the wait.
+            let op = unsafe { e.submit_read_into(&f, 0, &[(addr, 1 << 20)], cap) }.unwrap();
+            assert_eq!(op.wait(None).unwrap(), 1 << 20);
+            // SAFETY: the read ended; the block is ours.
+            let got = unsafe { std::slice::from_raw_parts(block.ptr, 1 << 20) };
+            assert!(got == &data[..], "cap {cap}: the file's bytes");
+            let events = e.trace_take().unwrap();
+            assert_eq!(events.len(), 16);
+            events.iter().map(|ev| ev.depth).max()
+        };
+        let Some(uncapped) = deepest(0) else {
+            return; // io_uring refused here
+        };
+        // Control: without a cap every request is pushed before the first reap.
+        assert_eq!(uncapped, 16);
+        assert_eq!(deepest(192 << 10), Some(3), "3 x 64 KiB fit 192 KiB");
+        // A cap below one request still lets one go at a time.
+        assert_eq!(deepest(4096), Some(1));
+    }
+
+    #[test]
     fn a_trace_records_every_request_of_a_read() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("data");
@@ -1052,7 +1108,7 @@ mod tests {
             let b2 = AlignedBlock::new(128 << 10).unwrap();
             let pieces = [(a.ptr as usize, 256 << 10), (b2.ptr as usize, 128 << 10)];
             // SAFETY: both blocks are ours, alive until after the wait below, untouched.
-            let op = unsafe { e.submit_read_into(&f, 12288, &pieces) }.unwrap();
+            let op = unsafe { e.submit_read_into(&f, 12288, &pieces, 0) }.unwrap();
             assert_eq!(op.wait(None).unwrap(), 384 << 10, "{b:?}");
             // SAFETY: the read ended; the blocks are ours.
             let (ga, gb) = unsafe {
@@ -1067,15 +1123,15 @@ mod tests {
             assert_eq!(e.arena().peak_bytes(), 0);
             if f.direct() && f.mem_alignment() > 1 {
                 // SAFETY: refused before any I/O is issued.
-                let bad = unsafe { e.submit_read_into(&f, 0, &[(a.ptr as usize + 1, 4096)]) };
+                let bad = unsafe { e.submit_read_into(&f, 0, &[(a.ptr as usize + 1, 4096)], 0) };
                 assert!(matches!(bad, Err(Error::Alignment(_))), "{b:?}");
                 // SAFETY: as above.
-                let bad = unsafe { e.submit_read_into(&f, 0, &[(a.ptr as usize, 100)]) };
+                let bad = unsafe { e.submit_read_into(&f, 0, &[(a.ptr as usize, 100)], 0) };
                 assert!(matches!(bad, Err(Error::Alignment(_))), "{b:?}");
             }
             // Past the end: short, as for a slot.
             // SAFETY: `a` is ours and alive until after the wait.
-            let op = unsafe { e.submit_read_into(&f, (1 << 20) - 4096, &pieces[..1]) }.unwrap();
+            let op = unsafe { e.submit_read_into(&f, (1 << 20) - 4096, &pieces[..1], 0) }.unwrap();
             assert!(matches!(
                 op.wait(None),
                 Err(Error::ShortRead { got: 4096, .. })
@@ -1221,7 +1277,7 @@ mod tests {
         // SAFETY: `block` is ours, 64 KiB long.
         unsafe { std::ptr::write_bytes(block.ptr, 0xAB, 64 << 10) };
         // SAFETY: `block` stays mapped, untouched by us, until the end of the test.
-        let direct = unsafe { e.submit_read_into(&f, 0, &[(block.ptr as usize, 64 << 10)]) };
+        let direct = unsafe { e.submit_read_into(&f, 0, &[(block.ptr as usize, 64 << 10)], 0) };
         let direct = direct.unwrap();
         let slotted = e.submit_read(&f, 0, 4096).unwrap();
         let w = e.open(
@@ -1435,7 +1491,7 @@ mod tests {
                 assert_eq!(buffer_entry(&e, 2, &want), want);
             }
             // SAFETY: `block` is ours, alive and untouched until after the wait.
-            let op = unsafe { e.submit_read_into(&f, 4096, &[(addr, 512 << 10)]) }.unwrap();
+            let op = unsafe { e.submit_read_into(&f, 4096, &[(addr, 512 << 10)], 0) }.unwrap();
             assert_eq!(op.wait(None).unwrap(), 512 << 10, "{b:?}");
             // SAFETY: the read ended; the block is ours.
             let got = unsafe { std::slice::from_raw_parts(block.ptr, 512 << 10) };
@@ -1446,7 +1502,7 @@ mod tests {
                 assert_eq!(now, "<none>", "dropped: the entry is empty");
             }
             // SAFETY: as above; `block` is still ours.
-            let op = unsafe { e.submit_read_into(&f, 8192, &[(addr, 256 << 10)]) }.unwrap();
+            let op = unsafe { e.submit_read_into(&f, 8192, &[(addr, 256 << 10)], 0) }.unwrap();
             assert_eq!(op.wait(None).unwrap(), 256 << 10, "{b:?}");
             // SAFETY: the read ended.
             let got = unsafe { std::slice::from_raw_parts(block.ptr, 256 << 10) };

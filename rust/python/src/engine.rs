@@ -228,7 +228,11 @@ impl PyEngine {
 
     /// Read the file from `offset` straight into `dsts` along `runs` ((buffer, offset in
     /// it, payload offset, length), covering the payload in order): no slot. AlignmentError
-    /// when a run's memory or length does not suit O_DIRECT on this file.
+    /// when a run's memory or length does not suit O_DIRECT on this file. `inflight`: at
+    /// most this many of its bytes in the kernel at once (its requests then land one
+    /// after another, for `DirectRead.wait_xxh3` to hash as they land); None: only the
+    /// engine's bounds.
+    #[pyo3(signature = (file, offset, dsts, runs, *, inflight = None))]
     fn submit_read_into(
         &self,
         py: Python<'_>,
@@ -236,8 +240,18 @@ impl PyEngine {
         offset: i64,
         dsts: Vec<Bound<'_, PyAny>>,
         runs: Vec<(usize, usize, usize, usize)>,
+        inflight: Option<i64>,
     ) -> PyResult<PyDirectRead> {
         let offset = non_negative("offset", offset)?;
+        let cap = match inflight {
+            None => 0,
+            Some(n) if n > 0 => n as u64,
+            Some(n) => {
+                return Err(value_err(format!(
+                    "inflight must be a positive byte count or None, got {n}"
+                )))
+            }
+        };
         let exports = dsts
             .iter()
             .map(|d| Exported::get(d, true))
@@ -264,7 +278,7 @@ impl PyEngine {
         // with the kernel (`Error::KernelOwned`), it holds them for good. The pieces do
         // not overlap.
         let op = py
-            .detach(|| unsafe { engine.submit_read_into(&f, offset, &pieces) })
+            .detach(|| unsafe { engine.submit_read_into(&f, offset, &pieces, cap) })
             .raise()?;
         Ok(PyDirectRead {
             op,

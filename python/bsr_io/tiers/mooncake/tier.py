@@ -425,6 +425,8 @@ class MooncakeTier(Tier):
         engine: Engine | None,
         bufs: Sequence[Any],
         runs: Sequence[tuple[int, int, int, int]],
+        *,
+        inflight: int | None = None,
     ) -> DirectChunk:
         """Read the object straight into the destination: its header into a registered
         4 KiB buffer and its payload into `bufs` along `runs` (`host_runs`: buffer index,
@@ -432,7 +434,8 @@ class MooncakeTier(Tier):
         hashes the payload in place against `expected_xxh3`, known once `wait()`
         returned. DirectUnavailable on an RDMA pool (it reads only into registered
         memory) or with `direct_reads` off; a LayoutError when the runs do not cover the
-        payload exactly once.
+        payload exactly once. `inflight` is for drives (`SSDTier`): one Mooncake call
+        moves the whole object.
 
         Past `timeout_s` (or given up by the caller, `abandon`) a call still queued
         behind others never runs: the chunk fails (ChunkReadError) with its blocks

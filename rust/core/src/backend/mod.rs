@@ -90,6 +90,10 @@ pub struct OpState {
     pub extent: u64,
     /// The slot's index among the registered fixed buffers; None for caller memory.
     pub fixed_index: Option<usize>,
+    /// At most this many of its bytes in the kernel at once (0: no bound of its own):
+    /// its requests then land one after another, and a hash that follows them
+    /// (`landing`) is nearly done when the last lands (io_uring backend).
+    pub inflight_cap: u64,
     segments: Vec<Segment>,
     lease: Mutex<Option<Arc<SlotLease>>>,
     progress: Mutex<Progress>,
@@ -131,6 +135,7 @@ impl OpState {
             want,
             extent,
             fixed_index: Some(lease.index()),
+            inflight_cap: 0,
             segments: vec![Segment {
                 start: 0,
                 addr: lease.addr(),
@@ -151,6 +156,17 @@ impl OpState {
     /// caller's memory. Whoever builds it keeps that memory valid and untouched until
     /// the op has ended (see `Engine::submit_read_into`).
     pub fn direct_read(file: Arc<EngineFile>, offset: u64, segments: Vec<Segment>) -> Arc<OpState> {
+        OpState::direct_read_capped(file, offset, segments, 0)
+    }
+
+    /// As `direct_read`, with at most `inflight_cap` bytes of it in the kernel at once
+    /// (0: no bound of its own; the first request always goes, however long).
+    pub fn direct_read_capped(
+        file: Arc<EngineFile>,
+        offset: u64,
+        segments: Vec<Segment>,
+        inflight_cap: u64,
+    ) -> Arc<OpState> {
         let total = segments.iter().map(|s| s.len).sum();
         Arc::new(OpState {
             kind: OpKind::Read,
@@ -159,6 +175,7 @@ impl OpState {
             want: total,
             extent: total,
             fixed_index: None,
+            inflight_cap,
             segments,
             lease: Mutex::new(None),
             progress: Mutex::new(Progress::default()),
@@ -180,6 +197,7 @@ impl OpState {
             want: 0,
             extent: 0,
             fixed_index: None,
+            inflight_cap: 0,
             segments: vec![Segment {
                 start: 0,
                 addr: 0,

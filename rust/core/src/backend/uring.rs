@@ -288,6 +288,24 @@ impl Drop for UringDriver {
 
 /// Why the I/O thread ended without answering: it broke (and said why), or it was shut
 /// down.
+/// The op a request belongs to, as a key that is unique while any of its requests is
+/// in flight (the request holds the op).
+fn op_key(req: &Request) -> usize {
+    Arc::as_ptr(&req.op) as usize
+}
+
+/// Whether `req`'s op may put it in flight: no cap, nothing of it in flight (the first
+/// request always goes), or room under its cap.
+fn op_room(capped: &[(usize, u64)], req: &Request) -> bool {
+    let cap = req.op.inflight_cap;
+    if cap == 0 {
+        return true;
+    }
+    let key = op_key(req);
+    let used = capped.iter().find(|c| c.0 == key).map_or(0, |c| c.1);
+    used == 0 || used + req.remaining() <= cap
+}
+
 fn gone(health: &Health) -> Error {
     health.check().err().unwrap_or(Error::Closed("engine"))
 }
@@ -401,8 +419,11 @@ struct RingLoop {
     inflight_limit: u64,
     /// (device, bytes in flight on it), one entry per drive seen.
     drives: Vec<(u64, u64)>,
-    /// Per slab id: the (device, bytes) its request counted against `drives`.
-    counted: Vec<(u64, u64)>,
+    /// (op, bytes of it in flight) for ops with a cap of their own (`inflight_cap`),
+    /// while any of theirs is in flight.
+    capped: Vec<(usize, u64)>,
+    /// Per slab id: the (device, bytes, capped op or 0) its request counted.
+    counted: Vec<(u64, u64, usize)>,
     /// (file, end offset) of the request pushed last: the next one that continues it is
     /// sent in a submission of its own (`send`).
     last_pushed: Option<(usize, u64)>,
@@ -484,6 +505,7 @@ impl RingLoop {
             queue_depth: cfg.queue_depth as usize,
             inflight_limit: cfg.inflight_bytes,
             drives: Vec::new(),
+            capped: Vec::new(),
             counted: Vec::with_capacity(cfg.queue_depth as usize),
             fixed_buffers: info.fixed_buffers,
             slots_pending,
@@ -719,7 +741,7 @@ impl RingLoop {
             }
             let id = self.free_ids.pop().unwrap_or_else(|| {
                 self.slab.push(InFlight::Free);
-                self.counted.push((0, 0));
+                self.counted.push((0, 0, 0));
                 self.slab.len() - 1
             });
             let entry = self.entry(&req, id as u64);
@@ -744,7 +766,7 @@ impl RingLoop {
                 break;
             }
             self.in_flight += 1;
-            self.count(id, req.op.file.dev(), req.remaining());
+            self.count(id, &req);
             if self.trace.is_some() {
                 let (depth, waiting) = (self.in_flight as u32, self.queue.len() as u32);
                 req.stamps.submitted = Some((Instant::now(), depth, waiting));
@@ -772,37 +794,66 @@ impl RingLoop {
         }
     }
 
-    /// The first queued request whose drive has room for it (in order, so one drive's
-    /// requests keep theirs); with no bound, the queue's head.
+    /// The first queued request whose drive, and whose op where it has a cap, have room
+    /// for it (in order, so one drive's requests keep theirs); with no bound, the
+    /// queue's head.
     fn next_request(&mut self) -> Option<Request> {
-        if self.inflight_limit == 0 {
+        if self.inflight_limit == 0 && self.no_caps_queued() {
             return self.queue.pop_front();
         }
         let limit = self.inflight_limit;
-        let drives = &self.drives;
+        let (drives, capped) = (&self.drives, &self.capped);
         let room = |r: &Request| {
             let dev = r.op.file.dev();
             let used = drives.iter().find(|d| d.0 == dev).map_or(0, |d| d.1);
             // An idle drive takes any request: one longer than the bound must still go.
-            used == 0 || used + r.remaining() <= limit
+            let drive = limit == 0 || used == 0 || used + r.remaining() <= limit;
+            drive && op_room(capped, r)
         };
         let at = self.queue.iter().position(room)?;
         self.queue.remove(at)
     }
 
-    /// Count `bytes` in flight on `dev` for slab entry `id` (taken back at its reap).
-    fn count(&mut self, id: usize, dev: u64, bytes: u64) {
-        self.counted[id] = (dev, bytes);
+    fn no_caps_queued(&self) -> bool {
+        self.queue.front().is_none_or(|r| r.op.inflight_cap == 0)
+    }
+
+    /// Count `req`'s bytes in flight on its drive, and on its op where the op has a cap,
+    /// for slab entry `id` (taken back at its reap).
+    fn count(&mut self, id: usize, req: &Request) {
+        let (dev, bytes) = (req.op.file.dev(), req.remaining());
+        let op = if req.op.inflight_cap > 0 {
+            op_key(req)
+        } else {
+            0
+        };
+        self.counted[id] = (dev, bytes, op);
         match self.drives.iter_mut().find(|d| d.0 == dev) {
             Some(d) => d.1 += bytes,
             None => self.drives.push((dev, bytes)),
         }
+        if op != 0 {
+            match self.capped.iter_mut().find(|c| c.0 == op) {
+                Some(c) => c.1 += bytes,
+                None => self.capped.push((op, bytes)),
+            }
+        }
     }
 
     fn uncount(&mut self, id: usize) {
-        let (dev, bytes) = std::mem::take(&mut self.counted[id]);
+        let (dev, bytes, op) = std::mem::take(&mut self.counted[id]);
         if let Some(d) = self.drives.iter_mut().find(|d| d.0 == dev) {
             d.1 -= bytes;
+        }
+        if op != 0 {
+            // An op's entry goes with its last request in flight: its address may be
+            // another op's once it has ended.
+            self.capped.retain_mut(|c| {
+                if c.0 == op {
+                    c.1 -= bytes;
+                }
+                c.1 > 0
+            });
         }
     }
 
