@@ -63,6 +63,38 @@ def test_the_interval_holds_a_real_difference_out_and_noise_in():
     assert both["steady_throughput_ratio"] < worse["steady_throughput_ratio"] + 0.05
 
 
+def test_grouped_rounds_take_the_spread_between_servers_into_the_interval():
+    """Four epochs of six rounds, each epoch on servers started anew: the two references
+    (the same server) differ by a speed of their own in each epoch, drawn as a server's
+    start draws it, on top of little round noise. Rounds resampled alone read the four
+    draws' mean as a difference (an interval that leaves 1 out); resampled by epoch,
+    the interval takes 1 in. Control: a real 10% difference stays out."""
+    offsets = [1.04, 1.03, 0.97, 1.02]
+    base, same, slow = [], [], []
+    for e, off in enumerate(offsets):
+        base += [
+            round_figures(rd, "saturated", 4, MAX_TOKENS) for rd in rounds(40.0, 6, 0.005, 10 * e)
+        ]
+        same += [
+            round_figures(rd, "saturated", 4, MAX_TOKENS)
+            for rd in rounds(40.0 * off, 6, 0.005, 10 * e + 100)
+        ]
+        slow += [
+            round_figures(rd, "saturated", 4, MAX_TOKENS)
+            for rd in rounds(36.0 * off, 6, 0.005, 10 * e + 200)
+        ]
+    groups = [e for e in range(len(offsets)) for _ in range(6)]
+    rng = np.random.default_rng(0)
+    lo, hi = compare([same], [base], rng, 2000)["steady_throughput_ratio_95"]
+    assert lo > 1.0, "rounds alone: the draws read as a difference"
+    grouped = compare([same], [base], rng, 2000, groups)
+    lo, hi = grouped["steady_throughput_ratio_95"]
+    assert lo < 1.0 < hi
+    assert grouped["groups"] == 4
+    lo, hi = compare([slow], [base], rng, 2000, groups)["steady_throughput_ratio_95"]
+    assert hi < 0.97
+
+
 def test_serve_pool_refuses_runs_of_other_configurations(tmp_path, capsys):
     doc = {
         "args": {

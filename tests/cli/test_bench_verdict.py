@@ -76,7 +76,7 @@ def _rounds(step: float, ttft: float) -> list[dict[str, Any]]:
 
 
 def _summary(bsr_step: float) -> dict[str, Any]:
-    args = SimpleNamespace(concurrency=2, max_tokens=2, chunk=256, func=None, dir=None)
+    args = SimpleNamespace(concurrency=2, max_tokens=2, chunk=256, func=None, dir=None, restarts=0)
     rounds = {
         "baseline": _rounds(1.0, 0.5),
         "control": _rounds(1.0, 0.5),

@@ -48,6 +48,15 @@ TTFT p50/p90/p99 per kind of request (restored, vLLM's own hit, miss), save late
 percentiles and restore bandwidth from the connector's events, the store's growth, the
 servers' RSS over time, the load average around the run.
 
+A server's speed is partly its own: two servers started alike from the same flags have
+run steadily 3.8% apart for a whole run (serve-xeon-sat64.json, the control against the
+reference in every one of 9 rounds), and within 1% in the next. Rounds on the same
+servers cannot average that out. `--restarts N` starts the three compared servers
+anew N times in a run (the rounds split into N + 1 epochs, each begun with a short
+warm-up of every new server), and the bootstrap then resamples epochs and the rounds
+within them (serve_pool.py), so that the interval holds the spread between servers as
+well as between rounds.
+
 `--write-stall SECONDS[:EVERY]` serves the bsr-io server's store through FUSE with its
 records' writes held (serve_stall.py): the holds and the throughput they cost, reported
 as `write_stall`, against the servers that never touch the store.
@@ -160,6 +169,13 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
         help="serve the bsr-io server's store through FUSE with the first write of every "
         "record (or of every EVERY-th) held SECONDS in the kernel: holds under load, "
         "reported as write_stall (needs root, /dev/fuse and the source checkout)",
+    )
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="start the baseline, bsr-io and control servers anew this many times, "
+        "between rounds (N + 1 epochs of rounds; the interval resamples epochs too)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dir", default=None, help="work directory (default: a new temp dir)")
@@ -544,6 +560,36 @@ def round_order(r: int, servers: dict[str, Any]) -> list[str]:
     return order
 
 
+def round_epochs(rounds: int, restarts: int) -> list[int]:
+    """Each round's epoch: the rounds split as evenly as they go into `restarts` + 1
+    runs of the same servers."""
+    return [r * (restarts + 1) // rounds for r in range(rounds)]
+
+
+RESTARTED = (*SIDES, CONTROL)  # the compared servers; the hit reference runs on
+
+
+def restart(
+    servers: dict[str, Any], epoch: int, args: argparse.Namespace, warm: dict[str, Any], rate: float
+) -> None:
+    """Start the compared servers anew (one at a time, in an order that rotates with the
+    epoch; the bsr-io server keeps its store), each warmed up with a short saturated
+    phase of the warm-up's prompts before any round counts."""
+    t0 = time.perf_counter()
+    names = [s for s in RESTARTED if s in servers]
+    names = names[epoch % len(names) :] + names[: epoch % len(names)]
+    short = warm | {"saturated": warm["saturated"][: 2 * args.concurrency + 1]}
+    for side in names:
+        srv = servers[side]
+        srv.stop()
+        srv.start()
+        srv.wait_ready(900)
+        if args.pin_front:
+            pin_front(srv, args.threads_bind)
+        run_round(srv, args, short, rate, ("saturated",))
+    print(f"epoch {epoch}: servers started anew in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def connector_settings(args: argparse.Namespace, store: Path, events: Path) -> dict[str, Any]:
     """The bsr-io server's kv_connector_extra_config: the bench's own settings, then each
     `--set KEY=VALUE`, checked as the connector checks them (ValueError naming what is
@@ -604,6 +650,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if min(args.rounds, args.misses, args.users, args.concurrency) < 1:
         print("--rounds, --misses, --users and --concurrency must be >= 1", file=sys.stderr)
+        return 2
+    if not 0 <= args.restarts < args.rounds:
+        print("--restarts must be in [0, --rounds): every epoch needs a round", file=sys.stderr)
         return 2
     if args.saturated <= args.concurrency:
         print(
@@ -698,7 +747,10 @@ def run(args: argparse.Namespace) -> int:
             if side in servers:
                 run_round(servers[side], args, warm, rate, ROUND_PHASES[side])
         print(f"warm-up took {time.perf_counter() - t0:.0f} s", flush=True)
+        epochs = round_epochs(args.rounds, args.restarts)
         for r in range(args.rounds):
+            if r and epochs[r] != epochs[r - 1]:
+                restart(servers, epochs[r], args, warm, rate)
             prompts = round_prompts(args, r)
             order = round_order(r, servers)
             for side in order:
@@ -788,6 +840,7 @@ def summarize(
             "saturated",
             args.concurrency,
             args.max_tokens,
+            groups=round_epochs(len(base), args.restarts),
         )
         if control
         else None
@@ -802,6 +855,8 @@ def summarize(
         "paced_rate_req_s": rate,
         "warmup_saturated_req_s": sat,
         "loadavg": load,
+        # Which servers each round ran on (0: those started first; --restarts).
+        "round_epochs": round_epochs(len(base), args.restarts),
         "miss_penalty": {ph: penalty(base, bsr, ph, args.concurrency) for ph in MISS_PHASES},
         # The reference against itself: how far a ratio above moves with no connector.
         **(

@@ -5,13 +5,15 @@ the bench's noise.
 One run has 8 rounds, and its per-round ratios spread over +-5% (two servers without
 the connector differ by as much), so one run cannot settle a -3% goal. Pooled runs of
 the same configuration can: each round is a unit (the same prompts on every server of
-that round, in an order that rotates), resampled with replacement 10,000 times; each
-resample's figure is computed as a run's is (output tokens/s in the saturated phase's
-steady state, pooled over the resampled rounds; TTFT p50 of the resampled misses), and
-the interval is the middle 95% of the resamples. The same is done for the control (a
-second server without the connector, A/A) and for bsr-io against the control. Every
-request streams exactly `max_tokens` tokens (`ignore_eos`), which the committed JSONs
-record instead of the tokens themselves.
+that round, in an order that rotates), resampled with replacement 10,000 times, and
+since a server's speed is partly its own, the servers too: each resample first picks
+runs (and epochs, between the restarts of `bench serve --restarts`) with replacement,
+then rounds within each; each resample's figure is computed as a run's is (output
+tokens/s in the saturated phase's steady state, pooled over the resampled rounds; TTFT
+p50 of the resampled misses), and the interval is the middle 95% of the resamples. The
+same is done for the control (a second server without the connector, A/A) and for
+bsr-io against the control. Every request streams exactly `max_tokens` tokens
+(`ignore_eos`), which the committed JSONs record instead of the tokens themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,25 +78,41 @@ def figures(servers: list[list[dict[str, Any]]], pick: np.ndarray) -> tuple[floa
     return float(np.mean(rates)), float(np.median(np.concatenate(ttfts)))
 
 
+def resample(rng: np.random.Generator, n: int, groups: Sequence[int] | None) -> np.ndarray:
+    """One bootstrap pick of `n` rounds: with replacement; with `groups` (each round's
+    servers: a run, or an epoch between restarts), the groups first, then the rounds of
+    each group picked, so that what differs between servers started apart counts."""
+    if groups is None or len(set(groups)) < 2:
+        return rng.integers(0, n, size=n)
+    members = [np.flatnonzero(np.asarray(groups) == g) for g in sorted(set(groups))]
+    chosen = rng.integers(0, len(members), size=len(members))
+    return np.concatenate(
+        [members[c][rng.integers(0, len(members[c]), size=len(members[c]))] for c in chosen]
+    )
+
+
 def compare(
     a: list[list[dict[str, Any]]],
     b: list[list[dict[str, Any]]],
     rng: np.random.Generator,
     resamples: int = RESAMPLES,
+    groups: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Servers a against servers b over the same rounds: the pooled ratios and their
-    bootstrap 95% intervals (rounds resampled, the same picks for all)."""
+    bootstrap 95% intervals (rounds resampled, by `groups` where given: `resample`; the
+    same picks for all)."""
     n = len(a[0])
     every = np.arange(n)
     (ra, ta), (rb, tb) = figures(a, every), figures(b, every)
     thr, ttft = [], []
     for _ in range(resamples):
-        pick = rng.integers(0, n, size=n)
+        pick = resample(rng, n, groups)
         (xa, ya), (xb, yb) = figures(a, pick), figures(b, pick)
         thr.append(xa / xb)
         ttft.append(ya / yb)
     return {
         "rounds": n,
+        "groups": len(set(groups)) if groups is not None else None,
         "steady_throughput_ratio": ra / rb,
         "steady_throughput_ratio_95": [float(x) for x in np.percentile(thr, [2.5, 97.5])],
         "ttft_p50_ratio": ta / tb,
@@ -108,9 +127,11 @@ def intervals(
     max_tokens: int,
     seed: int = 0,
     resamples: int = RESAMPLES,
+    groups: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Every pair of `PAIRS` over these rounds (those of one run, or of several pooled):
-    the pooled ratios with their bootstrap 95% intervals."""
+    the pooled ratios with their bootstrap 95% intervals (`groups`: each round's servers,
+    `resample`)."""
     sides = {
         s: [round_figures(rd, phase, ramp, max_tokens) for rd in rds]
         for s, rds in rounds.items()
@@ -118,10 +139,16 @@ def intervals(
     }
     rng = np.random.default_rng(seed)
     return {
-        name: compare([sides[s] for s in a], [sides[s] for s in b], rng, resamples)
+        name: compare([sides[s] for s in a], [sides[s] for s in b], rng, resamples, groups)
         for name, (a, b) in PAIRS.items()
         if all(s in sides for s in (*a, *b))
     }
+
+
+def run_epochs(doc: dict[str, Any]) -> list[int]:
+    """Each round's epoch in one `bench serve` run (all 0 where it never restarted)."""
+    n = len(doc["rounds"]["baseline"])
+    return list(doc.get("round_epochs") or [0] * n)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,6 +165,9 @@ def run(args: argparse.Namespace) -> int:
     pooled = {
         s: [rd for d in docs for rd in d["rounds"][s]] for s in ("baseline", "bsr_io", "control")
     }
+    # Each run's servers are its own (and each epoch's, where a run restarted them).
+    epochs = [(i, e) for i, d in enumerate(docs) for e in run_epochs(d)]
+    groups = [sorted(set(epochs)).index(x) for x in epochs]
     doc = {
         "bench": "serve-pool",
         "device": docs[0]["device"],
@@ -148,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             for p, d in zip(args.runs, docs, strict=True)
         ],
         "config": json.loads(shapes.pop()),
-        **intervals(pooled, args.phase, ramp, max_tokens, args.seed, args.resamples),
+        **intervals(pooled, args.phase, ramp, max_tokens, args.seed, args.resamples, groups),
     }
     print(json.dumps({k: v for k, v in doc.items() if "_vs_" in k}, indent=1))
     write_json(args.json, doc)

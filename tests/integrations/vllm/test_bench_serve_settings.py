@@ -51,6 +51,23 @@ def test_run_refuses_a_bad_setting_before_any_server(tmp_path: Path, capsys) -> 
     assert not list(tmp_path.iterdir())  # no model written, no server started
 
 
+@pytest.mark.parametrize("restarts", ["3", "-1"])
+def test_run_refuses_restarts_that_leave_an_epoch_without_rounds(
+    tmp_path: Path, capsys, restarts: str
+) -> None:
+    args = _args("--restarts", restarts, "--rounds", "3", "--dir", str(tmp_path))
+    assert serve.run(args) == 2
+    assert "--restarts" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_rounds_split_into_epochs_as_evenly_as_they_go() -> None:
+    assert serve.round_epochs(9, 2) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert serve.round_epochs(8, 2) == [0, 0, 0, 1, 1, 1, 2, 2]
+    assert serve.round_epochs(4, 0) == [0, 0, 0, 0]
+    assert serve.round_epochs(3, 2) == [0, 1, 2]
+
+
 def test_the_store_file_system_is_named() -> None:
     """A run says where its records went (a drive, or RAM with `--dir /dev/shm/...`):
     the disk's I/O path is part of what a saturated server pays for the saves."""
