@@ -815,7 +815,7 @@ impl RingLoop {
     }
 
     fn no_caps_queued(&self) -> bool {
-        self.queue.front().is_none_or(|r| r.op.inflight_cap == 0)
+        !matches!(self.queue.front(), Some(r) if r.op.inflight_cap > 0)
     }
 
     /// Count `req`'s bytes in flight on its drive, and on its op where the op has a cap,
