@@ -179,8 +179,11 @@ def run(model_kind: str, model: str, tp: int, work: str) -> dict[str, Any]:
         "load_timeout_s": 60.0,
         "save_timeout_s": 600.0,
         "events_path": events.path,
-        # A loaded host's slow writes must not skip a window record (as run_hybrid).
+        # A loaded host's slow writes must not skip a window record (as run_hybrid),
+        # nor its busy cores starve the save threads (nice 19 by default): this checks
+        # the bytes of every record, so every record must be saved.
         "step_save_budget_s": 5.0,
+        "save_nice": 0,
     }
     llm = h.g_engine(model, tp, cfg) if hybrid else h.engine(model, tp, connector=cfg)
     llm.collective_rpc(track_tables)
