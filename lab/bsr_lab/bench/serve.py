@@ -831,6 +831,7 @@ def summarize(
 ) -> dict[str, Any]:
     base, bsr = rounds["baseline"], rounds["bsr_io"]
     cached, control = rounds.get(CACHED), rounds.get(CONTROL)
+    epochs = round_epochs(len(base), args.restarts)
     # The saturated phase's figures with bootstrap 95% intervals over the rounds, bsr-io
     # also against both references together (serve_pool.py says why), and the goal's
     # verdict read from each interval (verdict.py), the control's beside it.
@@ -840,7 +841,7 @@ def summarize(
             "saturated",
             args.concurrency,
             args.max_tokens,
-            groups=round_epochs(len(base), args.restarts),
+            groups=epochs,
         )
         if control
         else None
@@ -856,7 +857,7 @@ def summarize(
         "warmup_saturated_req_s": sat,
         "loadavg": load,
         # Which servers each round ran on (0: those started first; --restarts).
-        "round_epochs": round_epochs(len(base), args.restarts),
+        "round_epochs": epochs,
         "miss_penalty": {ph: penalty(base, bsr, ph, args.concurrency) for ph in MISS_PHASES},
         # The reference against itself: how far a ratio above moves with no connector.
         **(

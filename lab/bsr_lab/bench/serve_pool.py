@@ -78,13 +78,21 @@ def figures(servers: list[list[dict[str, Any]]], pick: np.ndarray) -> tuple[floa
     return float(np.mean(rates)), float(np.median(np.concatenate(ttfts)))
 
 
-def resample(rng: np.random.Generator, n: int, groups: Sequence[int] | None) -> np.ndarray:
-    """One bootstrap pick of `n` rounds: with replacement; with `groups` (each round's
-    servers: a run, or an epoch between restarts), the groups first, then the rounds of
-    each group picked, so that what differs between servers started apart counts."""
+def members_of(groups: Sequence[int] | None) -> list[np.ndarray] | None:
+    """The rounds of each group (None: no groups, or only one)."""
     if groups is None or len(set(groups)) < 2:
+        return None
+    ids = np.asarray(groups)
+    return [np.flatnonzero(ids == g) for g in sorted(set(groups))]
+
+
+def resample(rng: np.random.Generator, n: int, members: list[np.ndarray] | None) -> np.ndarray:
+    """One bootstrap pick of `n` rounds: with replacement; with groups (`members_of`: each
+    round's servers, a run or an epoch between restarts), the groups first, then the
+    rounds of each group picked, so that what differs between servers started apart
+    counts."""
+    if members is None:
         return rng.integers(0, n, size=n)
-    members = [np.flatnonzero(np.asarray(groups) == g) for g in sorted(set(groups))]
     chosen = rng.integers(0, len(members), size=len(members))
     return np.concatenate(
         [members[c][rng.integers(0, len(members[c]), size=len(members[c]))] for c in chosen]
@@ -105,8 +113,9 @@ def compare(
     every = np.arange(n)
     (ra, ta), (rb, tb) = figures(a, every), figures(b, every)
     thr, ttft = [], []
+    members = members_of(groups)
     for _ in range(resamples):
-        pick = resample(rng, n, groups)
+        pick = resample(rng, n, members)
         (xa, ya), (xb, yb) = figures(a, pick), figures(b, pick)
         thr.append(xa / xb)
         ttft.append(ya / yb)
@@ -167,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
     }
     # Each run's servers are its own (and each epoch's, where a run restarted them).
     epochs = [(i, e) for i, d in enumerate(docs) for e in run_epochs(d)]
-    groups = [sorted(set(epochs)).index(x) for x in epochs]
+    index = {x: i for i, x in enumerate(sorted(set(epochs)))}
+    groups = [index[x] for x in epochs]
     doc = {
         "bench": "serve-pool",
         "device": docs[0]["device"],

@@ -286,8 +286,6 @@ impl Drop for UringDriver {
     }
 }
 
-/// Why the I/O thread ended without answering: it broke (and said why), or it was shut
-/// down.
 /// The op a request belongs to, as a key that is unique while any of its requests is
 /// in flight (the request holds the op).
 fn op_key(req: &Request) -> usize {
@@ -306,6 +304,8 @@ fn op_room(capped: &[(usize, u64)], req: &Request) -> bool {
     used == 0 || used + req.remaining() <= cap
 }
 
+/// Why the I/O thread ended without answering: it broke (and said why), or it was shut
+/// down.
 fn gone(health: &Health) -> Error {
     health.check().err().unwrap_or(Error::Closed("engine"))
 }
