@@ -47,8 +47,34 @@ def test_verify_reports_corrupt_records(tmp_path, capsys):
     assert out.count("CORRUPT") == 2
     assert files[2] in out and files[3] in out
     assert "checksum" in out and "another key" in out
-    assert main(["store", "verify", str(tmp_path)]) == 0  # the rest is sound
+    # The rest is sound, but what was found stays a failure until somebody looks.
+    assert main(["store", "verify", str(tmp_path)]) == 1
     assert "4 records verified, 0 corrupt; 2 quarantined earlier" in capsys.readouterr().out
+    for f in (tmp_path / "quarantine").iterdir():
+        f.unlink()
+    assert main(["store", "verify", str(tmp_path)]) == 0
+    assert "4 records verified, 0 corrupt\n" in capsys.readouterr().out
+
+
+def test_stats_moves_nothing_so_verify_still_sees_bad_headers(tmp_path, capsys):
+    """A monitor running `stats` must not hide corruption from `verify` (issue 48): stats
+    reports the bad headers, exits 1, and leaves every file where it was."""
+    _, files = fill(tmp_path, capsys)
+    for f in files[:2]:
+        with open(f, "r+b") as fh:
+            fh.write(b"XXXXXXXX")  # the magic
+    before = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert main(["store", "stats", str(tmp_path), "--json"]) == 1
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["records"] == 4 and stats["quarantined"] == 0
+    assert sorted(b["file"] for b in stats["bad"]) == sorted(files[:2])
+    assert all("bad magic" in b["reason"] for b in stats["bad"])
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == before
+    assert main(["store", "stats", str(tmp_path)]) == 1
+    assert "2 bad (left in place" in capsys.readouterr().out
+    assert main(["store", "verify", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("CORRUPT") == 2 and "4 records verified, 2 corrupt" in out
 
 
 def test_bad_arguments(tmp_path, capsys):

@@ -22,12 +22,20 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser("store", help="inspect, verify or fill a chunk store directory")
     sub = p.add_subparsers(dest="store_command", required=True)
 
-    s = sub.add_parser("stats", help="records, bytes and namespaces in DIR")
+    s = sub.add_parser(
+        "stats",
+        help="records, bytes and namespaces in DIR; exit 1 if a bad header is found. Changes "
+        "nothing (verify moves bad records to quarantine)",
+    )
     s.add_argument("dir", type=Path)
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(func=run_stats)
 
-    v = sub.add_parser("verify", help="re-read every record; exit 1 if any is corrupt")
+    v = sub.add_parser(
+        "verify",
+        help="re-read every record, quarantine the corrupt ones; exit 1 if any is corrupt "
+        "or the quarantine holds records (found earlier, by a restore or a verify)",
+    )
     v.add_argument("dir", type=Path)
     v.add_argument("--backend", default=None, help="engine backend (default: auto)")
     v.set_defaults(func=run_verify)
@@ -50,14 +58,16 @@ def register(subparsers: Any) -> None:
     register_pool(sub)  # bsr-io store pool fill|probe|verify: a Mooncake Store pool
 
 
-def _open_existing(path: Path) -> LowerTier:
+def _open_existing(path: Path, *, read_only: bool = False) -> LowerTier:
     if not (path / "chunks").is_dir():
         raise ValueError(f"{path} is not a bsr-io store (no chunks/ directory)")
-    return LowerTier(path)  # buffered: headers only, no engine needed
+    return LowerTier(path, read_only=read_only)  # buffered: headers only, no engine needed
 
 
 def run_stats(args: argparse.Namespace) -> int:
-    tier = _open_existing(args.dir)
+    # A look only: a monitor that runs stats must not move corruption out of verify's
+    # sight (bad records stay in place, reported here and by verify).
+    tier = _open_existing(args.dir, read_only=True)
     groups: Counter[tuple[str, int, int, str]] = Counter()
     nbytes = 0
     for key in tier.keys():
@@ -69,18 +79,24 @@ def run_stats(args: argparse.Namespace) -> int:
         "records": len(tier.keys()),
         "bytes": nbytes,
         "quarantined": len(tier.quarantined_files()),
-        "found_bad_on_open": [{"file": p.path, "reason": p.reason} for p in tier.problems],
+        "bad": [{"file": p.path, "reason": p.reason} for p in tier.problems],
         "namespaces": [
             {"model": m, "world_size": w, "rank": r, "layout": fp, "records": n}
             for (m, w, r, fp), n in sorted(groups.items())
         ],
     }
+    rc = 1 if tier.problems else 0  # a bad header is news to a monitor
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
+        return rc
     print(
         f"{out['dir']}: {out['records']} records, {fmt_size(nbytes)}, "
         f"{out['quarantined']} quarantined"
+        + (
+            f", {len(tier.problems)} bad (left in place: verify quarantines them)"
+            if tier.problems
+            else ""
+        )
     )
     for ns in out["namespaces"]:
         print(
@@ -88,8 +104,8 @@ def run_stats(args: argparse.Namespace) -> int:
             f"{ns['records']} records"
         )
     for p in tier.problems:
-        print(f"  bad record moved to quarantine: {p.path}: {p.reason}")
-    return 0
+        print(f"  BAD {p.path}: {p.reason}")
+    return rc
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -115,9 +131,16 @@ def run_verify(args: argparse.Namespace) -> int:
     print(
         f"{ok} records verified, {len(bad)} corrupt"
         + (f" (moved to {scan.quarantine_dir})" if bad else "")
-        + (f"; {earlier} quarantined earlier" if earlier > 0 else "")
+        + (
+            f"; {earlier} quarantined earlier (in {scan.quarantine_dir}: remove them once "
+            "looked at, and verify passes)"
+            if earlier > 0
+            else ""
+        )
     )
-    return 1 if bad else 0
+    # Corruption found earlier (by a restore, or a verify) still fails the check until
+    # somebody has looked: a monitor never sees a store that had bad records as sound.
+    return 1 if bad or earlier > 0 else 0
 
 
 def run_fill(args: argparse.Namespace) -> int:

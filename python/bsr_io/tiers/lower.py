@@ -51,6 +51,7 @@ class LowerTier(FileTier):
         layout: KVLayout | None = None,
         name: str = "L3",
         write_timeout_s: float = 30.0,
+        read_only: bool = False,
     ) -> None:
         expect_type(root, (str, os.PathLike), "root (the tier's directory)")
         if not write_timeout_s > 0:
@@ -58,7 +59,7 @@ class LowerTier(FileTier):
         self.write_timeout_s = write_timeout_s
         self._stuck = 0  # reads given up on whose file calls have not returned yet
         self._stuck_lock = threading.Lock()
-        super().__init__(root, capacity_bytes, name=name, layout=layout)
+        super().__init__(root, capacity_bytes, name=name, layout=layout, read_only=read_only)
 
     def _stored(self, key: ChunkKey) -> bool:
         try:

@@ -172,11 +172,13 @@ class RecordIndex:
 OnBad = Callable[[Path, RecordId, str], None]
 
 
-def scan_names(chunks_dir: Path, tier: str, sized: bool) -> list[tuple[Slot, Held]]:
+def scan_names(
+    chunks_dir: Path, tier: str, sized: bool, *, reap: bool = True
+) -> list[tuple[Slot, Held]]:
     """Every record under `chunks_dir`, by name, Unverified: no header is read. `sized`:
     each is stated for its size and age and listed oldest first (a capacity needs
     them); else the listing's own data suffices (names, file types) and sizes are 0.
-    Torn writes are removed. The names come from the store's one listing
+    Torn writes are removed (unless not `reap`). The names come from the store's one listing
     (listing.py), so the tier holds what every other view lists."""
     found: list[tuple[Slot, Held]] = []
     try:
@@ -185,7 +187,7 @@ def scan_names(chunks_dir: Path, tier: str, sized: bool) -> list[tuple[Slot, Hel
         raise TierDown(f"cannot list {chunks_dir}", tier=tier, cause=exc) from exc
     for ns in names:
         try:
-            listed = list(record_stats(chunks_dir / ns, _reap_tmp, sized=sized))
+            listed = list(record_stats(chunks_dir / ns, _reap_tmp if reap else None, sized=sized))
         except OSError:
             continue  # unreadable now: not indexed, checked again by the next probe
         if sized:

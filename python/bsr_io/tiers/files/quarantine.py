@@ -29,9 +29,13 @@ class Problem:
 
 
 class Quarantine:
-    def __init__(self, directory: Path) -> None:
+    """`move`: False for a look that changes nothing (`bsr-io store stats`): a bad record
+    is then only remembered as bad, as one that cannot be moved is."""
+
+    def __init__(self, directory: Path, *, move: bool = True) -> None:
         self.dir = directory
-        self._unmovable: set[tuple[int, int, int]] = set()  # bad files we could not move
+        self.move = move
+        self._unmovable: set[tuple[int, int, int]] = set()  # bad files left in place
 
     def move_aside(self, path: Path, record: RecordId, reason: str) -> bool:
         """Withdraw `record`: move it here with a note of `reason`, or, where it cannot be
@@ -40,6 +44,9 @@ class Quarantine:
         try:
             if not _is_record(path, record):
                 return False
+            if not self.move:
+                self._leave(path, record)
+                return True
             mkdir_private(self.dir)
             dest = self.dir / f"{path.parent.name}-{path.name.removesuffix(SUFFIX)}"
             dest = dest.with_name(f"{dest.name}.{time.time_ns()}{SUFFIX}")
@@ -62,16 +69,20 @@ class Quarantine:
             return False
         except OSError:
             # Cannot move it: at least stop advertising it here.
-            try:
-                st = os.stat(path)
-                if record.same_file(st):
-                    self._unmovable.add((st.st_ino, st.st_mtime_ns, st.st_size))
-            except OSError:
-                return False
+            return self._leave(path, record)
+        return True
+
+    def _leave(self, path: Path, record: RecordId) -> bool:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False
+        if record.same_file(st):
+            self._unmovable.add((st.st_ino, st.st_mtime_ns, st.st_size))
         return True
 
     def holds(self, st: os.stat_result) -> bool:
-        """Whether the file `st` describes is a bad record that could not be moved."""
+        """Whether the file `st` describes is a bad record left in place."""
         return (st.st_ino, st.st_mtime_ns, st.st_size) in self._unmovable
 
     def files(self) -> list[Path]:

@@ -81,8 +81,12 @@ class FileTier(Tier):
         name: str,
         layout: KVLayout | None = None,
         evict_to: FileTier | None = None,
+        read_only: bool = False,
     ) -> None:
         super().__init__(name)
+        # read_only: a look that changes nothing on disk (`bsr-io store stats`): bad
+        # records are left in place (not advertised), torn writes are not reaped.
+        self.read_only = read_only
         check_capacity(name, capacity_bytes, HEADER_BYTES + layout.chunk_bytes if layout else None)
         self.capacity_bytes = capacity_bytes
         self.root = Path(os.path.abspath(root))
@@ -92,7 +96,7 @@ class FileTier(Tier):
         self._index = RecordIndex(self._lock)
         self._paths: dict[ChunkKey, Path] = {}
         self._room = Room(self._lock, capacity_bytes, self._index)
-        self._quarantine = Quarantine(self.quarantine_dir)
+        self._quarantine = Quarantine(self.quarantine_dir, move=not read_only)
         self._pins = Pins()  # namespace directories held open: their paths stay cached
         self.problems: list[Problem] = []
         try:
@@ -121,7 +125,8 @@ class FileTier(Tier):
         each): no header is read, so opening a store costs the same at any size. Torn
         writes are removed; a record is checked at its first use (`contains`, a read,
         its eviction), and quarantined there if it fails."""
-        self._index.replace(scan_names(self.chunks_dir, self.name, self.capacity_bytes is not None))
+        sized = self.capacity_bytes is not None
+        self._index.replace(scan_names(self.chunks_dir, self.name, sized, reap=not self.read_only))
 
     def check_listed(self) -> None:
         """Read and check the header of every record not checked since the open, as the
