@@ -85,6 +85,17 @@ def test_fio_reads_exactly_the_payload_ranges(tmp_path):
         [tmp_path, tmp_path], payload_offset=4096, payload_bytes=payload, files=3
     )
     assert r2.bytes_read == 6 * payload
+    # A payload size per directory (a hybrid set's pools): each read to its own length.
+    small = tmp_path.parent / f"{tmp_path.name}-small"  # not below tmp_path: opendir recurses
+    small.mkdir()
+    for i in range(2):
+        (small / f"{i}.chunk").write_bytes(bytes([i]) * (4096 + 8192))
+    r3 = fio_read_payloads(
+        [tmp_path, small], payload_offset=4096, payload_bytes=[payload, 8192], files=[3, 2]
+    )
+    assert r3.bytes_read == 3 * payload + 2 * 8192
+    with pytest.raises(ValueError, match="payload sizes"):
+        fio_read_payloads([tmp_path], payload_offset=4096, payload_bytes=[1, 2], files=3)
     with pytest.raises(ValueError, match="aligned"):
         fio_read_payloads(tmp_path, payload_offset=4096, payload_bytes=payload + 100, files=3)
 

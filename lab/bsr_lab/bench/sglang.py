@@ -12,9 +12,10 @@ real host pool (MHA, page_first), three ways on the same pages, interleaved per 
 `sglang_hybrid.py` says what shape) beside the KV pool, read as SGLang's HiCache v2 does:
 the KV through v1, every sidecar of the same pages through `batch_get_v2` (bsr: one
 commit, the first page any pool fails ends every pool's prefix; file: `HiCacheFile`'s
-own v2). fio then reads each pool's record files in turn, one run per pool (a sidecar
-payload is read to its last whole 4 KiB: the files are not padded), and its rate is its
-bytes over the runs' summed time.
+own v2). fio reads every pool's record files two ways (a sidecar payload to its last
+whole 4 KiB: the files are not padded): all pools at once in one run, a job set per pool
+(`fio`), and each pool in turn (`fio_in_turn`, bytes over the runs' summed time); the
+ratio to the drive is against the faster of the two.
 
 GiB/s per round and CPU seconds per GiB of this process (every thread; fio's own CPU is
 not counted). Every round's pools are zeroed first and compared with the saved bytes
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             extra_config=extra,
         )
 
-    rows: dict[str, list[dict[str, float]]] = {"bsr": [], "file": [], "fio": []}
+    rows: dict[str, list[dict[str, float]]] = {"bsr": [], "file": [], "fio": [], "fio_in_turn": []}
     with scratch_dir(args.dir, "bsr-bench-sglang-", need_bytes=2 * state + (1 << 30)) as root:
         (root / "bsr").mkdir()
         extra = {
@@ -221,29 +222,36 @@ def run(args: argparse.Namespace) -> int:
                 if sides:
                     all_read("HiCacheFile", hfile.batch_get_v2(transfers(ks, idx)))
 
-        def fio_read() -> tuple[float, int]:
-            """Each pool's files in turn: summed seconds, bytes read."""
-            secs, nbytes = 0.0, 0
-            for d, payload in fio_sets:
+        def fio_read(together: bool) -> tuple[float, int]:
+            """Every pool's files, at once (one fio run, a job set per pool: the drive
+            sees all of them in flight) or each pool in turn (summed runtimes): seconds,
+            bytes read."""
+            hugemem = huge if huge.mount else None
+            sets = [fio_sets] if together else [[one] for one in fio_sets]
+            secs = 0.0
+            for group in sets:
                 res = fio_read_payloads(
-                    d,
+                    [d for d, _ in group],
                     payload_offset=HEADER_BYTES,
-                    payload_bytes=payload,
+                    payload_bytes=[b for _, b in group],
                     files=pages,
                     iodepth=32,
-                    hugemem=huge if huge.mount else None,
+                    hugemem=hugemem,
                 )
-                secs, nbytes = secs + res.seconds, nbytes + payload * pages
-            return secs, nbytes
+                secs += res.seconds
+            return secs, sum(b for _, b in fio_sets) * pages
 
         have_fio = fio_available()
         plain = HugeMem(None, "plain pages asked for (--fio-buffers plain)")
-        huge_ctx = huge_page_buffers(32 << 20) if args.fio_buffers == "huge" else nullcontext(plain)
+        # One buffer per job: the KV's 32 requests, and with sidecars their jobs beside it.
+        need = (64 if sides else 32) << 20
+        huge_ctx = huge_page_buffers(need) if args.fio_buffers == "huge" else nullcontext(plain)
         with huge_ctx as huge:
             fio_note = huge.note if huge.mount is None else f"huge pages at {huge.mount}"
             for r in range(args.rounds):
-                for name in ("bsr", "file", "fio"):
-                    if name == "fio" and not have_fio:
+                fios = ("fio", "fio_in_turn") if sides else ("fio",)
+                for name in ("bsr", "file", *fios):
+                    if name.startswith("fio") and not have_fio:
                         continue
                     flat.zero_()
                     for v in side_flat.values():
@@ -251,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
                     cold = drop_caches()
                     t0, c0 = time.perf_counter(), process_cpu_s()
                     nbytes = state
-                    if name == "fio":
-                        secs, nbytes = fio_read()
+                    if name.startswith("fio"):
+                        secs, nbytes = fio_read(together=name == "fio")
                         cpu = None
                     else:
                         (bsr_read if name == "bsr" else file_read)()
@@ -274,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
                         row["cpu_s_per_gib"] = cpu / (state / GiB)
                     rows[name].append(row)
                     print(
-                        f"round {r} {name:>4}: {row['gib_s']:.2f} GiB/s"
+                        f"round {r} {name:>11}: {row['gib_s']:.2f} GiB/s"
                         + (f", {row['cpu_s_per_gib']:.3f} CPU s/GiB" if cpu is not None else "")
                     )
         bsr_stats = dict(bsr.stats)
@@ -292,8 +300,13 @@ def run(args: argparse.Namespace) -> int:
     bsr_gib = summary["bsr"]["gib_s"]
     if "file" in summary and bsr_gib and summary["file"]["gib_s"]:
         summary["bsr_over_file"] = {"ratio": bsr_gib / summary["file"]["gib_s"]}
-    if "fio" in summary and bsr_gib and summary["fio"]["gib_s"]:
-        summary["bsr_over_fio"] = {"ratio": bsr_gib / summary["fio"]["gib_s"]}
+    # The drive's reference is the faster of fio's two ways (a hybrid set's pools at once,
+    # or in turn): the strongest measured in the run.
+    fio_best = max(
+        (summary[n]["gib_s"] or 0.0 for n in ("fio", "fio_in_turn") if n in summary), default=0.0
+    )
+    if bsr_gib and fio_best:
+        summary["bsr_over_fio"] = {"ratio": bsr_gib / fio_best}
     for k, v in summary.items():
         print(f"{k}: {v}")
     write_json(

@@ -251,7 +251,7 @@ def fio_read_payloads(
     directory: str | os.PathLike[str] | list[str] | list[Path],
     *,
     payload_offset: int,
-    payload_bytes: int,
+    payload_bytes: int | list[int],
     files: int | list[int],
     block_bytes: int = 1 << 20,
     iodepth: int = 32,
@@ -264,32 +264,29 @@ def fio_read_payloads(
     fio issues whole blocks only, so a payload that is not a multiple of `block_bytes` is
     read as two concurrent jobs, as the engine splits it: the whole blocks, and each
     file's tail in one request. The time is fio's measured runtime (the longest job).
-    Several directories (one per rank or per drive; `files` each, or a count per
-    directory) are read at the same time, one set of jobs each, as ranks restore at the
-    same time and a striped tier reads its drives."""
+    Several directories (one per rank, per drive or per pool; `files` and `payload_bytes`
+    each, or one for all) are read at the same time, one set of jobs each, as ranks
+    restore at the same time and a striped tier reads its drives."""
     dirs = directory if isinstance(directory, list) else [directory]
     counts = files if isinstance(files, list) else [files] * len(dirs)
-    if len(counts) != len(dirs):
-        raise ValueError(f"{len(counts)} file counts for {len(dirs)} directories")
-    body = payload_bytes // block_bytes * block_bytes
-    tail = payload_bytes - body
-    if payload_bytes <= 0 or min(counts) <= 0:
+    sizes = payload_bytes if isinstance(payload_bytes, list) else [payload_bytes] * len(dirs)
+    if len(counts) != len(dirs) or len(sizes) != len(dirs):
+        raise ValueError(
+            f"{len(counts)} file counts and {len(sizes)} payload sizes for {len(dirs)} directories"
+        )
+    if min(sizes) <= 0 or min(counts) <= 0:
         raise ValueError("nothing to read: no payload bytes or no files")
-    if tail % 4096 or payload_offset % 4096:
-        raise ValueError("payload offset and tail must be 4096-byte aligned for O_DIRECT")
-    jobs = []
-    tail_depth = min(2, iodepth - 1) if body and tail else 0
-    if body:
-        jobs.append(("body", payload_offset, block_bytes, iodepth - tail_depth, body))
-    if tail:
-        jobs.append(("tail", payload_offset + body, tail, tail_depth or iodepth, tail))
+    if payload_offset % 4096:
+        raise ValueError("payload offset must be 4096-byte aligned for O_DIRECT")
     text = ""
-    for d, (one_dir, nfiles) in enumerate(zip(dirs, counts, strict=True)):
+    for d, (one_dir, nfiles, size) in enumerate(zip(dirs, counts, sizes, strict=True)):
         common = (
             f"opendir={os.fspath(one_dir)}\nioengine=io_uring\ndirect=1\nfixedbufs=1\n"
             "rw=read\nfile_service_type=sequential\n"
         )
-        for name, off, bs, depth, per_file in jobs:
+        for name, off, bs, depth, per_file in _payload_jobs(
+            payload_offset, size, block_bytes, iodepth
+        ):
             mem = hugemem.iomem(f"{name}{d}") if hugemem else None
             text += (
                 f"[{name}{d}]\n{common}offset={off}\nbs={bs}\niodepth={depth}\n"
@@ -299,11 +296,29 @@ def fio_read_payloads(
     report, wall = _run(cmd, timeout_s, stdin=text)
     nbytes = sum(int(j["read"]["io_bytes"]) for j in report["jobs"])
     seconds = max(j["read"]["runtime"] for j in report["jobs"]) / 1000.0
-    want = payload_bytes * sum(counts)
+    want = sum(size * n for size, n in zip(sizes, counts, strict=True))
     if nbytes != want:
         raise RuntimeError(f"fio read {nbytes} bytes of the payloads' {want}: {text}")
     seconds = seconds or wall  # under a millisecond: fio reports 0, the process time stands
     return FioResult(nbytes / seconds / GiB, nbytes, seconds, [*cmd, text], wall)
+
+
+def _payload_jobs(
+    offset: int, payload: int, block_bytes: int, iodepth: int
+) -> list[tuple[str, int, int, int, int]]:
+    """(name, offset, block size, depth, bytes per file) of the jobs reading one payload:
+    its whole blocks, and its tail in one request beside them."""
+    body = payload // block_bytes * block_bytes
+    tail = payload - body
+    if tail % 4096:
+        raise ValueError(f"a payload tail of {tail} bytes is not 4096-byte aligned for O_DIRECT")
+    jobs = []
+    tail_depth = min(2, iodepth - 1) if body and tail else 0
+    if body:
+        jobs.append(("body", offset, block_bytes, iodepth - tail_depth, body))
+    if tail:
+        jobs.append(("tail", offset + body, tail, tail_depth or iodepth, tail))
+    return jobs
 
 
 FIO_DEPTHS = (4, 8, 16, 32)  # the queue depths `best_depth` tries

@@ -38,6 +38,12 @@ def test_bench_sglang_tiny(tmp_path: Path, layout: str) -> None:
         assert rep["summary"][way]["gib_s"] > 0
     if fio_available():
         assert rep["summary"]["fio"]["gib_s"] > 0
+        # A hybrid set is read by fio two ways (pools at once, in turn); the ratio is
+        # against the faster.
+        ways = ["fio", "fio_in_turn"] if layout == "hybrid" else ["fio"]
+        assert [w for w in ("fio", "fio_in_turn") if w in rep["summary"]] == ways
+        best = max(rep["summary"][w]["gib_s"] for w in ways)
+        assert rep["summary"]["bsr_over_fio"]["ratio"] == rep["summary"]["bsr"]["gib_s"] / best
         # fio read the KV's files and every sidecar's with a whole 4 KiB block.
         assert len(rep["fio_payload_bytes"]) == 1 + sum(
             1 for n in SIDECARS if rep["pool_page_bytes"].get(n, 0) >= 4096
