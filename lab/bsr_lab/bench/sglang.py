@@ -314,6 +314,15 @@ def run(args: argparse.Namespace) -> int:
         {
             "bench": "sglang",
             "sglang": __import__("sglang").__version__,
+            "ran": "CPU only: SGLang's own host pool classes (MHATokenToKVPoolHost"
+            + (
+                ", DeepSeekV4PagedHostPool for each sidecar) over CPU tensors standing in "
+                "for the device pools, of the row bytes SGLang's device pool code gives "
+                "(bsr_lab.bench.sglang_hybrid)"
+                if sides
+                else ") over a CPU tensor standing in for the device pool"
+            )
+            + "; reads from the store directory's drive, page cache dropped before each",
             "pages": pages,
             "page_bytes": page_bytes,
             "pool_page_bytes": {"kv": kv_page_bytes, **side_bytes},
