@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         need = (64 if sides else 32) << 20
         huge_ctx = huge_page_buffers(need) if args.fio_buffers == "huge" else nullcontext(plain)
         with huge_ctx as huge:
-            fio_note = huge.note if huge.mount is None else f"huge pages at {huge.mount}"
+            fio_note = huge.note if huge.mount is None else "huge pages (hugetlbfs)"
             for r in range(args.rounds):
                 fios = ("fio", "fio_in_turn") if sides else ("fio",)
                 for name in ("bsr", "file", *fios):
