@@ -35,6 +35,12 @@ background() { # background LOG CMD...: run CMD in the background, output to LOG
     LAST_BACKGROUND=$!
 }
 
+logged_result() { # logged_result LOG: print what a background check wrote, exit as it did
+    cat "$1"
+    [ -s "$1.rc" ] || { echo "no exit status recorded in $1.rc" >&2; return 1; }
+    return "$(cat "$1.rc")"
+}
+
 wait_background() { # wait_background NAME PID LOG: a failed job is a failed stage
     local name=$1 pid=$2 log=$3
     echo "== $name (started in the background)"

