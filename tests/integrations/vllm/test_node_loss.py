@@ -41,6 +41,8 @@ EXECUTE_S = 30  # VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS on both nodes
 ERROR_PATH_S = 30
 NODE_ENV = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(EXECUTE_S)}
 IN_FLIGHT = 3
+# gloo's words for a peer that went away (lower case; its own strings, in libtorch).
+PEER_GONE = ("connection reset by peer", "connection closed by peer", "broken pipe")
 # Long enough that every in-flight request is still decoding when node 1 dies (each
 # decode step of this model takes milliseconds; these take minutes to finish).
 DECODE_TOKENS = 6000
@@ -107,7 +109,11 @@ def _drill(pair: NodePair) -> dict[str, Any]:
         c.stop()
     log0 = c.log_tail(0, 400_000)
     out["log0"] = log0[-4000:]
-    out["cause"] = [why for why in ("Connection reset by peer", "timed out") if why in log0]
+    # How the step ended on node 0: gloo saw the peer go (reset, or closed: its message
+    # depends on whether the kill's FIN or RST came first), or a wait timed out (gloo's
+    # "Timed out waiting", vLLM's execute timeout).
+    low = log0.lower()
+    out["cause"] = [why for why in PEER_GONE + ("timed out",) if why in low]
     c.start()  # both nodes, the same drives
     try:
         c.wait_ready()
