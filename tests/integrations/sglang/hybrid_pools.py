@@ -21,6 +21,10 @@
   `DeepSeekV4UnifiedKVPool._unified_page_views` and the FP4 `DeepSeekV4IndexerPool` give
   (nope rows of `DSV4_FP8_NOPE_ROW_BYTES`, rope rows of 64 bf16), passed through
   SGLang's own `_dsv4_indexer_regions`.
+- `dsa`: a DeepSeek sparse-attention (DSA) model: SGLang's MLA host pool over its
+  CPU-built `DSATokenToKVPool` as the KV, and the `indexer` pool SGLang registers beside
+  it (`DSAIndexerPoolHost`, from `make_dsa_indexer_pool_decl`: the packed FP8 index
+  keys and their scales, riding on the KV's pages), all pages.
 - Page sizes: SGLang's DeepSeek-V4 pages are 256 tokens; at the tests' 1 and 64 a
   compressed page holds `max(1, page // ratio)` rows (a geometry stand-in).
 - Not built: `deepseek_v4_c128_state` (SGLang keeps C128 state per request, not per
@@ -47,12 +51,15 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
 from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
 from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolTransfer
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_indexer_regions
+from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
 from sglang.srt.mem_cache.memory_pool_host import (
     DeepSeekV4PagedHostPool,
     DeepSeekV4StateHostPool,
     LogicalHostPool,
 )
+from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 ALL, TRAILING = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
 HOST_PAGES = 24  # pages each pool holds (small: a few KiB to a few hundred per page)
@@ -70,6 +77,7 @@ class Sidecar:
 class PoolSet:
     kv: Any  # the anchor (logical for DeepSeek-V4)
     sidecars: list[Sidecar]
+    mla: bool = False  # the anchor is an MLA pool (SGLang's storage config says so)
 
     def sidecar(self, name: str) -> Sidecar:
         return next(s for s in self.sidecars if s.name == name)
@@ -204,6 +212,42 @@ def mamba_pool(slots: int = HOST_PAGES) -> MambaPoolHost:
     )
 
 
+def _dsa(tokens: int, page: int) -> PoolSet:
+    """DSA: the MLA KV (latent 64 + rope 32) over SGLang's `DSATokenToKVPool` on the CPU,
+    and its `indexer` host pool (SGLang asserts the index head dim is 128)."""
+    dev = DSATokenToKVPool(
+        tokens,
+        page,
+        64,
+        torch.bfloat16,
+        32,
+        LAYERS,
+        "cpu",
+        INDEX_DIM,
+        False,
+        96,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+        index_buf_size=tokens,  # else sized from the published parallel config
+    )
+    kv = MLATokenToKVPoolHost(
+        dev.get_device_pool_infos()[0].buffer_info,
+        2.0,
+        0,
+        page,
+        "page_first",
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=dev.size,
+        start_layer=0,
+        end_layer=LAYERS - 1,
+        target_layer_num=LAYERS,
+    )
+    decl = make_dsa_indexer_pool_decl(dev)
+    indexer = DSAIndexerPoolHost(decl, kv, pin_memory=False, device="cpu")
+    return PoolSet(kv, [Sidecar(str(decl.pool_name), indexer, ALL)], mla=True)
+
+
 def build(kind: str, page: int) -> PoolSet:
     tokens = HOST_PAGES * page // 2  # the host pool holds twice the device's
     if kind == "swa":
@@ -216,6 +260,8 @@ def build(kind: str, page: int) -> PoolSet:
             mha_pool("page_first", tokens=tokens, page=page),
             [Sidecar("mamba", mamba_pool(), TRAILING, 1)],
         )
+    if kind == "dsa":
+        return _dsa(tokens, page)
     if kind in ("dsv4", "dsv4_fp8"):
         anchor = LogicalHostPool(HOST_PAGES * page, page, layout="page_first")
         return PoolSet(anchor, _dsv4(page) if kind == "dsv4" else _dsv4_fp8(page))
