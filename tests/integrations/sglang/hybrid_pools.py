@@ -40,7 +40,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from pools import mha_pool
+from pools import mha_pool, mla_host
 from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
     DSV4_FP8_NOPE_ROW_BYTES,
@@ -59,7 +59,6 @@ from sglang.srt.mem_cache.memory_pool_host import (
 )
 from sglang.srt.mem_cache.pool_host.dsa import DSAIndexerPoolHost, make_dsa_indexer_pool_decl
 from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 ALL, TRAILING = PoolHitPolicy.ALL_PAGES, PoolHitPolicy.TRAILING_PAGES
 HOST_PAGES = 24  # pages each pool holds (small: a few KiB to a few hundred per page)
@@ -230,19 +229,7 @@ def _dsa(tokens: int, page: int) -> PoolSet:
         end_layer=LAYERS - 1,
         index_buf_size=tokens,  # else sized from the published parallel config
     )
-    kv = MLATokenToKVPoolHost(
-        dev.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        page,
-        "page_first",
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=dev.size,
-        start_layer=0,
-        end_layer=LAYERS - 1,
-        target_layer_num=LAYERS,
-    )
+    kv = mla_host(dev, "page_first")
     decl = make_dsa_indexer_pool_decl(dev)
     indexer = DSAIndexerPoolHost(decl, kv, pin_memory=False, device="cpu")
     return PoolSet(kv, [Sidecar(str(decl.pool_name), indexer, ALL)], mla=True)

@@ -61,11 +61,16 @@ def mla_pool(layout: str, *, tokens: int = 1024, page: int = PAGE) -> MLATokenTo
         start_layer=0,
         end_layer=LAYERS - 1,
     )
+    return mla_host(device, layout)
+
+
+def mla_host(device: Any, layout: str) -> MLATokenToKVPoolHost:
+    """SGLang's MLA host pool over `device` (an MLA device pool of LAYERS layers)."""
     return MLATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
         2.0,
         0,
-        page,
+        device.page_size,
         layout,
         pin_memory=False,
         device="cpu",
