@@ -70,13 +70,14 @@ def run_stats(args: argparse.Namespace) -> int:
     tier = _open_existing(args.dir, read_only=True)
     groups: Counter[tuple[str, int, int, str]] = Counter()
     nbytes = 0
-    for key in tier.keys():
+    keys = tier.keys()  # checks every record's header once
+    for key in keys:
         groups[(key.model, key.world_size, key.rank, key.layout_fingerprint)] += 1
     for header in tier.headers():
         nbytes += header.record_bytes
     out: dict[str, Any] = {
         "dir": str(tier.root),
-        "records": len(tier.keys()),
+        "records": len(keys),
         "bytes": nbytes,
         "quarantined": len(tier.quarantined_files()),
         "bad": [{"file": p.path, "reason": p.reason} for p in tier.problems],

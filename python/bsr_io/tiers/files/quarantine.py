@@ -45,8 +45,7 @@ class Quarantine:
             if not _is_record(path, record):
                 return False
             if not self.move:
-                self._leave(path, record)
-                return True
+                return self._leave(path, record)
             mkdir_private(self.dir)
             dest = self.dir / f"{path.parent.name}-{path.name.removesuffix(SUFFIX)}"
             dest = dest.with_name(f"{dest.name}.{time.time_ns()}{SUFFIX}")
