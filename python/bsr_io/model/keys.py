@@ -13,6 +13,7 @@ has no key.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
@@ -92,6 +93,7 @@ def extend_prefix_hashes(
     return hashes
 
 
+@functools.lru_cache(maxsize=256)  # a server keys every record of a handful of models
 def model_digest(model: str) -> str:
     """32 hex chars naming a model in paths; the raw name never becomes a path component."""
     return hashlib.blake2b(model.encode("utf-8"), digest_size=16, person=b"bsr-model").hexdigest()

@@ -115,8 +115,9 @@ class KVLayout:
     name: str
     groups: tuple[AllocatorGroup, ...]
     chunk_tokens: int = 256
-    # Computed once: every record's save and read asks for it.
+    # Computed once: every record's save and read asks for them.
     _fingerprint: str = field(default="", init=False, repr=False, compare=False)
+    _token_bytes: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
@@ -139,16 +140,17 @@ class KVLayout:
                     f"group {g.name}: block_tokens {g.block_tokens} does not divide "
                     f"chunk_tokens {self.chunk_tokens}"
                 )
+        object.__setattr__(self, "_token_bytes", sum(g.token_bytes for g in groups))
         object.__setattr__(self, "_fingerprint", self._digest())
         _remember(self)
 
     @property
     def token_bytes(self) -> int:
-        return sum(g.token_bytes for g in self.groups)
+        return self._token_bytes
 
     @property
     def chunk_bytes(self) -> int:
-        return self.chunk_tokens * self.token_bytes
+        return self.chunk_tokens * self._token_bytes
 
     def group(self, name: str) -> AllocatorGroup:
         for g in self.groups:

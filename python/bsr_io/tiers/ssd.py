@@ -44,7 +44,7 @@ from bsr_io.tiers.base import (
 from bsr_io.tiers.files import FileTier, RecordId
 from bsr_io.tiers.files.bounded import run_within
 from bsr_io.tiers.files.publish import write_error
-from bsr_io.tiers.files.records import Entry, tmp_path
+from bsr_io.tiers.files.records import Entry, record_name, tmp_name
 
 _local = threading.local()
 
@@ -91,6 +91,7 @@ class SSDTier(FileTier):
         self.write_timeout_s = write_timeout_s
         self.durable = durable  # False: records published without their two flushes
         super().__init__(root, capacity_bytes, name=name, layout=layout, evict_to=evict_to)
+        self._chunks_text = os.fspath(self.chunks_dir)
 
     def _stage(self, payload: Payload, layout: KVLayout) -> tuple[Slot, bool]:
         """(the slot holding the payload, whether the tier leased it)."""
@@ -119,8 +120,8 @@ class SSDTier(FileTier):
         slot, leased = staged.pop()
         n = layout.chunk_bytes
         header = make_header(key, layout, slot.checksum(0, n))
-        final = self.path_of(key)
-        tmp = tmp_path(final)
+        final = record_name(self._chunks_text, key)  # text: the engine takes it as is
+        tmp = tmp_name(final)
         try:
             dev, ino, mtime_ns, _ = self.engine.publish(
                 slot,
@@ -139,14 +140,15 @@ class SSDTier(FileTier):
                 " (it may yet publish it whole)" if exc.step.startswith(("rename", "dir")) else ""
             )
             raise ChunkWriteError(
-                f"the {exc.step} of {tmp.name} did not end within {self.write_timeout_s} s "
-                f"(device stalled?); record not stored{note}, earlier records intact",
+                f"the {exc.step} of {os.path.basename(tmp)} did not end within "
+                f"{self.write_timeout_s} s (device stalled?); record not stored{note}, "
+                "earlier records intact",
                 key=key,
                 tier=self.name,
                 cause=exc,
             ) from None
         except OSError as exc:
-            raise write_error(self.name, key, final, exc) from exc
+            raise write_error(self.name, key, Path(final), exc) from exc
         return Entry(header, ino, mtime_ns)
 
     defers_verify = True

@@ -120,7 +120,7 @@ def chunk_hashes(ns_dir: Path) -> set[int]:
     one model and layout), by name only: the cheap question a catalog asks again every
     few seconds to stay fresh. Empty if the directory does not exist (yet) or is a link;
     raises OSError if it cannot be read, so a caller keeps the view it had."""
-    return {int(stem, 16) for stem, _ in records(ns_dir)}
+    return {int(stem, 16) for stem, _ in _listed(ns_dir, None)}  # no path built per record
 
 
 def list_store(chunks_dir: Path, suffixes: Iterable[str] | None = None) -> Held:
@@ -146,10 +146,11 @@ def record_stat(chunks_dir: Path, ns: str, chunk_hash: int) -> os.stat_result | 
     record's name). Raises OSError for an errno that leaves it unknown (EIO, EACCES)."""
     if not NS_RE.match(ns) or not 0 <= chunk_hash < 1 << 128:
         return None
+    ns_dir = f"{os.fspath(chunks_dir)}/{ns}"  # text, not pathlib: a save asks this each time
     try:
-        if not stat.S_ISDIR(os.lstat(chunks_dir / ns).st_mode):
+        if not stat.S_ISDIR(os.lstat(ns_dir).st_mode):
             return None  # a link (or a file) where the rank directory was
-        st = os.lstat(chunks_dir / ns / f"{chunk_hash:032x}{SUFFIX}")
+        st = os.lstat(f"{ns_dir}/{chunk_hash:032x}{SUFFIX}")
     except (FileNotFoundError, NotADirectoryError):
         return None
     return st if stat.S_ISREG(st.st_mode) else None

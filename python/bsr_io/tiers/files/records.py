@@ -12,7 +12,6 @@ import errno
 import hashlib
 import os
 import re
-import secrets
 import socket
 import stat
 from dataclasses import dataclass
@@ -32,18 +31,29 @@ _HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest(
 
 
 def record_path(chunks_dir: Path, key: ChunkKey) -> Path:
+    return Path(record_name(os.fspath(chunks_dir), key))
+
+
+def record_name(chunks_dir: str, key: ChunkKey) -> str:
+    """`record_path` as text: a save's hot path builds no pathlib object."""
     ns, stem = key.namespace(), key.file_stem()
     # Both are built from hex digests and ints; check anyway so that no future change
     # to ChunkKey can make a path that leaves the store.
     if not NS_RE.match(ns) or not STEM_RE.match(stem):
         raise BsrValueError(f"chunk key {key!r} does not give a safe file name")
-    return chunks_dir / ns / (stem + SUFFIX)
+    return f"{chunks_dir}/{ns}/{stem}{SUFFIX}"
 
 
 def tmp_path(final: Path) -> Path:
     """A temp name beside `final` that names its writer (host, pid), for the scan."""
-    stem = final.name.removesuffix(SUFFIX)
-    return final.parent / f".{stem}.{_HOST}.{os.getpid()}.{secrets.token_hex(6)}.tmp"
+    return Path(tmp_name(os.fspath(final)))
+
+
+def tmp_name(final: str) -> str:
+    """`tmp_path` as text."""
+    parent, _, name = final.rpartition("/")
+    stem = name.removesuffix(SUFFIX)
+    return f"{parent}/.{stem}.{_HOST}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
 
 
 @dataclass(slots=True)

@@ -155,14 +155,15 @@ class FileTier(Tier):
         super().close()
 
     def contains(self, key: ChunkKey, group: str | None = None) -> bool:
-        path = self.path_of(key)
         try:  # the listing's rules, the opens' too: no link anywhere below chunks/
-            st = record_stat(self.chunks_dir, path.parent.name, key.chunk_hash)
+            st = record_stat(self.chunks_dir, key.namespace(), key.chunk_hash)
         except OSError as exc:
+            path = self.path_of(key)
             raise TierDown(f"cannot stat {path}", key=key, tier=self.name, cause=exc) from exc
-        if st is None:
+        if st is None:  # a save's usual answer: no path built for it
             self._index.forget(key)
             return False
+        path = self.path_of(key)
         self._pins.pin(path.parent)
         entry = self._index.get(key)
         if entry is not None and (entry.ino, entry.mtime_ns) == (st.st_ino, st.st_mtime_ns):
