@@ -51,9 +51,9 @@ def tmp_path(final: Path) -> Path:
 
 def tmp_name(final: str) -> str:
     """`tmp_path` as text."""
-    parent, _, name = final.rpartition("/")
+    parent, name = os.path.split(final)
     stem = name.removesuffix(SUFFIX)
-    return f"{parent}/.{stem}.{_HOST}.{os.getpid()}.{os.urandom(6).hex()}.tmp"
+    return os.path.join(parent, f".{stem}.{_HOST}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
 
 
 @dataclass(slots=True)
