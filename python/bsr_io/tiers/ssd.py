@@ -91,7 +91,6 @@ class SSDTier(FileTier):
         self.write_timeout_s = write_timeout_s
         self.durable = durable  # False: records published without their two flushes
         super().__init__(root, capacity_bytes, name=name, layout=layout, evict_to=evict_to)
-        self._chunks_text = os.fspath(self.chunks_dir)
 
     def _stage(self, payload: Payload, layout: KVLayout) -> tuple[Slot, bool]:
         """(the slot holding the payload, whether the tier leased it)."""
@@ -120,7 +119,7 @@ class SSDTier(FileTier):
         slot, leased = staged.pop()
         n = layout.chunk_bytes
         header = make_header(key, layout, slot.checksum(0, n))
-        final = record_name(self._chunks_text, key)  # text: the engine takes it as is
+        final = record_name(os.fspath(self.chunks_dir), key)  # text: the engine takes it as is
         tmp = tmp_name(final)
         try:
             dev, ino, mtime_ns, _ = self.engine.publish(
