@@ -93,6 +93,14 @@ def test_grouped_rounds_take_the_spread_between_servers_into_the_interval():
     assert grouped["groups"] == 4
     lo, hi = compare([slow], [base], rng, 2000, groups)["steady_throughput_ratio_95"]
     assert hi < 0.97
+    # Where the spread is: between the epochs here (the servers' own speeds), ...
+    split = grouped["steady_throughput_spread"]
+    assert split["epoch_sd"] > 3 * split["within_epoch_sd"]
+    # ... and within them when the servers start alike and the rounds are noisy.
+    noisy = [round_figures(rd, "saturated", 4, MAX_TOKENS) for rd in rounds(40.0, 24, 0.03, 300)]
+    split = compare([noisy], [base], rng, 10, groups)["steady_throughput_spread"]
+    assert split["within_epoch_sd"] > split["epoch_sd"] > 0
+    assert split["round_sd"] > 0.01
 
 
 def test_serve_pool_refuses_runs_of_other_configurations(tmp_path, capsys):

@@ -12,7 +12,9 @@ then rounds within each; each resample's figure is computed as a run's is (outpu
 tokens/s in the saturated phase's steady state, pooled over the resampled rounds; TTFT
 p50 of the resampled misses), and the interval is the middle 95% of the resamples. The
 same is done for the control (a second server without the connector, A/A) and for
-bsr-io against the control. Every request streams exactly `max_tokens` tokens
+bsr-io against the control. Beside each interval, where its width comes from
+(`spread`): the rounds' ratio split into what differs between epochs and what moves
+within one, which says whether more restarts or more rounds would narrow it. Every request streams exactly `max_tokens` tokens
 (`ignore_eos`), which the committed JSONs record instead of the tokens themselves.
 """
 
@@ -99,6 +101,28 @@ def resample(rng: np.random.Generator, n: int, members: list[np.ndarray] | None)
     )
 
 
+def spread(
+    a: list[list[dict[str, Any]]],
+    b: list[list[dict[str, Any]]],
+    members: list[np.ndarray] | None,
+) -> dict[str, float | None]:
+    """How much a's steady rate over b's moves from round to round (sd of the log ratio:
+    0.03 is about 3%) and, with epochs, how that splits: the sd of the epochs' means
+    (servers started apart: more epochs narrow it) and of the rounds about their epoch's
+    mean (the machine within one epoch, phase to phase: only more rounds or a finer
+    interleaving narrow it)."""
+    n = len(a[0])
+    logs = np.log([figures(a, np.array([i]))[0] / figures(b, np.array([i]))[0] for i in range(n)])
+    out: dict[str, float | None] = {"round_sd": float(np.std(logs, ddof=1)) if n > 1 else None}
+    if members is not None:
+        means = [float(logs[m].mean()) for m in members]
+        left = float(sum(((logs[m] - logs[m].mean()) ** 2).sum() for m in members))
+        dof = n - len(members)
+        out["epoch_sd"] = float(np.std(means, ddof=1))
+        out["within_epoch_sd"] = float(np.sqrt(left / dof)) if dof else None
+    return out
+
+
 def compare(
     a: list[list[dict[str, Any]]],
     b: list[list[dict[str, Any]]],
@@ -126,6 +150,7 @@ def compare(
         "steady_throughput_ratio_95": [float(x) for x in np.percentile(thr, [2.5, 97.5])],
         "ttft_p50_ratio": ta / tb,
         "ttft_p50_ratio_95": [float(x) for x in np.percentile(ttft, [2.5, 97.5])],
+        "steady_throughput_spread": spread(a, b, members),
     }
 
 
