@@ -29,6 +29,7 @@ def test_result_names_commit_and_machine(tmp_path: Path) -> None:
     assert doc["machine"]["cpu"] == (model.group(1).strip() if model else "unknown")
     assert doc["machine"]["cpus"] == os.cpu_count()
     assert doc["machine"]["amx"] == bool(re.search(r"\bamx_tile\b", cpuinfo))
+    assert doc["machine"]["avx512"] == bool(re.search(r"\bavx512f\b", cpuinfo))
 
 
 def test_a_result_keeps_what_it_says_of_itself(tmp_path: Path) -> None:

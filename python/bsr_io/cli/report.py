@@ -33,8 +33,9 @@ def source_commit() -> str:
 
 def machine() -> dict[str, Any]:
     """The CPU a result was measured on: absolute rates differ severalfold between the
-    machines this runs on (a bf16 forward with AMX or without), so a figure is compared
-    only with those of the same machine, and ratios only within one run."""
+    machines this runs on (a bf16 forward with AMX, with AVX-512 or with AVX2 alone), so
+    a figure is compared only with those of the same machine, and ratios only within one
+    run."""
     model, flags = "unknown", ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -46,7 +47,13 @@ def machine() -> dict[str, Any]:
                     flags = value
     except OSError:
         pass
-    return {"cpu": model, "cpus": os.cpu_count(), "amx": "amx_tile" in flags.split()}
+    have = set(flags.split())
+    return {
+        "cpu": model,
+        "cpus": os.cpu_count(),
+        "amx": "amx_tile" in have,
+        "avx512": "avx512f" in have,
+    }
 
 
 def write_json(path: str | os.PathLike[str] | None, doc: Any) -> None:
