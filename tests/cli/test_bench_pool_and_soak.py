@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from bsr_lab.bench.serve import steady_rate
-from bsr_lab.bench.serve_pool import compare, round_figures
+from bsr_lab.bench.serve_pool import compare, round_figures, split_trace, trace_path
 from bsr_lab.bench.serve_pool import run as pool_run
 from bsr_lab.bench.soak import cycle_jobs, stability
 
@@ -132,6 +132,72 @@ def test_serve_pool_refuses_runs_of_other_configurations(tmp_path, capsys):
     assert "differ in their configuration" in capsys.readouterr().err
     args.runs = [str(a), str(a)]
     assert pool_run(args) == 0  # control: the same configuration twice pools
+    # Another dtype is another configuration (a run from before --dtype ran bfloat16).
+    doc["args"]["save_in_steps"] = True
+    doc["args"]["dtype"] = "float32"
+    b.write_text(json.dumps(doc))
+    args.runs = [str(a), str(b)]
+    assert pool_run(args) == 2
+    doc["args"]["dtype"] = "bfloat16"
+    b.write_text(json.dumps(doc))
+    assert pool_run(args) == 0
+
+
+def _run_doc(rate: float, seed: int) -> dict[str, Any]:
+    args = {"saturated": 12, "misses": 4, "concurrency": 4, "max_tokens": MAX_TOKENS}
+    args |= {"save_in_steps": True, "hidden": 768, "dtype": "float32"}
+    doc: dict[str, Any] = {"args": args, "device": "cpu", "commit": "x"}
+    doc["rounds"] = {
+        s: rounds(rate if s == "bsr_io" else 40.0, 8, 0.01, seed + 10 * i)
+        for i, s in enumerate(("baseline", "bsr_io", "control"))
+    }
+    for side in ("baseline", "bsr_io", "control"):
+        doc[side] = {"rss_mib": [[0.0, 100.0], [1.0, 140.0 + len(side)]]}
+    return doc
+
+
+def test_serve_pool_reads_split_runs_and_gives_the_goals_verdict(tmp_path):
+    """A committed run keeps its rounds in NAME.trace.json.gz (`split_trace`, which
+    `bench serve --json` calls): pooled from there they give the same figures as from
+    the JSON that held them, and the pool states the goal's verdict: met for a run as
+    fast as its references, not met for one 10% slower. A run whose trace is gone is
+    refused by name."""
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(_run_doc(40.0, 0)))
+    split = tmp_path / "split.json"
+    doc = _run_doc(40.0, 0)
+    split_trace(doc, split)
+    split.write_text(json.dumps(doc))
+    assert "rounds" not in doc and doc["rounds_file"] == "split.trace.json.gz"
+    assert trace_path(split).exists()
+    # Memory: the samples moved out, the peak kept.
+    assert doc["bsr_io"] == {"rss_mib_max": 146.0} and doc["control"] == {"rss_mib_max": 147.0}
+    outs = []
+    for path in (whole, split):
+        out = tmp_path / f"pool-{path.stem}.json"
+        args = SimpleNamespace(
+            runs=[str(path)], phase="saturated", seed=0, resamples=400, json=str(out)
+        )
+        assert pool_run(args) == 0
+        outs.append(json.loads(out.read_text()))
+    for key in ("bsr_io_vs_baseline", "control_vs_baseline", "bsr_io_vs_references"):
+        assert outs[0][key] == outs[1][key]
+    row = outs[1]["verdict"]["bsr_io_vs_references"]["steady_throughput_ratio"]
+    assert row["verdict"] == "met", row
+    # Control: the same pool over a run 10% slower than its references is not met.
+    slow = tmp_path / "slow.json"
+    slow.write_text(json.dumps(_run_doc(36.0, 0)))
+    out = tmp_path / "pool-slow.json"
+    args = SimpleNamespace(
+        runs=[str(slow)], phase="saturated", seed=0, resamples=400, json=str(out)
+    )
+    assert pool_run(args) == 0
+    row = json.loads(out.read_text())["verdict"]["bsr_io_vs_references"]["steady_throughput_ratio"]
+    assert row["verdict"] == "not met", row
+    # A split run without its trace: refused, the file named.
+    trace_path(split).unlink()
+    args = SimpleNamespace(runs=[str(split)], phase="saturated", seed=0, resamples=10, json=None)
+    assert pool_run(args) == 2
 
 
 def samples(segment: int, t0: float, n: int, fds: float, grow: float = 0.0) -> list[dict]:

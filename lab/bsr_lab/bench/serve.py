@@ -85,7 +85,7 @@ import numpy as np
 
 from bsr_io.cli.report import write_json
 from bsr_lab.bench import serve_stall
-from bsr_lab.bench.serve_pool import intervals
+from bsr_lab.bench.serve_pool import intervals, split_trace
 from bsr_lab.bench.verdict import judge, lines
 from bsr_lab.bench.vllm_trace import segments_by_chunks
 from bsr_lab.vllm import sched
@@ -815,9 +815,11 @@ def run(args: argparse.Namespace) -> int:
         print("saturated", line)
     print("outputs equal:", doc["outputs_equal"])
     shutil.rmtree(store, ignore_errors=True)  # GiB of records: measured, not kept
-    write_json(args.json, doc)
     if args.plot:
         plot(doc, args.plot)
+    if args.json is not None:
+        split_trace(doc, Path(args.json))
+    write_json(args.json, doc)
     return 0
 
 

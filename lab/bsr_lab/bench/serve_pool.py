@@ -22,6 +22,7 @@ record instead of the tokens themselves.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from collections.abc import Sequence
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from bsr_io.cli.report import write_json
+from bsr_lab.bench.verdict import judge, lines
 
 RESAMPLES = 10_000
 # Who is compared with whom. The two references (baseline, control) are the same server
@@ -186,10 +188,53 @@ def run_epochs(doc: dict[str, Any]) -> list[int]:
     return list(doc.get("round_epochs") or [0] * n)
 
 
+def trace_path(path: Path) -> Path:
+    """Where a run's per-request trace goes beside its JSON (NAME.trace.json.gz)."""
+    return path.with_name(path.name.removesuffix(".json") + ".trace.json.gz")
+
+
+def split_trace(doc: dict[str, Any], path: Path) -> None:
+    """Move `doc`'s rounds and memory samples into the trace file beside `path`: the
+    JSON keeps the summaries (docs/results keeps summaries), each side its peak RSS."""
+    rss = {}
+    for side in doc["rounds"]:
+        if "rss_mib" in doc.get(side, {}):
+            rss[side] = doc[side].pop("rss_mib")
+            doc[side]["rss_mib_max"] = max((m for _, m in rss[side]), default=None)
+    trace = {"from": path.name, "rounds": doc.pop("rounds"), "rss_mib": rss}
+    gz = trace_path(path)
+    gz.parent.mkdir(parents=True, exist_ok=True)
+    gz.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    doc["rounds_file"] = gz.name
+
+
+def load_run(path: Path) -> dict[str, Any]:
+    """A `bench serve` JSON with its rounds, from the trace file beside it where they
+    were split off (`split_trace`). ValueError where neither has them."""
+    doc: dict[str, Any] = json.loads(path.read_text())
+    if "rounds" not in doc:
+        gz = trace_path(path)
+        if not gz.exists():
+            raise ValueError(f"{path}: no rounds in it and no {gz.name} beside it")
+        doc["rounds"] = json.loads(gzip.decompress(gz.read_bytes()))["rounds"]
+    return doc
+
+
+# What pooled runs must share: the load's shape, the model and its dtype (a run from
+# before --dtype ran the default, bfloat16).
+KEEP = ("saturated", "misses", "concurrency", "max_tokens", "save_in_steps", "hidden", "dtype")
+
+
 def run(args: argparse.Namespace) -> int:
-    docs = [json.loads(Path(p).read_text()) for p in args.runs]
-    keep = ("saturated", "misses", "concurrency", "max_tokens", "save_in_steps", "hidden")
-    shapes = {json.dumps({k: d["args"][k] for k in keep}) for d in docs}
+    try:
+        docs = [load_run(Path(p)) for p in args.runs]
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    shapes = {
+        json.dumps({k: d["args"].get(k, "bfloat16" if k == "dtype" else None) for k in KEEP})
+        for d in docs
+    }
     if len(shapes) != 1:
         print(f"the runs differ in their configuration: {sorted(shapes)}", file=sys.stderr)
         return 2
@@ -216,6 +261,11 @@ def run(args: argparse.Namespace) -> int:
         "config": json.loads(shapes.pop()),
         **intervals(pooled, args.phase, ramp, max_tokens, args.seed, args.resamples, groups),
     }
+    # The goal holds at saturation only (verdict.py): the paced phase gets no verdict.
+    if args.phase == "saturated":
+        doc["verdict"] = judge({k: v for k, v in doc.items() if "_vs_" in k})
     print(json.dumps({k: v for k, v in doc.items() if "_vs_" in k}, indent=1))
+    for line in lines(doc.get("verdict", {})):
+        print("pooled", line)
     write_json(args.json, doc)
     return 0

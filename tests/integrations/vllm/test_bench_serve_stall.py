@@ -15,6 +15,7 @@ import pytest
 from fuse_stall import late_dir
 
 from bsr_lab.bench import serve
+from bsr_lab.bench.serve_pool import load_run
 
 needs_fuse = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="FUSE needs root and /dev/fuse"
@@ -83,6 +84,10 @@ def test_stalled_writes_hold_requests_under_load(vllm_root: Path) -> None:
     )  # fmt: skip
     assert serve.run(args) == 0
     doc = json.loads(out.read_text())
+    # The rounds went beside the JSON, where serve-pool finds them.
+    assert "rounds" not in doc and doc["rounds_file"] == "serve.trace.json.gz", doc.keys()
+    assert len(load_run(out)["rounds"]["bsr_io"]) == 1
+    assert doc["bsr_io"]["rss_mib_max"] > 0, doc["bsr_io"]
     ws = doc["write_stall"]
     assert (ws["seconds"], ws["every"]) == (STALL_S, 1)
     # The stall was real: the FUSE server held record writes, and finished requests waited.
