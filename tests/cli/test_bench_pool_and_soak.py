@@ -141,6 +141,11 @@ def test_serve_pool_refuses_runs_of_other_configurations(tmp_path, capsys):
     doc["args"]["dtype"] = "bfloat16"
     b.write_text(json.dumps(doc))
     assert pool_run(args) == 0
+    # Another machine type is refused too.
+    doc["machine"] = {"cpu": "AMD EPYC", "cpus": 2, "amx": False}
+    b.write_text(json.dumps(doc))
+    assert pool_run(args) == 2
+    assert "different machines" in capsys.readouterr().err
 
 
 def _run_doc(rate: float, seed: int) -> dict[str, Any]:

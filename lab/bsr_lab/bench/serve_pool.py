@@ -17,6 +17,11 @@ bsr-io against the control. Beside each interval, where its width comes from
 within one, which says whether more restarts or more rounds would narrow it. Every
 request streams exactly `max_tokens` tokens (`ignore_eos`), which the committed JSONs
 record instead of the tokens themselves.
+
+Runs pool across sessions: a committed run keeps its rounds in NAME.trace.json.gz beside
+its JSON (`bench serve --json` writes both), read back here, so epochs measured on one
+machine type in different sessions add up to one interval, with the goal's verdict over
+it (verdict.py), as `bench serve` states its own.
 """
 
 from __future__ import annotations
@@ -223,6 +228,7 @@ def load_run(path: Path) -> dict[str, Any]:
 # What pooled runs must share: the load's shape, the model and its dtype (a run from
 # before --dtype ran the default, bfloat16).
 KEEP = ("saturated", "misses", "concurrency", "max_tokens", "save_in_steps", "hidden", "dtype")
+MACHINE = ("cpu", "cpus", "amx")  # report.machine(): what every run has recorded
 
 
 def run(args: argparse.Namespace) -> int:
@@ -237,6 +243,11 @@ def run(args: argparse.Namespace) -> int:
     }
     if len(shapes) != 1:
         print(f"the runs differ in their configuration: {sorted(shapes)}", file=sys.stderr)
+        return 2
+    # One machine type's noise and penalty: runs of another CPU answer another question.
+    machines = {json.dumps({k: d.get("machine", {}).get(k) for k in MACHINE}) for d in docs}
+    if len(machines) != 1:
+        print(f"the runs ran on different machines: {sorted(machines)}", file=sys.stderr)
         return 2
     if any("control" not in d["rounds"] for d in docs):
         print("every run needs its control's rounds (`bench serve --control`)", file=sys.stderr)
@@ -258,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
             {"file": Path(p).name, "commit": d["commit"]}
             for p, d in zip(args.runs, docs, strict=True)
         ],
+        **({"machine": docs[0]["machine"]} if "machine" in docs[0] else {}),  # the runs'
         "config": json.loads(shapes.pop()),
         **intervals(pooled, args.phase, ramp, max_tokens, args.seed, args.resamples, groups),
     }
