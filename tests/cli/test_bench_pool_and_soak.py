@@ -243,3 +243,38 @@ def test_a_cycle_sends_every_prompt_twice_some_closed_early():
     assert sorted(n for n, _ in jobs) == sorted(["a", "b", "c", "d"] * 2)
     ends = [e for _, e in jobs]
     assert ends.count("first") == 2 and ends.count("early") == 1
+
+
+def _counted(rate: float, duty: float, n: int, seed: int) -> list[dict[str, Any]]:
+    """Rounds at `rate` whose forward thread ran `duty` of each phase's wall time."""
+    out = rounds(rate, n, 0.01, seed)
+    for rd in out:
+        ph = rd["saturated"]
+        ph["sched"] = {"forward": {"run_s": duty * ph["wall_s"]}}
+    return out
+
+
+def test_throughput_splits_into_the_forwards_duty_and_its_speed():
+    """Two ways to lose 10% of the throughput: a forward that runs 10% less of the time
+    (its turn taken) and one that runs as long but computes 10% slower. The split tells
+    them apart, each against a reference that runs the forward 90% of the time; rounds
+    with no forward counters (runs from before them) give no split."""
+    rng = np.random.default_rng(0)
+
+    def figs(rds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [round_figures(rd, "saturated", 4, MAX_TOKENS) for rd in rds]
+
+    base = figs(_counted(40.0, 0.9, 12, 0))
+    taken = figs(_counted(36.0, 0.81, 12, 100))  # same speed per forward second
+    slower = figs(_counted(36.0, 0.9, 12, 200))  # same duty, less done per second
+    got = compare([taken], [base], rng, 500)
+    assert abs(got["forward_duty_ratio"] - 0.9) < 0.01
+    assert abs(got["forward_speed_ratio"] - 1.0) < 0.03
+    lo, hi = got["forward_duty_ratio_95"]
+    assert lo <= got["forward_duty_ratio"] <= hi < 0.95
+    got = compare([slower], [base], rng, 500)
+    assert abs(got["forward_duty_ratio"] - 1.0) < 0.01
+    assert abs(got["forward_speed_ratio"] - 0.9) < 0.03
+    assert got["forward_speed_ratio_95"][1] < 0.95
+    plain = figs(rounds(40.0, 12, 0.01, 0))
+    assert "forward_duty_ratio" not in compare([plain], [base], rng, 50)

@@ -70,11 +70,34 @@ def round_figures(rd: dict[str, Any], phase: str, ramp: int, max_tokens: int) ->
     reqs = rd[phase]["requests"]
     ends = sorted(r["end_s"] for r in reqs)
     cut = ends[ramp - 1]
+    forward = rd[phase].get("sched", {}).get("forward")  # runs from before sched.py: none
     return {
         "tokens": max_tokens * sum(r["end_s"] > cut for r in reqs),
         "span": ends[-1] - cut,
         "ttft": [r["ttft_s"] for r in reqs if r["kind"] == "miss"],
+        # The whole phase: its tokens, wall time and the seconds the forward thread ran.
+        "all_tokens": max_tokens * len(reqs),
+        "wall": rd[phase]["wall_s"],
+        "forward_run": forward["run_s"] if forward else None,
     }
+
+
+def forward_split(servers: list[list[dict[str, Any]]], pick: np.ndarray) -> tuple[float, float]:
+    """(forward duty, forward speed) over the rounds `pick` names, of several servers
+    their mean: the share of the phase's wall time the forward thread ran, and the
+    tokens out per second it ran. Their product is the phase's throughput: a connector
+    that takes the forward's turn lowers the first, one that slows its compute (memory
+    or cache it shares) the second, as does the machine's own speed from one phase to
+    the next."""
+    duty = [
+        sum(rounds[i]["forward_run"] for i in pick) / sum(rounds[i]["wall"] for i in pick)
+        for rounds in servers
+    ]
+    speed = [
+        sum(rounds[i]["all_tokens"] for i in pick) / sum(rounds[i]["forward_run"] for i in pick)
+        for rounds in servers
+    ]
+    return float(np.mean(duty)), float(np.mean(speed))
 
 
 def figures(servers: list[list[dict[str, Any]]], pick: np.ndarray) -> tuple[float, float]:
@@ -144,13 +167,27 @@ def compare(
     n = len(a[0])
     every = np.arange(n)
     (ra, ta), (rb, tb) = figures(a, every), figures(b, every)
-    thr, ttft = [], []
+    thr, ttft, duty, speed = [], [], [], []
     members = members_of(groups)
+    counted = all(r["forward_run"] for side in (*a, *b) for r in side)
     for _ in range(resamples):
         pick = resample(rng, n, members)
         (xa, ya), (xb, yb) = figures(a, pick), figures(b, pick)
         thr.append(xa / xb)
         ttft.append(ya / yb)
+        if counted:
+            (da, sa), (db, sb) = forward_split(a, pick), forward_split(b, pick)
+            duty.append(da / db)
+            speed.append(sa / sb)
+    split: dict[str, Any] = {}
+    if counted:
+        (da, sa), (db, sb) = forward_split(a, every), forward_split(b, every)
+        split = {
+            "forward_duty_ratio": da / db,
+            "forward_duty_ratio_95": [float(x) for x in np.percentile(duty, [2.5, 97.5])],
+            "forward_speed_ratio": sa / sb,
+            "forward_speed_ratio_95": [float(x) for x in np.percentile(speed, [2.5, 97.5])],
+        }
     return {
         "rounds": n,
         "groups": len(set(groups)) if groups is not None else None,
@@ -159,6 +196,9 @@ def compare(
         "ttft_p50_ratio": ta / tb,
         "ttft_p50_ratio_95": [float(x) for x in np.percentile(ttft, [2.5, 97.5])],
         "steady_throughput_spread": spread(a, b, members),
+        # Throughput's two factors over the whole phase (`forward_split`), where the
+        # runs counted the forward thread's time (sched.py).
+        **split,
     }
 
 
