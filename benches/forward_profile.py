@@ -23,8 +23,6 @@ from pathlib import Path
 
 from bsr_io.cli.report import write_json
 from bsr_lab.bench import serve
-from bsr_lab.vllm.harness import write_tiny_llama
-from bsr_lab.vllm.server import Server
 
 RATE = 50  # samples a second
 BENCH_ARGS = ["--saturated", "48", "--miss-chunks", "2", "--misses", "1", "--users", "1"]
@@ -70,21 +68,8 @@ def main() -> None:
     serve.register(sub)
     bench = sub.choices["serve"].parse_args([*BENCH_ARGS, "--dtype", args.dtype])
     work = Path(tempfile.mkdtemp(prefix="bsr-forward-profile-"))
-    heads = bench.hidden // 64
-    model = write_tiny_llama(
-        work / "model", layers=bench.layers, hidden=bench.hidden, heads=heads,
-        kv_heads=max(1, heads // 3),
-    )  # fmt: skip
-    srv = Server(
-        model,
-        connector=serve.connector_settings(bench, work / "store", work / "events.jsonl"),
-        log=work / "serve.log",
-        max_model_len=serve.max_len(bench),
-        args=["--num-gpu-blocks-override", str(bench.kv_blocks)],
-        threads_bind=bench.threads_bind,
-        dtype=bench.dtype,
-        env=serve.SERVER_ENV,
-    )
+    connector = serve.connector_settings(bench, work / "store", work / "events.jsonl")
+    srv = serve.bench_server(bench, serve.bench_model(bench, work), work, "bsr_io", connector)
     raw = work / "profile.txt"
     try:
         srv.start()

@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from bsr_io.cli.report import trace_path
 from bsr_lab.bench.serve import steady_rate
-from bsr_lab.bench.serve_pool import compare, round_figures, split_trace, trace_path
+from bsr_lab.bench.serve_pool import compare, round_figures, split_trace
 from bsr_lab.bench.serve_pool import run as pool_run
 from bsr_lab.bench.soak import cycle_jobs, stability
 

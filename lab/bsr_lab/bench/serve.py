@@ -637,6 +637,46 @@ def max_len(args: argparse.Namespace) -> int:
     return min(8192, (int(args.kv_blocks) - 2) * 32)
 
 
+def bench_model(args: argparse.Namespace, work: Path) -> str:
+    """The random-weight Llama the bench serves (`--hidden`, `--layers`), in `work`."""
+    from bsr_lab.vllm.harness import write_tiny_llama
+
+    heads = args.hidden // 64
+    return write_tiny_llama(
+        work / f"model-{args.hidden}x{args.layers}",
+        layers=args.layers,
+        hidden=args.hidden,
+        heads=heads,
+        kv_heads=max(1, heads // 3),
+    )
+
+
+def bench_server(
+    args: argparse.Namespace,
+    model: str,
+    work: Path,
+    side: str,
+    connector: dict[str, Any] | None,
+) -> Any:
+    """One side's server (not started): the flags, pinning and dtype every side shares,
+    its own KV cache size and connector (`connector_settings`, or None)."""
+    from bsr_lab.vllm.server import Server
+
+    return Server(
+        model,
+        connector=connector,
+        log=work / f"serve-{side}.log",
+        max_model_len=max_len(args),
+        args=[
+            "--num-gpu-blocks-override",
+            str(args.cached_kv_blocks if side == CACHED else args.kv_blocks),
+        ],
+        threads_bind=args.threads_bind,
+        dtype=args.dtype,
+        env=SERVER_ENV,
+    )
+
+
 # -- the run ----------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
     try:
@@ -646,9 +686,6 @@ def run(args: argparse.Namespace) -> int:
             "bsr-lab bench serve needs vLLM in this interpreter (use .venv-vllm)", file=sys.stderr
         )
         return 2
-    from bsr_lab.vllm.harness import write_tiny_llama
-    from bsr_lab.vllm.server import Server
-
     longest = max(
         args.doc_chunks * args.chunk + args.turns * (40 + args.max_tokens),
         args.miss_chunks * args.chunk + 24 + args.max_tokens,
@@ -689,14 +726,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bsr-lab bench serve: {exc}", file=sys.stderr)
         return 2
-    heads = args.hidden // 64
-    model = write_tiny_llama(
-        work / f"model-{args.hidden}x{args.layers}",
-        layers=args.layers,
-        hidden=args.hidden,
-        heads=heads,
-        kv_heads=max(1, heads // 3),
-    )
+    model = bench_model(args, work)
     serve_stall.unmount_stale(store)  # a stalled run's mount, if a kill left it
     shutil.rmtree(store, ignore_errors=True)  # every run starts from an empty store
     events_path.unlink(missing_ok=True)
@@ -706,19 +736,7 @@ def run(args: argparse.Namespace) -> int:
         *((CACHED,) if args.cached_kv_blocks else ()),
     )
     servers = {
-        side: Server(
-            model,
-            connector=connector if side == "bsr_io" else None,
-            log=work / f"serve-{side}.log",
-            max_model_len=max_len(args),
-            args=[
-                "--num-gpu-blocks-override",
-                str(args.cached_kv_blocks if side == CACHED else args.kv_blocks),
-            ],
-            threads_bind=args.threads_bind,
-            dtype=args.dtype,
-            env=SERVER_ENV,
-        )
+        side: bench_server(args, model, work, side, connector if side == "bsr_io" else None)
         for side in sides
     }
     load = {"before": os.getloadavg()}

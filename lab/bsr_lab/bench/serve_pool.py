@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from bsr_io.cli.report import write_json
+from bsr_io.cli.report import trace_path, write_json, write_trace
 from bsr_lab.bench.verdict import judge, lines
 
 RESAMPLES = 10_000
@@ -233,11 +233,6 @@ def run_epochs(doc: dict[str, Any]) -> list[int]:
     return list(doc.get("round_epochs") or [0] * n)
 
 
-def trace_path(path: Path) -> Path:
-    """Where a run's per-request trace goes beside its JSON (NAME.trace.json.gz)."""
-    return path.with_name(path.name.removesuffix(".json") + ".trace.json.gz")
-
-
 def split_trace(doc: dict[str, Any], path: Path) -> None:
     """Move `doc`'s rounds and memory samples into the trace file beside `path`: the
     JSON keeps the summaries (docs/results keeps summaries), each side its peak RSS."""
@@ -247,10 +242,7 @@ def split_trace(doc: dict[str, Any], path: Path) -> None:
             rss[side] = doc[side].pop("rss_mib")
             doc[side]["rss_mib_max"] = max((m for _, m in rss[side]), default=None)
     trace = {"from": path.name, "rounds": doc.pop("rounds"), "rss_mib": rss}
-    gz = trace_path(path)
-    gz.parent.mkdir(parents=True, exist_ok=True)
-    gz.write_bytes(gzip.compress(json.dumps(trace).encode()))
-    doc["rounds_file"] = gz.name
+    doc["rounds_file"] = write_trace(path, trace)
 
 
 def load_run(path: Path) -> dict[str, Any]:
@@ -300,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
     epochs = [(i, e) for i, d in enumerate(docs) for e in run_epochs(d)]
     index = {x: i for i, x in enumerate(sorted(set(epochs)))}
     groups = [index[x] for x in epochs]
+    pairs = intervals(pooled, args.phase, ramp, max_tokens, args.seed, args.resamples, groups)
     doc = {
         "bench": "serve-pool",
         "device": docs[0]["device"],
@@ -311,12 +304,12 @@ def run(args: argparse.Namespace) -> int:
         ],
         **({"machine": docs[0]["machine"]} if "machine" in docs[0] else {}),  # the runs'
         "config": json.loads(shapes.pop()),
-        **intervals(pooled, args.phase, ramp, max_tokens, args.seed, args.resamples, groups),
+        **pairs,
     }
     # The goal holds at saturation only (verdict.py): the paced phase gets no verdict.
     if args.phase == "saturated":
-        doc["verdict"] = judge({k: v for k, v in doc.items() if "_vs_" in k})
-    print(json.dumps({k: v for k, v in doc.items() if "_vs_" in k}, indent=1))
+        doc["verdict"] = judge(pairs)
+    print(json.dumps(pairs, indent=1))
     for line in lines(doc.get("verdict", {})):
         print("pooled", line)
     write_json(args.json, doc)

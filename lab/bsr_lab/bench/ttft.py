@@ -28,8 +28,6 @@ to the drive.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import random
 import statistics
 import sys
@@ -44,7 +42,7 @@ from bsr_io.cli.fio import (
 )
 from bsr_io.cli.host import check_memory, huge_page_bytes
 from bsr_io.cli.progress import bar
-from bsr_io.cli.report import write_json
+from bsr_io.cli.report import write_json, write_trace
 from bsr_io.cli.scratch import check_room, scratch_base, scratch_dir
 from bsr_io.load.kvcache import PagedKVCache
 from bsr_io.model.layout import PRESETS, KVLayout, preset
@@ -226,11 +224,7 @@ def _run_sweep(args: argparse.Namespace, root: Path, lay: KVLayout, huge: HugeMe
     if "store_scale" in doc:
         print_scale(doc["store_scale"])
     if args.json is not None:
-        trace = split_trace(doc)
-        gz = args.json.with_name(args.json.name.removesuffix(".json") + ".trace.json.gz")
-        gz.parent.mkdir(parents=True, exist_ok=True)
-        gz.write_bytes(gzip.compress(json.dumps(trace).encode()))
-        doc["rounds_file"] = gz.name
+        doc["rounds_file"] = write_trace(args.json, split_trace(doc))
     write_json(args.json, doc)
     return 0
 

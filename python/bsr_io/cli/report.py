@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -54,6 +55,21 @@ def machine() -> dict[str, Any]:
         "amx": "amx_tile" in have,
         "avx512": "avx512f" in have,
     }
+
+
+def trace_path(path: str | os.PathLike[str]) -> Path:
+    """Where a result's per-round trace goes beside its JSON: NAME.trace.json.gz."""
+    path = Path(path)
+    return path.with_name(path.name.removesuffix(".json") + ".trace.json.gz")
+
+
+def write_trace(path: str | os.PathLike[str], trace: Any) -> str:
+    """Write `trace` compressed beside the JSON at `path` (`trace_path`): a result keeps
+    its summaries and names this file (its name, returned)."""
+    gz = trace_path(path)
+    gz.parent.mkdir(parents=True, exist_ok=True)
+    gz.write_bytes(gzip.compress(json.dumps(trace).encode()))
+    return gz.name
 
 
 def write_json(path: str | os.PathLike[str] | None, doc: Any) -> None:
